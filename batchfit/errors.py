@@ -1,0 +1,52 @@
+"""The exceptions batchfit raises on purpose.
+
+Pure Python (no torch import) so that the search module can raise them too.
+Errors in the user's input are plain ``TypeError`` / ``ValueError`` with a precise
+message; the classes here cover the outcomes of a probe itself.
+"""
+
+from __future__ import annotations
+
+
+class BatchfitError(Exception):
+    """Base class of every error that batchfit raises about a probe."""
+
+
+class NothingFitsError(BatchfitError):
+    """Even the smallest batch size that the search may try ran out of memory.
+
+    Attributes:
+        batch_size: the size that failed.
+        needed_bytes: memory that was live (or requested) when the step failed, a
+            lower bound on what that size needs; ``None`` when the backend did not say.
+        budget_bytes: the memory budget the probe ran under, if known.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        needed_bytes: int | None = None,
+        budget_bytes: int | None = None,
+        phase: str | None = None,
+    ) -> None:
+        self.batch_size = batch_size
+        self.needed_bytes = needed_bytes
+        self.budget_bytes = budget_bytes
+        self.phase = phase
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        from batchfit.units import format_bytes  # local: keeps import graph flat
+
+        where = f" in {self.phase}" if self.phase else ""
+        msg = f"batch size {self.batch_size} does not fit: it ran out of memory{where}"
+        if self.needed_bytes is not None:
+            msg += f" needing at least {format_bytes(self.needed_bytes)}"
+        if self.budget_bytes is not None:
+            msg += f" with a budget of {format_bytes(self.budget_bytes)}"
+        return msg + ". Lower init_batch, raise memory_limit, or shrink the sample/model."
+
+
+class DeviceFailedError(BatchfitError):
+    """The device reported an error that poisons its context (CUDA illegal memory access,
+    device-side assert, ...). The probe stops: later trials on that context would lie."""

@@ -1,0 +1,310 @@
+"""What a probe returns: frozen dataclasses, the fitted memory equation, JSON round trip.
+
+Pure Python (no torch import): a result can be loaded and read on a machine without torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from batchfit.units import format_bytes
+
+SCHEMA = "batchfit.result/1"
+PHASES = ("batch", "forward", "backward", "step")
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One batch size, run for real.
+
+    Attributes:
+        batch_size: the size tried.
+        fits: every step completed without running out of memory.
+        kind: ``"search"`` for the search's trials, ``"verify"`` for the extra steps that
+            check the safe batch.
+        phase: where it ran out of memory (``"batch"``, ``"forward"``, ``"backward"``,
+            ``"step"``), ``None`` when it fitted.
+        peak_bytes: peak memory of the trial. For a failed trial: the memory that would have
+            been live had the failing allocation succeeded, when the backend says (a lower bound
+            of what the size needs), else ``None``.
+        phase_peaks: peak memory per phase, as ``(phase, bytes)`` pairs.
+        step_time_s: median wall time of the timed steps (steps 2..N), ``None`` if none ran.
+        samples_per_s: ``batch_size / step_time_s``.
+        steps: steps that completed.
+        leaked_bytes: memory still allocated after the trial was released (0 is healthy).
+        message: first line of the out-of-memory error, for failed trials.
+    """
+
+    batch_size: int
+    fits: bool
+    kind: str = "search"
+    phase: str | None = None
+    peak_bytes: int | None = None
+    phase_peaks: tuple[tuple[str, int], ...] = ()
+    step_time_s: float | None = None
+    samples_per_s: float | None = None
+    steps: int = 0
+    leaked_bytes: int = 0
+    message: str | None = None
+
+    @property
+    def peaks_by_phase(self) -> dict[str, int]:
+        return dict(self.phase_peaks)
+
+
+@dataclass(frozen=True)
+class PhaseLine:
+    """``peak(b) = fixed_bytes + per_sample_bytes * b`` for one phase of the step."""
+
+    phase: str
+    fixed_bytes: float
+    per_sample_bytes: float
+
+    def predict(self, batch_size: float) -> float:
+        return self.fixed_bytes + self.per_sample_bytes * batch_size
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The fitted memory equation of a training (or inference) step.
+
+    The peak of a step is not always in the same phase: at small batches the optimizer step
+    (weights + grads + optimizer moments + temporaries) can be the peak and stays flat, until
+    the activations of forward/backward overtake it. So one line is fitted per phase and the
+    prediction is their maximum; ``fixed_bytes`` and ``per_sample_bytes`` are the line of the
+    phase that grows fastest (the one that decides the boundary).
+
+    ``weights_bytes``, ``gradient_bytes`` and ``optimizer_state_bytes`` are measured directly
+    (parameter storages, the gradients and optimizer state the probe's step allocated), so a
+    reader can see what the fixed part is made of.
+    """
+
+    fixed_bytes: int
+    per_sample_bytes: float
+    phase: str
+    lines: tuple[PhaseLine, ...]
+    weights_bytes: int = 0
+    gradient_bytes: int = 0
+    optimizer_state_bytes: int = 0
+
+    def predict(self, batch_size: float) -> int:
+        """Predicted peak bytes at ``batch_size``."""
+        return int(max(line.predict(batch_size) for line in self.lines))
+
+    def largest_batch_within(self, budget_bytes: float, ceiling: int) -> int:
+        """The largest batch in ``[0, ceiling]`` whose predicted peak stays within the budget.
+
+        0 means not even one sample fits; ``ceiling`` bounds the answer when memory does not
+        grow with the batch at all.
+        """
+        best = float(ceiling)
+        for line in self.lines:
+            if line.per_sample_bytes <= 0:
+                if line.fixed_bytes > budget_bytes:
+                    return 0
+                continue
+            best = min(best, (budget_bytes - line.fixed_bytes) / line.per_sample_bytes)
+        return max(0, int(best))
+
+    @classmethod
+    def fit(
+        cls,
+        trials: Iterable[Trial],
+        weights_bytes: int = 0,
+        gradient_bytes: int = 0,
+        optimizer_state_bytes: int = 0,
+    ) -> MemoryModel | None:
+        """Least-squares line per phase over the fitting trials; ``None`` with < 2 sizes."""
+        points: dict[str, dict[int, int]] = {}
+        for trial in trials:
+            if not trial.fits:
+                continue
+            for phase, peak in trial.phase_peaks:
+                points.setdefault(phase, {})[trial.batch_size] = peak
+        lines = tuple(
+            _least_squares(phase, sorted(by_size.items()))
+            for phase, by_size in points.items()
+            if len(by_size) >= 2
+        )
+        if not lines:
+            return None
+        main = max(lines, key=lambda line: line.per_sample_bytes)
+        return cls(
+            fixed_bytes=int(main.fixed_bytes),
+            per_sample_bytes=main.per_sample_bytes,
+            phase=main.phase,
+            lines=lines,
+            weights_bytes=weights_bytes,
+            gradient_bytes=gradient_bytes,
+            optimizer_state_bytes=optimizer_state_bytes,
+        )
+
+
+def _least_squares(phase: str, points: Sequence[tuple[int, int]]) -> PhaseLine:
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    slope = sxy / sxx if sxx else 0.0
+    return PhaseLine(phase, mean_y - slope * mean_x, slope)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The device the probe ran on."""
+
+    type: str
+    index: int | None = None
+    name: str = ""
+    total_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The options the probe ran with, as resolved (limits in bytes)."""
+
+    mode: str = "train"
+    amp: str | None = None
+    init_batch: int = 1
+    max_batch: int = 32768
+    multiple_of: int = 1
+    steps_per_trial: int = 3
+    verify_steps: int = 6
+    headroom: float = 0.10
+    strategy: str = "binary"
+    memory_limit_bytes: int | None = None
+    limit_source: str = "device"
+    time_budget_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Result:
+    """The answer of :func:`batchfit.find`.
+
+    Attributes:
+        max_batch: the largest batch size that trained (the exact boundary when
+            ``boundary_reached``).
+        safe_batch: a size whose predicted peak leaves ``settings.headroom`` of the budget free,
+            checked with ``settings.verify_steps`` extra steps (``safe_verified``).
+        best_throughput_batch: the fitting size with the most samples/s.
+        budget_bytes: the memory the probe was allowed to use.
+        boundary_reached: a size failed right above ``max_batch``; ``False`` means the search
+            hit ``max_batch`` or the time budget first.
+        stop_reason: ``"boundary"``, ``"max_batch"`` or ``"stopped"``.
+        non_monotone: some size failed although a larger one fitted.
+        trials: every trial, in order.
+        memory: the fitted memory equation, ``None`` with fewer than two fitting sizes.
+        notes: warnings worth reading (leaked memory, non-monotone memory, ...).
+    """
+
+    max_batch: int
+    safe_batch: int
+    best_throughput_batch: int
+    budget_bytes: int | None
+    boundary_reached: bool
+    stop_reason: str
+    non_monotone: bool
+    safe_verified: bool
+    trials: tuple[Trial, ...]
+    memory: MemoryModel | None
+    device: DeviceInfo
+    settings: Settings
+    elapsed_s: float
+    torch_version: str
+    batchfit_version: str
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def search_trials(self) -> tuple[Trial, ...]:
+        return tuple(t for t in self.trials if t.kind == "search")
+
+    def trial(self, batch_size: int) -> Trial | None:
+        """The last search trial at ``batch_size``, if any."""
+        found = [t for t in self.search_trials if t.batch_size == batch_size]
+        return found[-1] if found else None
+
+    # JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["schema"] = SCHEMA
+        return data
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """A stable JSON document (schema ``batchfit.result/1``)."""
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Result:
+        schema = data.get("schema")
+        if schema != SCHEMA:
+            raise ValueError(f"not a batchfit result: schema is {schema!r}, expected {SCHEMA!r}")
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        values["trials"] = tuple(_trial_from_dict(t) for t in data["trials"])
+        values["memory"] = _memory_from_dict(data["memory"]) if data.get("memory") else None
+        values["device"] = DeviceInfo(**data["device"])
+        values["settings"] = Settings(**data["settings"])
+        values["notes"] = tuple(data.get("notes", ()))
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> Result:
+        return cls.from_dict(json.loads(text))
+
+    # Text -----------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        return render_text(self)
+
+
+def _trial_from_dict(data: dict[str, Any]) -> Trial:
+    values = dict(data)
+    values["phase_peaks"] = tuple((str(p), int(b)) for p, b in data.get("phase_peaks", ()))
+    return Trial(**values)
+
+
+def _memory_from_dict(data: dict[str, Any]) -> MemoryModel:
+    values = dict(data)
+    values["lines"] = tuple(PhaseLine(**line) for line in data["lines"])
+    return MemoryModel(**values)
+
+
+def render_text(result: Result) -> str:
+    """A plain-text summary: headline numbers, the memory equation, one row per trial."""
+    device = result.device
+    lines = [
+        f"batchfit {result.batchfit_version} on {device.name or device.type}"
+        f" (torch {result.torch_version}, {result.settings.mode}"
+        f"{', amp ' + result.settings.amp if result.settings.amp else ''})",
+        f"memory budget      {format_bytes(result.budget_bytes)} ({result.settings.limit_source})",
+        f"max batch          {result.max_batch}"
+        + ("" if result.boundary_reached else f"  (boundary not reached: {result.stop_reason})"),
+        f"safe batch         {result.safe_batch}  ({result.settings.headroom:.0%} headroom, "
+        + ("verified" if result.safe_verified else "NOT verified")
+        + ")",
+        f"best throughput    {result.best_throughput_batch}",
+    ]
+    if result.memory is not None:
+        mem = result.memory
+        lines.append(
+            f"memory equation    {format_bytes(mem.fixed_bytes)} + "
+            f"{format_bytes(mem.per_sample_bytes)} x batch  ({mem.phase} peak; weights "
+            f"{format_bytes(mem.weights_bytes)}, grads {format_bytes(mem.gradient_bytes)}, "
+            f"optimizer state {format_bytes(mem.optimizer_state_bytes)})"
+        )
+    lines.append(f"trials             {len(result.trials)} in {result.elapsed_s:.1f} s")
+    lines.append("")
+    lines.append(f"{'batch':>8}  {'kind':<6}  {'outcome':<14}  {'peak':>11}  {'step':>10}  {'samples/s':>11}")
+    for trial in result.trials:
+        outcome = "fits" if trial.fits else f"OOM ({trial.phase})"
+        step = f"{trial.step_time_s * 1e3:.1f} ms" if trial.step_time_s is not None else "-"
+        rate = f"{trial.samples_per_s:,.0f}" if trial.samples_per_s is not None else "-"
+        lines.append(
+            f"{trial.batch_size:>8}  {trial.kind:<6}  {outcome:<14}  "
+            f"{format_bytes(trial.peak_bytes):>11}  {step:>10}  {rate:>11}"
+        )
+    for note in result.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)

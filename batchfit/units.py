@@ -1,0 +1,90 @@
+"""Byte quantities: parsing user limits ("24GiB", 0.8, 10**9) and formatting sizes.
+
+Pure Python, no torch import.
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory_limit(limit: int | float | str, total_bytes: int | None) -> int:
+    """Turn a user's memory limit into bytes.
+
+    Accepts an ``int`` number of bytes, a ``float`` fraction in (0, 1] of ``total_bytes``,
+    or a string: ``"24GiB"``, ``"512 MB"``, ``"0.8"`` (a fraction), ``"1e9"`` is not accepted
+    (say ``"1GB"``). Decimal units (GB) are powers of 1000, binary units (GiB) of 1024.
+    Raises ``ValueError`` naming the bad value, ``TypeError`` for other types.
+    """
+    if isinstance(limit, bool):
+        raise TypeError(f"memory_limit must be bytes, a size string or a fraction, not {limit!r}")
+    if isinstance(limit, int):
+        if limit <= 0:
+            raise ValueError(f"memory_limit must be a positive number of bytes, got {limit}")
+        return limit
+    if isinstance(limit, float):
+        return _fraction(limit, total_bytes, repr(limit))
+    if isinstance(limit, str):
+        match = _PATTERN.match(limit)
+        if not match:
+            raise ValueError(
+                f"memory_limit {limit!r} is not a size: use bytes (e.g. 8000000000), "
+                "a size with a unit ('24GiB', '512MB') or a fraction ('0.8')"
+            )
+        number, unit = match.group(1), match.group(2).lower()
+        if unit not in _UNITS:
+            raise ValueError(
+                f"memory_limit {limit!r} has an unknown unit {match.group(2)!r}: "
+                f"use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+            )
+        value = float(number)
+        if unit == "" and "." in number:
+            return _fraction(value, total_bytes, repr(limit))
+        nbytes = int(value * _UNITS[unit])
+        if nbytes <= 0:
+            raise ValueError(f"memory_limit {limit!r} must be more than zero bytes")
+        return nbytes
+    raise TypeError(
+        f"memory_limit must be bytes (int), a size string ('24GiB') or a fraction (float), "
+        f"not {type(limit).__name__}"
+    )
+
+
+def _fraction(value: float, total_bytes: int | None, shown: str) -> int:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"memory_limit fraction {shown} must be in (0, 1]")
+    if total_bytes is None:
+        raise ValueError(f"memory_limit fraction {shown} needs a device whose total memory is known")
+    return int(value * total_bytes)
+
+
+def format_bytes(nbytes: float | int | None) -> str:
+    """Human-readable binary size, e.g. ``1.50 GiB``; ``-`` for ``None``."""
+    if nbytes is None:
+        return "-"
+    value = float(nbytes)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.2f} {unit}"
+        value /= 1024
+    return f"{sign}{value:.2f} TiB"

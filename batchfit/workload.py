@@ -1,0 +1,242 @@
+"""What one step of the user's work is: batch building, calling the model, the loss, the
+optimizer, autocast. Everything here is about *what* runs; *measuring* it is trial.py's job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+Batch = Any
+LossFn = Callable[[Any, Batch], torch.Tensor]
+StepFn = Callable[[nn.Module, Batch], Any]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MODES = ("train", "inference")
+
+
+# Samples and batches ------------------------------------------------------------------------
+def _tensor_leaves(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _tensor_leaves(value, f"{path}[{key!r}]")
+    elif isinstance(obj, (tuple, list)):
+        for index, value in enumerate(obj):
+            yield from _tensor_leaves(value, f"{path}[{index}]")
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor in a nested tuple/list/mapping, keeping the containers.
+
+    Mappings become plain dicts (Hugging Face ``BatchEncoding`` is a mapping and ``model(**d)``
+    only needs the keys); named tuples keep their type.
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {key: _map_tensors(value, fn) for key, value in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_tensors(value, fn) for value in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(value, fn) for value in obj)
+    return obj
+
+
+def batch_size_of(batch: Any, what: str = "sample") -> int:
+    """The common leading dimension of every tensor in ``batch``; a clear error if there is none."""
+    leaves = list(_tensor_leaves(batch, what))
+    if not leaves:
+        raise ValueError(
+            f"the {what} holds no tensor: pass a tensor, or a tuple/list/dict of tensors whose "
+            f"first dimension is the batch (got {type(batch).__name__})"
+        )
+    sizes: dict[int, list[str]] = {}
+    for path, tensor in leaves:
+        if tensor.dim() == 0:
+            raise ValueError(f"{path} is a 0-dim tensor: every tensor in the {what} needs a batch dimension")
+        sizes.setdefault(tensor.shape[0], []).append(path)
+    if len(sizes) > 1:
+        detail = "; ".join(f"{', '.join(paths)}: {size}" for size, paths in sorted(sizes.items()))
+        raise ValueError(f"the tensors of the {what} disagree on the batch size (dim 0): {detail}")
+    (size,) = sizes
+    if size == 0:
+        raise ValueError(f"the {what} is empty: its tensors have batch size 0")
+    return size
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    return _map_tensors(batch, lambda t: t.to(device))
+
+
+def tile(sample: Any, batch_size: int, sample_size: int) -> Any:
+    """A batch of ``batch_size`` rows built by repeating the sample's rows along dim 0.
+
+    Every tensor is a fresh contiguous allocation (``index_select``), so the batch costs the
+    memory a real batch of that size costs.
+    """
+    index = torch.arange(batch_size) % sample_size
+
+    def grow(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.index_select(0, index.to(tensor.device))
+
+    return _map_tensors(sample, grow)
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Call the model the way the batch suggests: ``model(x)``, ``model(*x)`` or ``model(**x)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """A scalar to backpropagate from whatever the model returned.
+
+    ``output.loss`` / ``output["loss"]`` when it is a tensor (Hugging Face models given labels),
+    else the output itself, or its first tensor for tuples, lists and mappings (logits), reduced
+    with ``mean()`` in float32 so that fp16 outputs cannot overflow.
+    """
+    loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        leaves = list(_tensor_leaves(output, "output"))
+        if not leaves:
+            raise TypeError(
+                f"cannot derive a loss from a model output of type {type(output).__name__}: "
+                "pass loss_fn=(output, batch) -> loss or step_fn=(model, batch) -> loss"
+            )
+        loss = leaves[0][1]
+    return loss if loss.dim() == 0 else loss.float().mean()
+
+
+# Optimizer ------------------------------------------------------------------------------------
+def optimizer_factory(optimizer: Any) -> OptimizerFactory:
+    """Turn ``optimizer=`` into a factory of fresh optimizers for the probe's trials.
+
+    ``None``: AdamW with torch's defaults (its two moments make it a realistic worst case).
+    An optimizer instance: a fresh one of the same class with the same param-group
+    hyperparameters; the user's own instance is never stepped. A callable: called with the list
+    of trainable parameters.
+    """
+    if optimizer is None:
+        return lambda params: torch.optim.AdamW(params)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _cloner(optimizer)
+    if callable(optimizer):
+        def from_factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+            made = optimizer(params)
+            if not isinstance(made, torch.optim.Optimizer):
+                raise TypeError(
+                    f"optimizer factory returned {type(made).__name__}, expected a torch.optim.Optimizer"
+                )
+            return made
+
+        return from_factory
+    raise TypeError(
+        "optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or None, "
+        f"not {type(optimizer).__name__}"
+    )
+
+
+def _cloner(template: torch.optim.Optimizer) -> OptimizerFactory:
+    cls = type(template)
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in template.param_groups]
+    params = [list(group["params"]) for group in template.param_groups]
+    defaults = dict(template.defaults)
+
+    def clone(_: list[nn.Parameter]) -> torch.optim.Optimizer:
+        fresh_groups = [dict(hyper, params=ps) for hyper, ps in zip(groups, params)]
+        try:
+            return cls(fresh_groups)
+        except TypeError:
+            pass
+        try:
+            return cls(fresh_groups, **defaults)
+        except TypeError as exc:
+            raise TypeError(
+                f"cannot create a fresh {cls.__name__} like the given optimizer ({exc}); "
+                "pass optimizer=a factory params -> optimizer instead"
+            ) from None
+
+    return clone
+
+
+# The workload -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """Everything one step needs, resolved and validated."""
+
+    model: nn.Module
+    device: torch.device
+    mode: str
+    sample: Any
+    sample_size: int | None
+    make_batch: Callable[[int], Any] | None
+    loss_fn: LossFn | None
+    step_fn: StepFn | None
+    new_optimizer: OptimizerFactory
+    amp: str | None
+
+    def build_batch(self, batch_size: int) -> Any:
+        """A batch of ``batch_size`` on the probe's device."""
+        if self.make_batch is None:
+            assert self.sample_size is not None
+            return tile(self.sample, batch_size, self.sample_size)
+        batch = to_device(self.make_batch(batch_size), self.device)
+        got = batch_size_of(batch, f"make_batch({batch_size})")
+        if got != batch_size:
+            raise ValueError(f"make_batch({batch_size}) returned a batch of size {got}")
+        return batch
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=AMP_DTYPES[self.amp])
+
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        return torch.amp.GradScaler(self.device.type) if self.amp == "fp16" else None
+
+    def forward(self, batch: Any) -> tuple[Any, torch.Tensor | None]:
+        """Run forward (and loss): returns ``(output, loss)``; loss is None in inference mode."""
+        with self.autocast():
+            if self.step_fn is not None:
+                output = self.step_fn(self.model, batch)
+                if self.mode == "inference":
+                    return output, None
+                if not isinstance(output, torch.Tensor):
+                    raise TypeError(f"step_fn must return the loss tensor, got {type(output).__name__}")
+                return None, output if output.dim() == 0 else output.float().mean()
+            output = call_model(self.model, batch)
+            if self.mode == "inference":
+                return output, None
+            loss = self.loss_fn(output, batch) if self.loss_fn is not None else default_loss(output)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+        if loss.dim() != 0:
+            loss = loss.float().mean()
+        if not loss.requires_grad:
+            raise ValueError(
+                "the loss does not require grad: no trainable parameter contributed to it "
+                "(are all parameters frozen, or does the loss detach the output?)"
+            )
+        return output, loss
+
+
+def validate_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")

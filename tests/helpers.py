@@ -1,0 +1,73 @@
+"""Shared test helpers: an exhaustive scan (the ground truth) and exact state comparison."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import batchfit
+
+
+def exhaustive_boundary(model: nn.Module, sample: Any, limit: str | int, steps: int, beyond: int = 3) -> int:
+    """The largest batch that fits, by trying 1, 2, 3, ... with the same meter and steps.
+
+    Goes on ``beyond`` sizes past the first failure and checks that they fail too, so a
+    non-monotone model cannot make the truth ambiguous.
+    """
+    with batchfit.Prober(model, sample, memory_limit=limit, steps_per_trial=steps) as prober:
+        size = 1
+        while prober.trial(size).fits:
+            size += 1
+        for extra in range(1, beyond + 1):
+            assert not prober.trial(size + extra).fits, f"memory not monotone at {size + extra}"
+    return size - 1
+
+
+def state_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Everything a probe must leave as it was, copied for an exact comparison."""
+    state: dict[str, Any] = {
+        "tensors": {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
+        "devices": {k: v.device for k, v in model.state_dict(keep_vars=True).items()},
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "training": {n: m.training for n, m in model.named_modules()},
+        "rng": torch.random.get_rng_state(),
+        "param_ids": [id(p) for p in model.parameters()],
+    }
+    if optimizer is not None:
+        state["optimizer"] = {
+            id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for p, s in optimizer.state.items()
+        }
+        state["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return state
+
+
+def assert_same_state(before: dict[str, Any], after: dict[str, Any]) -> None:
+    """Bit-exact equality of two :func:`state_of` snapshots."""
+    assert before.keys() == after.keys()
+    for name, tensor in before["tensors"].items():
+        assert torch.equal(tensor, after["tensors"][name]), f"{name} changed"
+        assert tensor.dtype == after["tensors"][name].dtype
+    assert before["devices"] == after["devices"]
+    for name, grad in before["grads"].items():
+        other = after["grads"][name]
+        assert (grad is None) == (other is None), f"grad of {name} appeared or vanished"
+        if grad is not None:
+            assert torch.equal(grad, other), f"grad of {name} changed"
+    assert before["requires_grad"] == after["requires_grad"]
+    assert before["training"] == after["training"]
+    assert torch.equal(before["rng"], after["rng"]), "RNG state changed"
+    assert before["param_ids"] == after["param_ids"]
+    if "optimizer" in before:
+        assert before["optimizer"].keys() == after["optimizer"].keys()
+        for key, entries in before["optimizer"].items():
+            for name, value in entries.items():
+                other = after["optimizer"][key][name]
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(value, other), f"optimizer state {name} changed"
+                else:
+                    assert value == other
+        assert before["groups"] == after["groups"]

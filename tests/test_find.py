@@ -1,0 +1,170 @@
+"""find() on real models under a CPU memory limit, against an exhaustive scan."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import exhaustive_boundary
+
+import batchfit
+from batchfit import examples
+
+# (factory, kwargs, cap): caps chosen so that the true boundary is a few dozen samples, which
+# keeps the exhaustive scan (the truth) cheap on a 2-core CPU.
+CASES = {
+    "mlp": (examples.mlp, {"in_features": 4096, "hidden": 32, "depth": 1}, "3.9MB"),
+    "cnn": (examples.cnn, {"image_size": 32, "width": 16}, "6MiB"),
+    "gpt": (examples.gpt, {}, "24MiB"),
+}
+STEPS = 2
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_find_returns_the_exhaustive_boundary(name: str) -> None:
+    factory, kwargs, cap = CASES[name]
+    model, sample = factory(**kwargs)
+    truth = exhaustive_boundary(model, sample, cap, STEPS)
+    assert 4 < truth < 80, f"cap {cap} gives an unhelpful boundary {truth} for {name}"
+
+    result = batchfit.find(model, sample, memory_limit=cap, steps_per_trial=STEPS)
+
+    assert result.max_batch == truth
+    assert result.boundary_reached and result.stop_reason == "boundary"
+    assert not result.non_monotone
+    search = result.search_trials
+    assert len(search) <= 2 * (result.settings.max_batch - 1).bit_length() + 2
+    assert result.trial(truth).fits and not result.trial(truth + 1).fits
+    assert result.safe_verified and result.safe_batch <= result.max_batch
+    assert result.trials[-1].kind == "verify" and result.trials[-1].batch_size == result.safe_batch
+    assert result.trials[-1].peak_bytes <= 0.9 * result.budget_bytes
+    assert result.best_throughput_batch in {t.batch_size for t in result.trials if t.fits}
+    assert all(t.leaked_bytes == 0 for t in result.trials)
+    fitted = [t for t in result.trials if t.fits]
+    assert all(t.peak_bytes <= result.budget_bytes for t in fitted)
+    assert all(t.samples_per_s and t.samples_per_s > 0 for t in fitted)
+    failed = [t for t in result.trials if not t.fits]
+    assert failed and all(t.phase in {"batch", "forward", "backward", "step"} for t in failed)
+    assert all(t.peak_bytes > result.budget_bytes for t in failed)
+
+
+def test_memory_equation_predicts_the_measured_peaks() -> None:
+    model, sample = examples.gpt()
+    result = batchfit.find(model, sample, memory_limit="24MiB", steps_per_trial=2)
+    memory = result.memory
+    assert memory is not None
+    assert memory.per_sample_bytes > 0
+    assert memory.weights_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert memory.gradient_bytes == memory.weights_bytes
+    assert memory.optimizer_state_bytes >= 2 * memory.weights_bytes  # AdamW: two moments (+ steps)
+    for trial in result.trials:
+        if trial.fits and trial.batch_size >= 4:
+            assert abs(memory.predict(trial.batch_size) - trial.peak_bytes) <= 0.05 * trial.peak_bytes
+
+
+def test_reaching_max_batch_says_the_boundary_was_not_reached() -> None:
+    model, sample = examples.mlp()
+    result = batchfit.find(model, sample, memory_limit="1GiB", max_batch=24, steps_per_trial=1, verify_steps=1)
+    assert result.max_batch == 24
+    assert not result.boundary_reached and result.stop_reason == "max_batch"
+    assert [t.batch_size for t in result.search_trials] == [1, 2, 4, 8, 16, 24]
+    assert any("may be larger" in note for note in result.notes)
+
+
+def test_multiple_of_keeps_every_size_on_the_grid() -> None:
+    model, sample = examples.gpt()
+    result = batchfit.find(model, sample, memory_limit="24MiB", multiple_of=8, steps_per_trial=2)
+    assert all(t.batch_size % 8 == 0 for t in result.trials)
+    assert result.max_batch % 8 == 0
+    assert result.trial(result.max_batch + 8) is not None
+    assert not result.trial(result.max_batch + 8).fits
+
+
+def test_nothing_fits_names_the_size_and_the_memory() -> None:
+    model, sample = examples.gpt()
+    with pytest.raises(batchfit.NothingFitsError, match=r"batch size 1 does not fit.*needing at least") as info:
+        batchfit.find(model, sample, memory_limit="4MiB")
+    assert info.value.batch_size == 1
+    assert info.value.needed_bytes > 4 * 2**20
+    assert info.value.budget_bytes == 4 * 2**20
+
+
+def test_callbacks_see_every_trial_in_order() -> None:
+    model, sample = examples.gpt()
+    started: list[tuple[int, str]] = []
+    finished: list[batchfit.Trial] = []
+    result = batchfit.find(
+        model,
+        sample,
+        memory_limit="24MiB",
+        steps_per_trial=1,
+        callback=finished.append,
+        on_trial_start=lambda size, kind: started.append((size, kind)),
+    )
+    assert tuple(finished) == result.trials
+    assert started == [(t.batch_size, t.kind) for t in result.trials]
+
+
+def test_time_budget_stops_the_search_early() -> None:
+    model, sample = examples.gpt()
+    result = batchfit.find(model, sample, memory_limit="24MiB", time_budget=1e-9, steps_per_trial=1)
+    assert len(result.search_trials) == 1
+    assert result.stop_reason == "stopped" and not result.boundary_reached
+
+
+def test_inference_mode_fits_larger_batches_than_training() -> None:
+    model, sample = examples.gpt()
+    train = batchfit.find(model, sample, memory_limit="24MiB", steps_per_trial=1, verify_steps=0)
+    infer = batchfit.find(model, sample, memory_limit="24MiB", steps_per_trial=1, mode="inference", verify_steps=0)
+    assert infer.max_batch > train.max_batch
+    assert all(t.phase in (None, "batch", "forward") for t in infer.trials)
+    assert infer.memory is not None and infer.memory.optimizer_state_bytes == 0
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_autocast_runs_real_steps(amp: str) -> None:
+    model, sample = examples.mlp()
+    result = batchfit.find(model, sample, amp=amp, memory_limit="64MiB", max_batch=64, steps_per_trial=2, verify_steps=0)
+    assert result.settings.amp == amp
+    assert result.max_batch == 64
+
+
+def test_make_batch_loss_fn_and_optimizer_factory() -> None:
+    import torch
+
+    model, _ = examples.mlp(in_features=32)
+    calls: list[int] = []
+
+    def make_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(size)
+        return torch.randn(size, 32), torch.randint(0, 10, (size,))
+
+    def step_fn(m: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(m(x), y)
+
+    result = batchfit.find(
+        model,
+        make_batch=make_batch,
+        step_fn=step_fn,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        memory_limit="8MiB",
+        steps_per_trial=1,
+        verify_steps=1,
+    )
+    assert calls == [t.batch_size for t in result.trials]
+    assert result.memory is not None and result.memory.optimizer_state_bytes == 0  # plain SGD has no state
+    assert result.boundary_reached
+
+
+def test_loss_fn_receives_output_and_batch() -> None:
+    import torch
+
+    model, sample = examples.mlp(in_features=16)
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def loss_fn(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        seen.append((tuple(output.shape), tuple(batch.shape)))
+        return output.pow(2).mean()
+
+    batchfit.find(model, sample, loss_fn=loss_fn, max_batch=4, steps_per_trial=1, verify_steps=0, memory_limit="64MiB")
+    assert seen[0] == ((1, 10), (1, 16))
+    assert seen[-1] == ((4, 10), (4, 16))
