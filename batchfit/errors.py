@@ -28,11 +28,13 @@ class NothingFitsError(BatchfitError):
         needed_bytes: int | None = None,
         budget_bytes: int | None = None,
         phase: str | None = None,
+        cause: str | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.needed_bytes = needed_bytes
         self.budget_bytes = budget_bytes
         self.phase = phase
+        self.cause = cause
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -44,7 +46,10 @@ class NothingFitsError(BatchfitError):
             msg += f" needing at least {format_bytes(self.needed_bytes)}"
         if self.budget_bytes is not None:
             msg += f" with a budget of {format_bytes(self.budget_bytes)}"
-        return msg + ". Lower init_batch, raise memory_limit, or shrink the sample/model."
+        msg += ". Lower init_batch, raise memory_limit, or shrink the sample/model."
+        if self.cause:
+            msg += f" The error was: {self.cause}"
+        return msg
 
 
 class DeviceFailedError(BatchfitError):

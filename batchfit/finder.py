@@ -281,7 +281,9 @@ def find(
             its total; CPU: what is available at the start). On CPU the default is half the
             available host memory, and the limit counts live tensor bytes.
         headroom: the fraction of the budget the safe batch leaves free.
-        init_batch: the first size tried (default ``multiple_of``).
+        init_batch: the first size tried. Default: 2, or ``multiple_of`` when that is larger.
+            Batch 1 is skipped by default because BatchNorm cannot train on one sample
+            ("Expected more than 1 value per channel"); pass ``init_batch=1`` to include it.
         max_batch: the largest size tried.
         multiple_of: only multiples of this are tried (e.g. 8 for tensor cores).
         steps_per_trial: steps per size; step 1 warms up, steps 2..N are timed.
@@ -299,8 +301,10 @@ def find(
     """
     started = time.monotonic()
     multiple_of = _positive_int("multiple_of", multiple_of)
+    if init_batch is None:
+        init_batch = multiple_of if multiple_of > 1 else min(2, max_batch) if isinstance(max_batch, int) else 2
     grid = search_mod.Grid(
-        init=multiple_of if init_batch is None else init_batch,
+        init=init_batch,
         maximum=max_batch,
         multiple_of=multiple_of,
     )
@@ -346,7 +350,8 @@ def find(
         try:
             report = search_mod.search(lambda b: run(b, "search"), grid, chooser, out_of_time)
         except NothingFitsError as failed:
-            raise NothingFitsError(failed.batch_size, failed.needed_bytes, budget, trials[-1].phase) from None
+            last = trials[-1]
+            raise NothingFitsError(failed.batch_size, failed.needed_bytes, budget, last.phase, last.message) from None
         weights, grads = prober.memory_parts()
         memory = MemoryModel.fit(trials, weights, grads, prober.optimizer_state_bytes)
         safe, verified, safe_notes = _safe_batch(report, trials, memory, budget, headroom, grid, verify_steps, run)

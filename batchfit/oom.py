@@ -2,6 +2,9 @@
 
 Classification is by type first (``torch.OutOfMemoryError``, which ``torch.cuda.OutOfMemoryError``
 aliases), then by the messages the backends use when they raise a plain ``RuntimeError``.
+Two entries are "OOM in disguise" (cuDNN NOT_SUPPORTED, oneDNN "could not create a primitive"):
+they can also mean an unsupported configuration, which then fails at every size, so the
+``NothingFitsError`` that follows quotes the original message rather than hiding it.
 Everything else is *not* an OOM and must propagate: a finder that swallows a real bug as
 "too big" reports a wrong batch size and hides the bug.
 """
@@ -21,6 +24,9 @@ OOM_MESSAGES: tuple[str, ...] = (
     "CUDNN_STATUS_NOT_SUPPORTED",  # cuDNN: usually an OOM in disguise for big batches
     "CUDNN_STATUS_ALLOC_FAILED",
     "cuFFT error: CUFFT_ALLOC_FAILED",
+    # oneDNN (CPU matmul/conv): primitive creation fails when its scratchpad cannot be
+    # allocated; seen under RLIMIT_AS right at the boundary (tests/test_real_oom.py).
+    "could not create a primitive",
 )
 
 #: Errors that leave a CUDA context unusable: every later call fails too.

@@ -92,7 +92,7 @@ class MemoryModel:
 
     def predict(self, batch_size: float) -> int:
         """Predicted peak bytes at ``batch_size``."""
-        return int(max(line.predict(batch_size) for line in self.lines))
+        return round(max(line.predict(batch_size) for line in self.lines))
 
     def largest_batch_within(self, budget_bytes: float, ceiling: int) -> int:
         """The largest batch in ``[0, ceiling]`` whose predicted peak stays within the budget.
@@ -107,7 +107,7 @@ class MemoryModel:
                     return 0
                 continue
             best = min(best, (budget_bytes - line.fixed_bytes) / line.per_sample_bytes)
-        return max(0, int(best))
+        return max(0, int(best + 1e-9))  # least squares leaves float dust: 29.9999999 is 30
 
     @classmethod
     def fit(

@@ -65,7 +65,7 @@ def test_reaching_max_batch_says_the_boundary_was_not_reached() -> None:
     result = batchfit.find(model, sample, memory_limit="1GiB", max_batch=24, steps_per_trial=1, verify_steps=1)
     assert result.max_batch == 24
     assert not result.boundary_reached and result.stop_reason == "max_batch"
-    assert [t.batch_size for t in result.search_trials] == [1, 2, 4, 8, 16, 24]
+    assert [t.batch_size for t in result.search_trials] == [2, 4, 8, 16, 24]
     assert any("may be larger" in note for note in result.notes)
 
 
@@ -80,9 +80,9 @@ def test_multiple_of_keeps_every_size_on_the_grid() -> None:
 
 def test_nothing_fits_names_the_size_and_the_memory() -> None:
     model, sample = examples.gpt()
-    with pytest.raises(batchfit.NothingFitsError, match=r"batch size 1 does not fit.*needing at least") as info:
+    with pytest.raises(batchfit.NothingFitsError, match=r"batch size 2 does not fit.*needing at least") as info:
         batchfit.find(model, sample, memory_limit="4MiB")
-    assert info.value.batch_size == 1
+    assert info.value.batch_size == 2
     assert info.value.needed_bytes > 4 * 2**20
     assert info.value.budget_bytes == 4 * 2**20
 
@@ -166,5 +166,27 @@ def test_loss_fn_receives_output_and_batch() -> None:
         return output.pow(2).mean()
 
     batchfit.find(model, sample, loss_fn=loss_fn, max_batch=4, steps_per_trial=1, verify_steps=0, memory_limit="64MiB")
-    assert seen[0] == ((1, 10), (1, 16))
+    assert seen[0] == ((2, 10), (2, 16))
     assert seen[-1] == ((4, 10), (4, 16))
+
+
+def test_memory_a_trial_keeps_is_reported_as_leaked() -> None:
+    import torch
+
+    class Hoarder(torch.nn.Module):
+        """Keeps every output alive, as a model that caches activations by mistake would."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 64)
+            self.kept: list[torch.Tensor] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.linear(x)
+            self.kept.append(out.detach())
+            return out
+
+    model = Hoarder()
+    result = batchfit.find(model, torch.randn(2, 64), memory_limit="8MiB", max_batch=8, steps_per_trial=1, verify_steps=0)
+    assert [t.leaked_bytes for t in result.trials] == [2 * 64 * 4, 4 * 64 * 4, 8 * 64 * 4]
+    assert any("left 512 B allocated" in note for note in result.notes)

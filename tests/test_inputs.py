@@ -1,0 +1,102 @@
+"""Bad input gets one clear error each, before anything runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import batchfit
+from batchfit import examples
+
+
+@pytest.fixture
+def mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    return examples.mlp(in_features=8)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"model": "not a model"}, TypeError, "model must be a torch.nn.Module, got str"),
+        ({"sample": {"x": torch.zeros(4, 8), "y": torch.zeros(3)}}, ValueError, r"disagree on the batch size.*\['x'\].*4"),
+        ({"sample": torch.zeros(0, 8)}, ValueError, "is empty"),
+        ({"sample": {"mask": None, "ids": []}}, ValueError, "holds no tensor"),
+        ({"sample": torch.tensor(3.0)}, ValueError, "0-dim tensor"),
+        ({"sample": None}, TypeError, "pass exactly one of sample="),
+        ({"make_batch": lambda b: torch.zeros(b, 8)}, TypeError, "either sample or make_batch"),
+        ({"memory_limit": -5}, ValueError, "positive number of bytes"),
+        ({"memory_limit": "lots"}, ValueError, "'lots' is not a size"),
+        ({"memory_limit": "3 parsecs"}, ValueError, "unknown unit"),
+        ({"memory_limit": 1.5}, ValueError, r"fraction 1.5 must be in \(0, 1\]"),
+        ({"memory_limit": [1]}, TypeError, "memory_limit must be bytes"),
+        ({"init_batch": 64, "max_batch": 32}, ValueError, "max_batch=32 is smaller than init_batch=64"),
+        ({"init_batch": 0}, ValueError, "init must be >= 1"),
+        ({"max_batch": 2.5}, TypeError, "maximum must be an int"),
+        ({"multiple_of": 8, "init_batch": 12}, ValueError, "init_batch=12 must be a multiple of multiple_of=8"),
+        ({"mode": "eval"}, ValueError, "mode must be one of 'train', 'inference'"),
+        ({"amp": "fp8"}, ValueError, "amp must be one of None, 'bf16', 'fp16'"),
+        ({"headroom": 1.0}, ValueError, "headroom must be a fraction"),
+        ({"steps_per_trial": 0}, ValueError, "steps_per_trial must be >= 1"),
+        ({"optimizer": "adam"}, TypeError, "optimizer must be a torch.optim.Optimizer"),
+        ({"loss_fn": 3}, TypeError, "loss_fn must be callable"),
+        ({"loss_fn": lambda o, b: o.sum(), "step_fn": lambda m, b: m(b).sum()}, ValueError, "not both"),
+        ({"device": "tpu"}, ValueError, "'tpu' is not a device torch knows"),
+        ({"device": "cuda:0"}, ValueError, "CUDA is not available"),
+        ({"strategy": "guess"}, ValueError, "unknown search strategy 'guess'"),
+        ({"callback": "print"}, TypeError, "callback must be callable"),
+        ({"time_budget": -1}, ValueError, "time_budget must be a positive number"),
+    ],
+)
+def test_bad_input_is_named(mlp: tuple[torch.nn.Module, torch.Tensor], kwargs: dict[str, Any], error: type, match: str) -> None:
+    if kwargs.get("device") == "cuda:0" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    model, sample = mlp
+    arguments: dict[str, Any] = {"model": model, "sample": sample, "memory_limit": "64MiB"}
+    arguments.update(kwargs)
+    if "make_batch" in kwargs and "sample" not in kwargs:
+        arguments["sample"] = sample
+    with pytest.raises(error, match=match):
+        batchfit.find(arguments.pop("model"), arguments.pop("sample"), **arguments)
+
+
+def test_loss_that_does_not_require_grad_is_named(mlp: tuple[torch.nn.Module, torch.Tensor]) -> None:
+    model, sample = mlp
+    with pytest.raises(ValueError, match="the loss does not require grad") as info:
+        batchfit.find(model, sample, loss_fn=lambda out, batch: out.detach().sum(), memory_limit="64MiB")
+    assert any("batch size 2" in note for note in info.value.__notes__)
+
+
+def test_output_without_tensors_is_named() -> None:
+    with pytest.raises(TypeError, match="cannot derive a loss from a model output of type str"):
+        batchfit.find(_Stringly(), torch.zeros(2, 3), memory_limit="64MiB")
+
+
+class _Stringly(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> str:
+        return "logits"
+
+
+def test_make_batch_of_the_wrong_size_is_named(mlp: tuple[torch.nn.Module, torch.Tensor]) -> None:
+    model, _ = mlp
+    with pytest.raises(ValueError, match=r"make_batch\(2\) returned a batch of size 3"):
+        batchfit.find(model, make_batch=lambda b: torch.zeros(b + 1, 8), memory_limit="64MiB")
+
+
+def test_unsupported_device_is_named() -> None:
+    model = torch.nn.Linear(2, 2).to("meta")
+    with pytest.raises(ValueError, match="'cpu' and 'cuda' devices; 'meta' is not supported"):
+        batchfit.find(model, torch.zeros(2, 2))
+
+
+def test_frozen_model_cannot_train(mlp: tuple[torch.nn.Module, torch.Tensor]) -> None:
+    model, sample = mlp
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        batchfit.find(model, sample, memory_limit="64MiB")
+    assert batchfit.find(model, sample, memory_limit="64MiB", mode="inference", max_batch=8).max_batch == 8

@@ -1,0 +1,109 @@
+"""The CPU live-tensor meter against torch's own profiler, and its limit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from batchfit import examples
+from batchfit.memory import LiveTensorMeter
+from batchfit.workload import call_model, default_loss, tile
+
+
+def _training_step(model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> None:
+    output = call_model(model, batch)
+    loss = default_loss(output)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    del output, loss
+
+
+def _profiler_peak(fn: Callable[[], None]) -> int:
+    """Peak of the running sum of the CPU allocator's allocation events during ``fn``."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.typed[0] == _EventType.Allocation:
+            events.append((node.start_time_ns, node.typed[1].alloc_size))
+    current = peak = 0
+    for _, nbytes in sorted(events):
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+def _meter_peak(fn: Callable[[], None]) -> int:
+    meter = LiveTensorMeter(budget_bytes=None, total_bytes=None, baseline_bytes=0)
+    meter.begin_trial()
+    with meter.tracking(), meter.phase("all"):
+        fn()
+    return meter.phase_peaks()["all"]
+
+
+@pytest.mark.parametrize(
+    ("factory", "rows"),
+    [(lambda: examples.mlp(), 32), (lambda: examples.gpt(), 8)],
+    ids=["mlp", "gpt"],
+)
+def test_meter_agrees_with_the_profiler_on_a_training_step(factory: Callable[[], Any], rows: int) -> None:
+    model, sample = factory()
+    batch = tile(sample, rows, 4 if isinstance(sample, torch.Tensor) else 2)
+    for warm in (False, True):  # the first step allocates AdamW state, later ones reuse it
+        optimizer = torch.optim.AdamW(model.parameters())
+        if warm:
+            _training_step(model, batch, optimizer)
+        live = _meter_peak(lambda: _training_step(model, batch, optimizer))
+        optimizer = torch.optim.AdamW(model.parameters())
+        if warm:
+            _training_step(model, batch, optimizer)
+        profiled = _profiler_peak(lambda: _training_step(model, batch, optimizer))
+        # The profiler also sees the allocator's tiny bookkeeping allocations (tens of bytes).
+        assert abs(profiled - live) <= 1024, (warm, live, profiled)
+
+
+def test_limit_raises_a_real_out_of_memory_error_in_the_allocating_op() -> None:
+    meter = LiveTensorMeter(budget_bytes=4096, total_bytes=None, baseline_bytes=0)
+    meter.begin_trial()
+    kept = []
+    with meter.tracking():
+        kept.append(torch.empty(512, dtype=torch.float32))  # 2 KiB: fits
+        with pytest.raises(torch.OutOfMemoryError, match="DefaultCPUAllocator: can't allocate memory"):
+            torch.empty(1024, dtype=torch.float32)  # +4 KiB: over the cap
+    assert meter.allocated_bytes() == 2048  # the failed tensor is gone again
+    kept.clear()
+    assert meter.allocated_bytes() == 0
+
+
+def test_views_and_in_place_ops_cost_nothing() -> None:
+    base = torch.zeros(1000)
+    meter = LiveTensorMeter(budget_bytes=None, total_bytes=None, baseline_bytes=0)
+    meter.begin_trial()
+    with meter.tracking():
+        view = base.view(10, 100).t()
+        base.add_(1)
+        new = base * 2
+        assert meter.allocated_bytes() == new.untyped_storage().nbytes() == 4000
+        del view, new
+    assert meter.allocated_bytes() == 0
+
+
+def test_cnn_scratch_memory_is_what_the_meter_does_not_see() -> None:
+    """Documented difference: CPU convolutions may allocate scratch inside the kernel. The meter
+    counts live tensors only, so it can be below the allocator's peak, never above."""
+    model, sample = examples.cnn()
+    batch = tile(sample, 16, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    live = _meter_peak(lambda: _training_step(model, batch, optimizer))
+    optimizer = torch.optim.AdamW(model.parameters())
+    profiled = _profiler_peak(lambda: _training_step(model, batch, optimizer))
+    assert live <= profiled + 1024
