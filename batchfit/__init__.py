@@ -1,12 +1,36 @@
 """batchfit: the largest batch your model trains with, and the fastest, measured by real steps.
 
 Public API: :func:`find`, :class:`Prober`, the result types and the errors.
+
+Names are imported lazily (PEP 562): batchfit is also a pytest plugin and a CLI, and neither
+``pytest`` start-up nor ``batchfit devices`` / ``--help`` should pay for importing torch.
 """
 
-from batchfit.errors import BatchfitError, DeviceFailedError, NothingFitsError
-from batchfit.finder import Prober, find
-from batchfit.result import DeviceInfo, MemoryModel, PhaseLine, Result, Settings, Trial
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from batchfit.version import __version__
+
+if TYPE_CHECKING:
+    from batchfit.errors import BatchfitError, DeviceFailedError, NothingFitsError
+    from batchfit.finder import Prober, find
+    from batchfit.result import DeviceInfo, MemoryModel, PhaseLine, Result, Settings, Trial
+
+_EXPORTS = {
+    "BatchfitError": "batchfit.errors",
+    "DeviceFailedError": "batchfit.errors",
+    "NothingFitsError": "batchfit.errors",
+    "Prober": "batchfit.finder",
+    "find": "batchfit.finder",
+    "DeviceInfo": "batchfit.result",
+    "MemoryModel": "batchfit.result",
+    "PhaseLine": "batchfit.result",
+    "Result": "batchfit.result",
+    "Settings": "batchfit.result",
+    "Trial": "batchfit.result",
+}
 
 __all__ = [
     "BatchfitError",
@@ -22,3 +46,16 @@ __all__ = [
     "__version__",
     "find",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batchfit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

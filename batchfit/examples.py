@@ -35,7 +35,9 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-def mlp(in_features: int = 256, hidden: int = 512, depth: int = 3, classes: int = 10, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+def mlp(
+    in_features: int = 256, hidden: int = 512, depth: int = 3, classes: int = 10, seed: int = 0
+) -> tuple[nn.Module, torch.Tensor]:
     """An MLP and a batch of 4 feature vectors; the default loss is the mean of the logits."""
     torch.manual_seed(seed)
     model = MLP(in_features, hidden, depth, classes)
@@ -64,7 +66,9 @@ class SmallCNN(nn.Module):
         return self.head(self.features(images).flatten(1))
 
 
-def cnn(image_size: int = 32, channels: int = 3, width: int = 16, classes: int = 10, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+def cnn(
+    image_size: int = 32, channels: int = 3, width: int = 16, classes: int = 10, seed: int = 0
+) -> tuple[nn.Module, torch.Tensor]:
     """A small CNN with BatchNorm and a batch of 2 images."""
     torch.manual_seed(seed)
     model = SmallCNN(channels, width, classes)

@@ -35,12 +35,14 @@ from batchfit.workload import (
     Workload,
     batch_size_of,
     optimizer_factory,
+    tensor_leaves,
     to_device,
     validate_choice,
 )
 
 TrialCallback = Callable[[Trial], None]
 StartCallback = Callable[[int, str], None]
+ProbeStartCallback = Callable[[DeviceInfo, "int | None"], None]
 
 #: Above 65535 rows some CUDA kernels fail with "invalid configuration argument", which is not
 #: an out-of-memory; the default ceiling stays below it.
@@ -168,7 +170,9 @@ class Prober:
             amp=self._amp,
         )
         if self.mode == "train" and not self._workload.trainable_parameters() and self._step_fn is None:
-            raise ValueError("the model has no trainable parameter: a training probe needs one (or use mode='inference')")
+            raise ValueError(
+                "the model has no trainable parameter: a training probe needs one (or use mode='inference')"
+            )
         self.meter = self._make_meter(sample)
         assert self._stack is not None
         self._stack.enter_context(self.meter.active())
@@ -177,7 +181,11 @@ class Prober:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             reachable = free + torch.cuda.memory_reserved(self.device)
-            self.budget_bytes = reachable if self.limit_bytes is None else min(self.limit_bytes, self.device_info.total_bytes or self.limit_bytes)
+            self.budget_bytes = (
+                reachable
+                if self.limit_bytes is None
+                else min(self.limit_bytes, self.device_info.total_bytes or self.limit_bytes)
+            )
             return CudaMeter(self.device, self.budget_bytes, self.limit_bytes)
         self.budget_bytes = self.limit_bytes
         return LiveTensorMeter(self.limit_bytes, self.device_info.total_bytes, _live_bytes(self._model, sample))
@@ -223,11 +231,9 @@ class Prober:
 
 def _live_bytes(model: nn.Module, sample: Any) -> int:
     """Bytes of the distinct storages the probe starts with: weights, buffers, the sample."""
-    from batchfit.workload import _tensor_leaves
-
     storages: dict[int, int] = {}
     tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t for _, t in _tensor_leaves(sample, "sample")] if sample is not None else []
+    tensors += [t for _, t in tensor_leaves(sample, "sample")] if sample is not None else []
     for tensor in tensors:
         if tensor.device.type == "cpu":
             storage = tensor.untyped_storage()
@@ -257,6 +263,7 @@ def find(
     time_budget: float | None = None,
     callback: TrialCallback | None = None,
     on_trial_start: StartCallback | None = None,
+    on_start: ProbeStartCallback | None = None,
 ) -> Result:
     """Find the largest batch that trains, a safe batch with headroom, and the fastest batch.
 
@@ -292,6 +299,9 @@ def find(
         time_budget: seconds after which no new search trial starts.
         callback: called with every finished :class:`Trial` (search and verification).
         on_trial_start: called with ``(batch_size, kind)`` before each trial.
+        on_start: called once with ``(device_info, budget_bytes)`` when the probe is set up and
+            before the first trial, so a front end can draw memory against the budget from the
+            start (on CUDA without a limit the budget is only known then).
 
     Raises:
         NothingFitsError: even ``init_batch`` runs out of memory.
@@ -314,7 +324,7 @@ def find(
     verify_steps = _positive_int("verify_steps", verify_steps, minimum=0)
     if time_budget is not None and (not isinstance(time_budget, (int, float)) or time_budget <= 0):
         raise ValueError(f"time_budget must be a positive number of seconds, got {time_budget!r}")
-    for name, fn in (("callback", callback), ("on_trial_start", on_trial_start)):
+    for name, fn in (("callback", callback), ("on_trial_start", on_trial_start), ("on_start", on_start)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
 
@@ -347,6 +357,8 @@ def find(
 
     with prober:
         budget = prober.budget_bytes
+        if on_start is not None:
+            on_start(prober.device_info, budget)
         try:
             report = search_mod.search(lambda b: run(b, "search"), grid, chooser, out_of_time)
         except NothingFitsError as failed:

@@ -54,6 +54,13 @@ class Trial:
     def peaks_by_phase(self) -> dict[str, int]:
         return dict(self.phase_peaks)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trial:
+        """The inverse of ``dataclasses.asdict(trial)`` (JSON turns the pairs into lists)."""
+        values = dict(data)
+        values["phase_peaks"] = tuple((str(p), int(b)) for p, b in data.get("phase_peaks", ()))
+        return cls(**values)
+
 
 @dataclass(frozen=True)
 class PhaseLine:
@@ -125,9 +132,7 @@ class MemoryModel:
             for phase, peak in trial.phase_peaks:
                 points.setdefault(phase, {})[trial.batch_size] = peak
         lines = tuple(
-            _least_squares(phase, sorted(by_size.items()))
-            for phase, by_size in points.items()
-            if len(by_size) >= 2
+            _least_squares(phase, sorted(by_size.items())) for phase, by_size in points.items() if len(by_size) >= 2
         )
         if not lines:
             return None
@@ -243,7 +248,7 @@ class Result:
         if schema != SCHEMA:
             raise ValueError(f"not a batchfit result: schema is {schema!r}, expected {SCHEMA!r}")
         values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-        values["trials"] = tuple(_trial_from_dict(t) for t in data["trials"])
+        values["trials"] = tuple(Trial.from_dict(t) for t in data["trials"])
         values["memory"] = _memory_from_dict(data["memory"]) if data.get("memory") else None
         values["device"] = DeviceInfo(**data["device"])
         values["settings"] = Settings(**data["settings"])
@@ -257,12 +262,6 @@ class Result:
     # Text -----------------------------------------------------------------------------------
     def __str__(self) -> str:
         return render_text(self)
-
-
-def _trial_from_dict(data: dict[str, Any]) -> Trial:
-    values = dict(data)
-    values["phase_peaks"] = tuple((str(p), int(b)) for p, b in data.get("phase_peaks", ()))
-    return Trial(**values)
 
 
 def _memory_from_dict(data: dict[str, Any]) -> MemoryModel:

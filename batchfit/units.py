@@ -63,8 +63,7 @@ def parse_memory_limit(limit: int | float | str, total_bytes: int | None) -> int
             raise ValueError(f"memory_limit {limit!r} must be more than zero bytes")
         return nbytes
     raise TypeError(
-        f"memory_limit must be bytes (int), a size string ('24GiB') or a fraction (float), "
-        f"not {type(limit).__name__}"
+        f"memory_limit must be bytes (int), a size string ('24GiB') or a fraction (float), not {type(limit).__name__}"
     )
 
 

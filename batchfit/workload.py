@@ -22,15 +22,16 @@ MODES = ("train", "inference")
 
 
 # Samples and batches ------------------------------------------------------------------------
-def _tensor_leaves(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def tensor_leaves(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested tuple/list/mapping, with a readable path like ``sample['ids']``."""
     if isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
-            yield from _tensor_leaves(value, f"{path}[{key!r}]")
+            yield from tensor_leaves(value, f"{path}[{key!r}]")
     elif isinstance(obj, (tuple, list)):
         for index, value in enumerate(obj):
-            yield from _tensor_leaves(value, f"{path}[{index}]")
+            yield from tensor_leaves(value, f"{path}[{index}]")
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -52,7 +53,7 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 def batch_size_of(batch: Any, what: str = "sample") -> int:
     """The common leading dimension of every tensor in ``batch``; a clear error if there is none."""
-    leaves = list(_tensor_leaves(batch, what))
+    leaves = list(tensor_leaves(batch, what))
     if not leaves:
         raise ValueError(
             f"the {what} holds no tensor: pass a tensor, or a tuple/list/dict of tensors whose "
@@ -110,7 +111,7 @@ def default_loss(output: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) and isinstance(output, Mapping):
         loss = output.get("loss")
     if not isinstance(loss, torch.Tensor):
-        leaves = list(_tensor_leaves(output, "output"))
+        leaves = list(tensor_leaves(output, "output"))
         if not leaves:
             raise TypeError(
                 f"cannot derive a loss from a model output of type {type(output).__name__}: "
@@ -134,12 +135,11 @@ def optimizer_factory(optimizer: Any) -> OptimizerFactory:
     if isinstance(optimizer, torch.optim.Optimizer):
         return _cloner(optimizer)
     if callable(optimizer):
+
         def from_factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
             made = optimizer(params)
             if not isinstance(made, torch.optim.Optimizer):
-                raise TypeError(
-                    f"optimizer factory returned {type(made).__name__}, expected a torch.optim.Optimizer"
-                )
+                raise TypeError(f"optimizer factory returned {type(made).__name__}, expected a torch.optim.Optimizer")
             return made
 
         return from_factory

@@ -57,7 +57,9 @@ def test_nvml_reports_the_device_name() -> None:
     result = batchfit.find(model.cuda(), sample, max_batch=8)
     pynvml.nvmlInit()
     try:
-        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
+        names = [
+            pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())
+        ]
     finally:
         pynvml.nvmlShutdown()
     assert result.device.name in [n.decode() if isinstance(n, bytes) else n for n in names]

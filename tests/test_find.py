@@ -91,6 +91,7 @@ def test_callbacks_see_every_trial_in_order() -> None:
     model, sample = examples.gpt()
     started: list[tuple[int, str]] = []
     finished: list[batchfit.Trial] = []
+    probe: list[tuple[batchfit.DeviceInfo, int | None, int]] = []
     result = batchfit.find(
         model,
         sample,
@@ -98,7 +99,9 @@ def test_callbacks_see_every_trial_in_order() -> None:
         steps_per_trial=1,
         callback=finished.append,
         on_trial_start=lambda size, kind: started.append((size, kind)),
+        on_start=lambda device, budget: probe.append((device, budget, len(started))),
     )
+    assert probe == [(result.device, 24 * 2**20, 0)]
     assert tuple(finished) == result.trials
     assert started == [(t.batch_size, t.kind) for t in result.trials]
 
@@ -122,7 +125,9 @@ def test_inference_mode_fits_larger_batches_than_training() -> None:
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_autocast_runs_real_steps(amp: str) -> None:
     model, sample = examples.mlp()
-    result = batchfit.find(model, sample, amp=amp, memory_limit="64MiB", max_batch=64, steps_per_trial=2, verify_steps=0)
+    result = batchfit.find(
+        model, sample, amp=amp, memory_limit="64MiB", max_batch=64, steps_per_trial=2, verify_steps=0
+    )
     assert result.settings.amp == amp
     assert result.max_batch == 64
 
@@ -187,6 +192,8 @@ def test_memory_a_trial_keeps_is_reported_as_leaked() -> None:
             return out
 
     model = Hoarder()
-    result = batchfit.find(model, torch.randn(2, 64), memory_limit="8MiB", max_batch=8, steps_per_trial=1, verify_steps=0)
+    result = batchfit.find(
+        model, torch.randn(2, 64), memory_limit="8MiB", max_batch=8, steps_per_trial=1, verify_steps=0
+    )
     assert [t.leaked_bytes for t in result.trials] == [2 * 64 * 4, 4 * 64 * 4, 8 * 64 * 4]
     assert any("left 512 B allocated" in note for note in result.notes)

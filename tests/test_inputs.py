@@ -20,7 +20,11 @@ def mlp() -> tuple[torch.nn.Module, torch.Tensor]:
     ("kwargs", "error", "match"),
     [
         ({"model": "not a model"}, TypeError, "model must be a torch.nn.Module, got str"),
-        ({"sample": {"x": torch.zeros(4, 8), "y": torch.zeros(3)}}, ValueError, r"disagree on the batch size.*\['x'\].*4"),
+        (
+            {"sample": {"x": torch.zeros(4, 8), "y": torch.zeros(3)}},
+            ValueError,
+            r"disagree on the batch size.*\['x'\].*4",
+        ),
         ({"sample": torch.zeros(0, 8)}, ValueError, "is empty"),
         ({"sample": {"mask": None, "ids": []}}, ValueError, "holds no tensor"),
         ({"sample": torch.tensor(3.0)}, ValueError, "0-dim tensor"),
@@ -49,7 +53,9 @@ def mlp() -> tuple[torch.nn.Module, torch.Tensor]:
         ({"time_budget": -1}, ValueError, "time_budget must be a positive number"),
     ],
 )
-def test_bad_input_is_named(mlp: tuple[torch.nn.Module, torch.Tensor], kwargs: dict[str, Any], error: type, match: str) -> None:
+def test_bad_input_is_named(
+    mlp: tuple[torch.nn.Module, torch.Tensor], kwargs: dict[str, Any], error: type, match: str
+) -> None:
     if kwargs.get("device") == "cuda:0" and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     model, sample = mlp

@@ -62,11 +62,11 @@ def test_meter_agrees_with_the_profiler_on_a_training_step(factory: Callable[[],
         optimizer = torch.optim.AdamW(model.parameters())
         if warm:
             _training_step(model, batch, optimizer)
-        live = _meter_peak(lambda: _training_step(model, batch, optimizer))
+        live = _meter_peak(lambda opt=optimizer: _training_step(model, batch, opt))
         optimizer = torch.optim.AdamW(model.parameters())
         if warm:
             _training_step(model, batch, optimizer)
-        profiled = _profiler_peak(lambda: _training_step(model, batch, optimizer))
+        profiled = _profiler_peak(lambda opt=optimizer: _training_step(model, batch, opt))
         # The profiler also sees the allocator's tiny bookkeeping allocations (tens of bytes).
         assert abs(profiled - live) <= 1024, (warm, live, profiled)
 

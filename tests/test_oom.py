@@ -18,11 +18,14 @@ from batchfit.oom import is_oom, is_sticky_device_error
         RuntimeError("HIP out of memory. Tried to allocate 1.00 GiB"),
         RuntimeError("MPS backend out of memory (MPS allocated: 1.2 GB, other allocations: 3 GB)"),
         RuntimeError("XPU out of memory. Tried to allocate 512.00 MiB"),
-        RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: "
-                     "you tried to allocate 4398046511104 bytes. Error code 12 (Cannot allocate memory)"),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 4398046511104 bytes. Error code 12 (Cannot allocate memory)"
+        ),
         RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
-        RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
-                     "non-contiguous input."),
+        RuntimeError(
+            "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
+        ),
     ],
     ids=lambda e: str(e)[:24],
 )

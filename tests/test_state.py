@@ -89,7 +89,9 @@ def test_state_is_restored_when_a_step_raises(error: BaseException) -> None:
     model.trap = (8, error)  # batches 2 and 4 train for real first, then the step raises
     seen: list[int] = []
     with pytest.raises(type(error)) as info:
-        batchfit.find(model, sample, optimizer=optimizer, memory_limit="64MiB", callback=lambda t: seen.append(t.batch_size))
+        batchfit.find(
+            model, sample, optimizer=optimizer, memory_limit="64MiB", callback=lambda t: seen.append(t.batch_size)
+        )
     assert info.value is error  # propagated unchanged, never taken for an OOM
     assert seen == [2, 4]
     model.trap = None
@@ -115,7 +117,9 @@ def test_probe_optimizer_is_a_fresh_one_like_the_users() -> None:
 
     hook = register_optimizer_step_pre_hook(spy)
     try:
-        result = batchfit.find(model, sample, optimizer=optimizer, memory_limit="8MB", steps_per_trial=1, verify_steps=0)
+        result = batchfit.find(
+            model, sample, optimizer=optimizer, memory_limit="8MB", steps_per_trial=1, verify_steps=0
+        )
     finally:
         hook.remove()
     assert seen and set(seen) == {(False, torch.optim.AdamW, 0.05)}
