@@ -1,0 +1,381 @@
+"""The ``batchfit`` command: ``batchfit probe TARGET`` and ``batchfit devices``.
+
+Exit codes are the interface a CI pipeline reads, so they are fixed and documented:
+
+* 0: the probe finished (with ``--require-batch N``: batch N fits).
+* 1: an error, including an exception raised by the user's factory or model.
+* 2: a usage error: bad option, or a bad target (no such module or attribute, a factory that
+  needs arguments, a value that is not ``(model, sample)``, a sample without tensors).
+* 3: does not fit: with ``--require-batch N``, batch N ran out of memory within the limit;
+  without it, not even the smallest batch fitted.
+
+Human output goes to stdout (to stderr when ``--json -`` puts the JSON on stdout); errors go to
+stderr as one line starting with ``batchfit: error:``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from batchfit.units import format_bytes, parse_memory_limit
+from batchfit.version import __version__
+
+if TYPE_CHECKING:
+    from batchfit.targets import Target
+    from batchfit.view import View
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_DOES_NOT_FIT = 3
+
+#: Without ``--memory-limit``, a CPU probe from the command line caps live tensor bytes at this.
+#: On a CPU the time of a trial grows with the memory it touches, so the cap is what keeps
+#: ``batchfit probe batchfit.examples:gpt`` under a minute on a 2-core machine; it also keeps a
+#: first run from taking a large share of the host. (The Python API's default is half the
+#: available memory: a caller of ``find()`` chose to probe on this machine.)
+CLI_CPU_MEMORY_LIMIT = "256MiB"
+
+
+class _UsageError(Exception):
+    """Raised inside a subcommand for a usage problem found after argument parsing."""
+
+
+# Argument parsing -------------------------------------------------------------------------------
+def _memory_limit(value: str) -> str:
+    try:
+        parse_memory_limit(value, 1 << 40)  # syntax only: fractions resolve on the device later
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be at least 1")
+    return number
+
+
+def _count(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be 0 or more")
+    return number
+
+
+def _fraction(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 <= number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be a fraction in [0, 1)")
+    return number
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be more than 0 seconds")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchfit",
+        description="Find the largest and the fastest batch size a PyTorch model trains with, by running real steps.",
+    )
+    parser.add_argument("--version", action="version", version=f"batchfit {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    probe = commands.add_parser(
+        "probe",
+        help="probe a model's batch size limits",
+        description=(
+            "Run real training steps at growing batch sizes until one runs out of memory, then find the "
+            "boundary. Exit codes: 0 ok, 1 error, 2 usage or bad target, 3 does not fit."
+        ),
+        epilog=(
+            "TARGET is 'package.module:factory' or 'path/to/file.py:factory'. The factory is called with no "
+            "arguments and returns (model, sample), or a dict with 'model' and 'sample' and optionally "
+            "'optimizer', 'loss_fn', 'make_batch', 'step_fn'. Built-in targets: batchfit.examples:mlp, "
+            "batchfit.examples:cnn, batchfit.examples:gpt."
+        ),
+    )
+    probe.add_argument("target", metavar="TARGET", help="package.module:attr or path/to/file.py:attr")
+    probe.add_argument("--device", help="where to probe, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)")
+    probe.add_argument(
+        "--memory-limit",
+        type=_memory_limit,
+        metavar="SIZE|FRACTION",
+        help=f"memory budget: a size (24GiB, 512MB) or a fraction of the device (0.8); "
+        f"default: the whole GPU, or {CLI_CPU_MEMORY_LIMIT} of live tensors on CPU",
+    )
+    probe.add_argument(
+        "--headroom",
+        type=_fraction,
+        default=0.10,
+        help="fraction of the budget the safe batch leaves free (default 0.10)",
+    )
+    probe.add_argument("--amp", choices=("bf16", "fp16"), help="run under autocast")
+    probe.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
+    probe.add_argument("--max-batch", type=_positive_int, metavar="N", help="largest batch size to try (default 32768)")
+    probe.add_argument(
+        "--init-batch", type=_positive_int, metavar="N", help="first batch size to try (default: --multiple-of)"
+    )
+    probe.add_argument(
+        "--multiple-of", type=_positive_int, default=1, metavar="N", help="only try multiples of N (default 1)"
+    )
+    probe.add_argument(
+        "--steps-per-trial", type=_positive_int, default=3, metavar="N", help="steps per batch size (default 3)"
+    )
+    probe.add_argument(
+        "--verify-steps", type=_count, metavar="N", help="steps that verify the safe batch (default 5; 0 skips)"
+    )
+    probe.add_argument("--time-budget", type=_seconds, metavar="SECONDS", help="start no new search trial after this")
+    probe.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' for stdout)")
+    probe.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
+    probe.add_argument(
+        "--require-batch",
+        type=_positive_int,
+        metavar="N",
+        help="CI gate: exit 3 unless batch N fits within the limit; runs one trial at N, and a search below N "
+        "only if it fails",
+    )
+    probe.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
+    probe.set_defaults(handler=_probe)
+
+    devices = commands.add_parser("devices", help="list NVIDIA GPUs: memory, utilisation, processes (via NVML)")
+    devices.add_argument("--json", metavar="PATH", help="write the device list as JSON to PATH ('-' for stdout)")
+    devices.set_defaults(handler=_devices)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script and of ``python -m batchfit``; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on a usage error, as argparse does
+    try:
+        return int(args.handler(args))
+    except _UsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _error("interrupted (the model and optimizer were restored)")
+        return 130
+
+
+# probe --------------------------------------------------------------------------------------------
+def _probe(args: argparse.Namespace) -> int:
+    from batchfit.targets import TargetCallError, TargetError, load_target
+    from batchfit.view import make_view
+
+    if args.require_batch is not None:
+        conflicting = [name for name in ("max_batch", "verify_steps", "time_budget") if getattr(args, name) is not None]
+        if conflicting:
+            raise _UsageError(
+                f"--require-batch runs a gate, not a full probe: drop --{conflicting[0].replace('_', '-')}"
+            )
+    try:
+        target = load_target(args.target)
+    except TargetError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except TargetCallError as exc:
+        _report_exception(exc, args.traceback, cause=True)
+        return EXIT_ERROR
+
+    if args.json not in (None, "-") and not Path(args.json).resolve().parent.is_dir():
+        raise _UsageError(f"cannot write --json {args.json!r}: its folder does not exist")
+    human = sys.stderr if args.json == "-" else sys.stdout
+    device, limit, header, expected_budget = _plan(args)
+    view = make_view(human, quiet=args.quiet)
+    kwargs = _find_kwargs(args, target, device, limit)
+    calls = _Calls(view)
+    view.start(header, expected_budget)
+    try:
+        if args.require_batch is not None:
+            from batchfit.testing import check_fits
+
+            outcome: Any = check_fits(
+                target.model, batch_size=args.require_batch, memory_limit=limit, **calls.kwargs(), **kwargs
+            )
+        else:
+            from batchfit.finder import find
+
+            outcome = find(target.model, memory_limit=limit, **calls.kwargs(), **kwargs)
+    except BaseException as exc:
+        view.stop()
+        return _probe_failed(exc, calls.started, args.traceback)
+    view.set_budget(outcome.budget_bytes)  # the budget the probe really had, for the final frame
+    view.stop()
+    if args.require_batch is not None:
+        view.gate(outcome)
+        code = EXIT_OK if outcome.fits else EXIT_DOES_NOT_FIT
+    else:
+        view.summary(outcome)
+        code = EXIT_OK
+    if args.json:
+        _write_json(args.json, outcome.to_json())
+    return code
+
+
+class _Calls:
+    """Forwards ``find()``'s callbacks to the view and remembers whether a trial started, which
+    tells a rejected input (usage) from an error inside the user's model."""
+
+    def __init__(self, view: View) -> None:
+        self.view = view
+        self.started = False
+
+    def on_trial_start(self, batch_size: int, kind: str) -> None:
+        self.started = True
+        self.view.trial_started(batch_size, kind)
+
+    def on_start(self, device: Any, budget_bytes: int | None) -> None:
+        self.view.set_budget(budget_bytes)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"callback": self.view.trial_finished, "on_trial_start": self.on_trial_start, "on_start": self.on_start}
+
+
+def _plan(args: argparse.Namespace) -> tuple[str, str | None, list[str], int | None]:
+    """The device, the memory limit, the header lines that say where the probe runs and under
+    which limit, and the budget as far as it is known before the probe starts."""
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    limit = args.memory_limit
+    header = [f"batchfit {__version__}: probing {args.target} ({args.mode}) on {device}"]
+    on_cpu = device.split(":")[0] == "cpu"
+    if on_cpu:
+        why = "" if args.device else "no CUDA device: "
+        if limit is None:
+            limit = CLI_CPU_MEMORY_LIMIT
+            source = "the CLI's CPU default; --memory-limit SIZE to change"
+        else:
+            source = "--memory-limit"
+        shown = _shown_limit(limit)
+        header.append(f"{why}running on CPU under a limit of {shown} on live tensor bytes ({source})")
+    elif limit is not None:
+        header.append(f"memory limit {_shown_limit(limit)} (--memory-limit)")
+    if args.require_batch is not None:
+        header.append(f"gate: does batch {args.require_batch} fit?")
+    try:
+        expected = parse_memory_limit(limit, None) if limit is not None else None
+    except ValueError:  # a fraction: known once the probe has read the device
+        expected = None
+    return device, limit, header, expected
+
+
+def _shown_limit(limit: str) -> str:
+    try:
+        return format_bytes(parse_memory_limit(limit, None))
+    except ValueError:
+        return f"{float(limit):.0%} of the available memory"
+
+
+def _find_kwargs(args: argparse.Namespace, target: Target, device: str, limit: str | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        **target.find_kwargs(),
+        "device": device,
+        "amp": args.amp,
+        "mode": args.mode,
+        "multiple_of": args.multiple_of,
+        "steps_per_trial": args.steps_per_trial,
+        "headroom": args.headroom,
+    }
+    for name in ("max_batch", "init_batch", "verify_steps"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    if args.time_budget is not None:
+        kwargs["time_budget"] = args.time_budget
+    return kwargs
+
+
+def _probe_failed(exc: BaseException, started: bool, show_traceback: bool) -> int:
+    from batchfit.errors import NothingFitsError
+
+    if isinstance(exc, KeyboardInterrupt):
+        raise exc
+    if isinstance(exc, NothingFitsError):
+        _error(str(exc))
+        return EXIT_DOES_NOT_FIT
+    if isinstance(exc, (TypeError, ValueError)) and not started:
+        # find() checks its input before the first trial: what it rejects there is the target's
+        # sample or model, or an option (a device that is not there), not a failure of a run.
+        _error(f"{_first_line(exc)}")
+        return EXIT_USAGE
+    if not isinstance(exc, Exception):
+        raise exc
+    _report_exception(exc, show_traceback, cause=False)
+    return EXIT_ERROR
+
+
+def _report_exception(exc: BaseException, show_traceback: bool, *, cause: bool) -> None:
+    """One line for the error (with batchfit's note on where it happened), the traceback only
+    when asked: the user's own frames are in it."""
+    shown = exc.__cause__ if cause and exc.__cause__ is not None else exc
+    if show_traceback:
+        traceback.print_exception(shown, file=sys.stderr)
+    notes = [n.removeprefix("batchfit: ") for n in getattr(shown, "__notes__", ())]
+    text = str(exc) if cause else _first_line(exc)
+    if notes:
+        text += f" ({'; '.join(notes)})"
+    if not show_traceback:
+        text += " [--traceback shows where]"
+    _error(text)
+
+
+def _first_line(exc: BaseException) -> str:
+    from batchfit.oom import first_line
+
+    return first_line(exc)
+
+
+# devices ------------------------------------------------------------------------------------------
+def _devices(args: argparse.Namespace) -> int:
+    import json
+
+    from batchfit.gpu_info import query_devices
+    from batchfit.view import devices_lines
+
+    report = query_devices()
+    human = sys.stderr if args.json == "-" else sys.stdout
+    for line in devices_lines(report):
+        print(line, file=human)
+    if args.json:
+        _write_json(args.json, json.dumps(asdict(report), indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+# helpers ------------------------------------------------------------------------------------------
+def _write_json(path: str, text: str) -> None:
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        return
+    try:
+        Path(path).write_text(text + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise _UsageError(f"cannot write --json {path!r}: {exc.strerror or exc}") from None
+
+
+def _error(message: str, stream: TextIO | None = None) -> None:
+    print(f"batchfit: error: {message}", file=stream or sys.stderr)
