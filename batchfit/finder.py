@@ -259,7 +259,7 @@ def find(
     multiple_of: int = 1,
     steps_per_trial: int = 3,
     verify_steps: int = 5,
-    strategy: str | search_mod.Strategy = "binary",
+    strategy: str | search_mod.Strategy = "interpolate",
     time_budget: float | None = None,
     callback: TrialCallback | None = None,
     on_trial_start: StartCallback | None = None,
@@ -295,7 +295,9 @@ def find(
         multiple_of: only multiples of this are tried (e.g. 8 for tensor cores).
         steps_per_trial: steps per size; step 1 warms up, steps 2..N are timed.
         verify_steps: steps run at the safe batch to check it (0 skips the check).
-        strategy: the search strategy's name (``"binary"``) or a strategy object.
+        strategy: ``"interpolate"`` (default: aims at the size where the measured memory lines
+            meet the budget, bracketed so it stays exact) or ``"binary"`` (plain doubling and
+            bisection), or a strategy object (see ``batchfit.search.Strategy``).
         time_budget: seconds after which no new search trial starts.
         callback: called with every finished :class:`Trial` (search and verification).
         on_trial_start: called with ``(batch_size, kind)`` before each trial.
@@ -360,7 +362,7 @@ def find(
         if on_start is not None:
             on_start(prober.device_info, budget)
         try:
-            report = search_mod.search(lambda b: run(b, "search"), grid, chooser, out_of_time)
+            report = search_mod.search(lambda b: run(b, "search"), grid, chooser, out_of_time, budget_bytes=budget)
         except NothingFitsError as failed:
             last = trials[-1]
             raise NothingFitsError(failed.batch_size, failed.needed_bytes, budget, last.phase, last.message) from None

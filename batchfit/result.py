@@ -180,7 +180,7 @@ class Settings:
     steps_per_trial: int = 3
     verify_steps: int = 6
     headroom: float = 0.10
-    strategy: str = "binary"
+    strategy: str = "interpolate"
     memory_limit_bytes: int | None = None
     limit_source: str = "device"
     time_budget_s: float | None = None

@@ -25,25 +25,27 @@ def test_find_returns_the_exhaustive_boundary(name: str) -> None:
     truth = exhaustive_boundary(model, sample, cap, STEPS)
     assert 4 < truth < 80, f"cap {cap} gives an unhelpful boundary {truth} for {name}"
 
-    result = batchfit.find(model, sample, memory_limit=cap, steps_per_trial=STEPS)
+    for strategy in ("interpolate", "binary"):
+        result = batchfit.find(model, sample, memory_limit=cap, steps_per_trial=STEPS, strategy=strategy)
+        assert result.settings.strategy == strategy
 
-    assert result.max_batch == truth
-    assert result.boundary_reached and result.stop_reason == "boundary"
-    assert not result.non_monotone
-    search = result.search_trials
-    assert len(search) <= 2 * (result.settings.max_batch - 1).bit_length() + 2
-    assert result.trial(truth).fits and not result.trial(truth + 1).fits
-    assert result.safe_verified and result.safe_batch <= result.max_batch
-    assert result.trials[-1].kind == "verify" and result.trials[-1].batch_size == result.safe_batch
-    assert result.trials[-1].peak_bytes <= 0.9 * result.budget_bytes
-    assert result.best_throughput_batch in {t.batch_size for t in result.trials if t.fits}
-    assert all(t.leaked_bytes == 0 for t in result.trials)
-    fitted = [t for t in result.trials if t.fits]
-    assert all(t.peak_bytes <= result.budget_bytes for t in fitted)
-    assert all(t.samples_per_s and t.samples_per_s > 0 for t in fitted)
-    failed = [t for t in result.trials if not t.fits]
-    assert failed and all(t.phase in {"batch", "forward", "backward", "step"} for t in failed)
-    assert all(t.peak_bytes > result.budget_bytes for t in failed)
+        assert result.max_batch == truth
+        assert result.boundary_reached and result.stop_reason == "boundary"
+        assert not result.non_monotone
+        search = result.search_trials
+        assert len(search) <= 2 * (result.settings.max_batch - 1).bit_length() + 2
+        assert result.trial(truth).fits and not result.trial(truth + 1).fits
+        assert result.safe_verified and result.safe_batch <= result.max_batch
+        assert result.trials[-1].kind == "verify" and result.trials[-1].batch_size == result.safe_batch
+        assert result.trials[-1].peak_bytes <= 0.9 * result.budget_bytes
+        assert result.best_throughput_batch in {t.batch_size for t in result.trials if t.fits}
+        assert all(t.leaked_bytes == 0 for t in result.trials)
+        fitted = [t for t in result.trials if t.fits]
+        assert all(t.peak_bytes <= result.budget_bytes for t in fitted)
+        assert all(t.samples_per_s and t.samples_per_s > 0 for t in fitted)
+        failed = [t for t in result.trials if not t.fits]
+        assert failed and all(t.phase in {"batch", "forward", "backward", "step"} for t in failed)
+        assert all(t.peak_bytes > result.budget_bytes for t in failed)
 
 
 def test_memory_equation_predicts_the_measured_peaks() -> None:
@@ -62,11 +64,18 @@ def test_memory_equation_predicts_the_measured_peaks() -> None:
 
 def test_reaching_max_batch_says_the_boundary_was_not_reached() -> None:
     model, sample = examples.mlp()
-    result = batchfit.find(model, sample, memory_limit="1GiB", max_batch=24, steps_per_trial=1, verify_steps=1)
-    assert result.max_batch == 24
-    assert not result.boundary_reached and result.stop_reason == "max_batch"
-    assert [t.batch_size for t in result.search_trials] == [2, 4, 8, 16, 24]
-    assert any("may be larger" in note for note in result.notes)
+    for strategy in ("binary", "interpolate"):
+        result = batchfit.find(
+            model, sample, memory_limit="1GiB", max_batch=24, steps_per_trial=1, verify_steps=1, strategy=strategy
+        )
+        assert result.max_batch == 24
+        assert not result.boundary_reached and result.stop_reason == "max_batch"
+        assert any("may be larger" in note for note in result.notes)
+        sizes = [t.batch_size for t in result.search_trials]
+        if strategy == "binary":
+            assert sizes == [2, 4, 8, 16, 24]
+        else:  # the measured memory says 24 is far below the budget: it goes straight there
+            assert sizes[-1] == 24 and len(sizes) < 5
 
 
 def test_multiple_of_keeps_every_size_on_the_grid() -> None:
@@ -193,7 +202,13 @@ def test_memory_a_trial_keeps_is_reported_as_leaked() -> None:
 
     model = Hoarder()
     result = batchfit.find(
-        model, torch.randn(2, 64), memory_limit="8MiB", max_batch=8, steps_per_trial=1, verify_steps=0
+        model,
+        torch.randn(2, 64),
+        memory_limit="8MiB",
+        max_batch=8,
+        steps_per_trial=1,
+        verify_steps=0,
+        strategy="binary",
     )
     assert [t.leaked_bytes for t in result.trials] == [2 * 64 * 4, 4 * 64 * 4, 8 * 64 * 4]
     assert any("left 512 B allocated" in note for note in result.notes)

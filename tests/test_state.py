@@ -90,7 +90,12 @@ def test_state_is_restored_when_a_step_raises(error: BaseException) -> None:
     seen: list[int] = []
     with pytest.raises(type(error)) as info:
         batchfit.find(
-            model, sample, optimizer=optimizer, memory_limit="64MiB", callback=lambda t: seen.append(t.batch_size)
+            model,
+            sample,
+            optimizer=optimizer,
+            memory_limit="64MiB",
+            strategy="binary",
+            callback=lambda t: seen.append(t.batch_size),
         )
     assert info.value is error  # propagated unchanged, never taken for an OOM
     assert seen == [2, 4]
