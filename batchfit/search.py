@@ -76,9 +76,7 @@ class Grid:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.init % self.multiple_of:
-            raise ValueError(
-                f"init_batch={self.init} must be a multiple of multiple_of={self.multiple_of}"
-            )
+            raise ValueError(f"init_batch={self.init} must be a multiple of multiple_of={self.multiple_of}")
         if self.maximum < self.init:
             raise ValueError(f"max_batch={self.maximum} is smaller than init_batch={self.init}")
 
@@ -161,14 +159,17 @@ class Interpolating:
     Proposals, in order:
 
     * one fitting size and a budget: the proportional jump ``low * budget / peak(low)``, which
-      fits whenever the peak per sample does not grow with the batch (fixed bytes are >= 0),
-      or doubling if that is larger;
-    * a prediction above ``low``: ``p`` itself when the line is verified by a third point,
-      else 10% short of it (:data:`HEDGE`);
-    * a prediction at or below ``low`` (the model says ``low`` is the boundary): ``low + step``,
-      galloping (+2, +4 steps...) while such predictions keep being wrong;
+      fits whenever the peak per sample does not grow with the batch (fixed bytes are >= 0);
+      a sure fit gives the second point a line needs, where doubling may fail and give none.
+      If the jump is not above ``low``, double;
+    * a prediction above ``low``: ``p`` itself when a third point confirms the line, else
+      short of it by 10% (:data:`HEDGE`) of how uncertain it is (the distance it extrapolates,
+      or how far the last new point moved it, whichever is smaller);
+    * a prediction at or below ``low`` (the model says ``low`` is the boundary): ``low + step``
+      to confirm, then galloping up (10%, 20%, ... of the bracket) while such predictions keep
+      being wrong;
     * a prediction at or above a failed ``high`` (the model over-estimates): ``high - step``,
-      galloping down while sizes keep failing; gallops never pass the bracket's midpoint;
+      then galloping down while sizes keep failing; gallops never pass the bracket's midpoint;
     * no usable prediction: the plain proposal (double, or the midpoint).
 
     With exact memory lines this finds the boundary in about four or five trials. Its worst
