@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -56,24 +56,23 @@ def _memory_limit(value: str) -> str:
     return value
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be at least 1")
-    return number
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for integers >= ``minimum`` (1 for sizes, 0 for step counts)."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"{value!r} must be at least {minimum}")
+        return number
+
+    return parse
 
 
-def _count(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{value!r} must be 0 or more")
-    return number
+_positive_int = _int_at_least(1)
+_count = _int_at_least(0)
 
 
 def _fraction(value: str) -> float:

@@ -130,7 +130,8 @@ class LiveTensorMeter(Meter):
             if nbytes is not None:
                 self._current -= nbytes
 
-    def _observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def _observe(self, args: tuple, kwargs: dict, out: Any) -> int:
+        """Count the new storages among ``out``; return the bytes they added."""
         inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         added = 0
         for tensor in tree_leaves(out):
@@ -147,15 +148,20 @@ class LiveTensorMeter(Meter):
             self._add(key, nbytes)
             weakref.finalize(storage, self._release, key)
             added += nbytes
+        return added
+
+    def _over_limit(self, func: Any, added: int) -> torch.OutOfMemoryError | None:
+        """The error to raise when the bytes just ``added`` took live memory over the limit."""
         limit = self.budget_bytes
-        if added and limit is not None and self._current > limit:
-            self._last_failure = self._current
-            raise torch.OutOfMemoryError(
-                f"CPU out of memory under batchfit's live-tensor limit: {func} tried to allocate "
-                f"{format_bytes(added)} with {format_bytes(self._current - added)} of tensors live "
-                f"and a limit of {format_bytes(limit)} "
-                f"(DefaultCPUAllocator: can't allocate memory: you tried to allocate {added} bytes)"
-            )
+        if not added or limit is None or self._current <= limit:
+            return None
+        self._last_failure = self._current
+        return torch.OutOfMemoryError(
+            f"CPU out of memory under batchfit's live-tensor limit: {func} tried to allocate "
+            f"{format_bytes(added)} with {format_bytes(self._current - added)} of tensors live "
+            f"and a limit of {format_bytes(limit)} "
+            f"(DefaultCPUAllocator: can't allocate memory: you tried to allocate {added} bytes)"
+        )
 
     # Meter interface ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -205,7 +211,12 @@ class _DispatchObserver(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self._meter._observe(func, args, kwargs, out)
+        error = self._meter._over_limit(func, self._meter._observe(args, kwargs, out))
+        if error is not None:
+            # A real allocator never hands out the failing block: drop it before raising, so
+            # no frame of the traceback keeps it alive while the caller handles the error.
+            del out
+            raise error
         return out
 
 

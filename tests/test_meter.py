@@ -107,3 +107,16 @@ def test_cnn_scratch_memory_is_what_the_meter_does_not_see() -> None:
     optimizer = torch.optim.AdamW(model.parameters())
     profiled = _profiler_peak(lambda: _training_step(model, batch, optimizer))
     assert live <= profiled + 1024
+
+
+def test_the_failing_allocation_is_released_before_the_error_reaches_the_caller() -> None:
+    meter = LiveTensorMeter(budget_bytes=4096, total_bytes=None, baseline_bytes=0)
+    meter.begin_trial()
+    with meter.tracking():
+        try:
+            torch.empty(2048, dtype=torch.float32)  # 8 KiB: over the cap
+        except torch.OutOfMemoryError:
+            # Still inside the handler, traceback alive: live memory is back under the cap.
+            assert meter.allocated_bytes() == 0
+        else:
+            raise AssertionError("the cap did not raise")
