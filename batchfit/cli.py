@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
     probe.add_argument("--max-batch", type=_positive_int, metavar="N", help="largest batch size to try (default 32768)")
     probe.add_argument(
-        "--init-batch", type=_positive_int, metavar="N", help="first batch size to try (default: --multiple-of)"
+        "--init-batch", type=_positive_int, metavar="N", help="first batch size to try (default 2, or --multiple-of when larger)"
     )
     probe.add_argument(
         "--multiple-of", type=_positive_int, default=1, metavar="N", help="only try multiples of N (default 1)"
@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify-steps", type=_count, metavar="N", help="steps that verify the safe batch (default 5; 0 skips)"
     )
     probe.add_argument("--time-budget", type=_seconds, metavar="SECONDS", help="start no new search trial after this")
+    probe.add_argument(
+        "--strategy",
+        choices=("interpolate", "binary"),
+        help="search strategy: aim at the budget from measured memory (default), or plain bisection",
+    )
     probe.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' for stdout)")
     probe.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
     probe.add_argument(
@@ -300,7 +305,7 @@ def _find_kwargs(args: argparse.Namespace, target: Target, device: str, limit: s
         "steps_per_trial": args.steps_per_trial,
         "headroom": args.headroom,
     }
-    for name in ("max_batch", "init_batch", "verify_steps"):
+    for name in ("max_batch", "init_batch", "verify_steps", "strategy"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     if args.time_budget is not None:

@@ -144,6 +144,22 @@ def test_probe_builtin_example_writes_json_that_round_trips(tmp_path: Path) -> N
     assert re.search(rf"^safe batch\s+{result.safe_batch}\b", proc.stdout, re.MULTILINE)
     assert "weights" in proc.stdout and "optimizer state" in proc.stdout and "/sample" in proc.stdout
     assert "running on CPU under a limit of 24.00 MiB" in proc.stdout
+    assert result.settings.strategy == "interpolate"
+
+
+def test_probe_strategy_option_reaches_find(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    proc = run_cli(
+        "probe", "batchfit.examples:gpt", "--device", "cpu", "--memory-limit", "24MiB", "--verify-steps", "0",
+        "--strategy", "binary", "--json", str(out),
+    )  # fmt: skip
+
+    assert proc.returncode == 0, proc.stderr
+    result = Result.from_json(out.read_text())
+    assert result.settings.strategy == "binary"
+    sizes = [t.batch_size for t in result.search_trials]
+    assert sizes[:3] == [2, 4, 8]  # plain doubling
+    assert run_cli("probe", "batchfit.examples:gpt", "--strategy", "guess").returncode == 2
 
 
 @pytest.mark.skipif(not NO_GPU, reason="the CPU default applies only where there is no GPU")
