@@ -136,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
     probe.add_argument("--max-batch", type=_positive_int, metavar="N", help="largest batch size to try (default 32768)")
     probe.add_argument(
-        "--init-batch", type=_positive_int, metavar="N", help="first batch size to try (default 2, or --multiple-of when larger)"
+        "--init-batch",
+        type=_positive_int,
+        metavar="N",
+        help="first batch size to try (default 2, or --multiple-of when larger)",
     )
     probe.add_argument(
         "--multiple-of", type=_positive_int, default=1, metavar="N", help="only try multiples of N (default 1)"
