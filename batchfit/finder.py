@@ -314,7 +314,11 @@ def find(
     started = time.monotonic()
     multiple_of = _positive_int("multiple_of", multiple_of)
     if init_batch is None:
-        init_batch = multiple_of if multiple_of > 1 else min(2, max_batch) if isinstance(max_batch, int) else 2
+        # 2 rather than 1 (BatchNorm cannot train on one sample), but never above max_batch;
+        # a max_batch of the wrong type is left for Grid to name.
+        init_batch = max(multiple_of, 2)
+        if multiple_of == 1 and isinstance(max_batch, int) and max_batch < init_batch:
+            init_batch = 1
     grid = search_mod.Grid(
         init=init_batch,
         maximum=max_batch,

@@ -81,8 +81,13 @@ class Meter:
         return dict(self._phase_peaks)
 
     def failure_bytes(self, message: str) -> int | None:
-        """Memory live plus the failing request, read inside the ``except`` of an OOM."""
-        raise NotImplementedError
+        """Memory live plus the failing request, read inside the ``except`` of an OOM.
+
+        Read while the failed step's tensors are still referenced, so "live" is what the
+        step had when the allocator said no; ``None`` when the message states no size.
+        """
+        requested = requested_bytes(message)
+        return None if requested is None else self.allocated_bytes() + requested
 
     def synchronize(self) -> None:
         """Wait for queued device work (so wall-clock timing is honest)."""
@@ -132,7 +137,7 @@ class LiveTensorMeter(Meter):
 
     def _observe(self, args: tuple, kwargs: dict, out: Any) -> int:
         """Count the new storages among ``out``; return the bytes they added."""
-        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs: set[int | None] | None = None  # built only when an output storage is not known yet
         added = 0
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
@@ -142,7 +147,11 @@ class LiveTensorMeter(Meter):
             except (RuntimeError, NotImplementedError):  # sparse, nested, ... : no plain storage
                 continue
             key = storage._cdata
-            if key in inputs or key in self._live:
+            if key in self._live:
+                continue
+            if inputs is None:
+                inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            if key in inputs:
                 continue
             nbytes = storage.nbytes()
             self._add(key, nbytes)
@@ -195,10 +204,8 @@ class LiveTensorMeter(Meter):
                 self._phase = None
 
     def failure_bytes(self, message: str) -> int | None:
-        if self._last_failure is not None:
-            return self._last_failure
-        requested = requested_bytes(message)
-        return None if requested is None else self.allocated_bytes() + requested
+        # The meter's own limit knows exactly; a real allocator failure states its request.
+        return self._last_failure if self._last_failure is not None else super().failure_bytes(message)
 
 
 class _DispatchObserver(TorchDispatchMode):
@@ -266,10 +273,6 @@ class CudaMeter(Meter):
             self.synchronize()
             peak = torch.cuda.max_memory_allocated(self.device)
             self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), peak)
-
-    def failure_bytes(self, message: str) -> int | None:
-        requested = requested_bytes(message)
-        return None if requested is None else self.allocated_bytes() + requested
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
