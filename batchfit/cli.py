@@ -56,6 +56,16 @@ def _memory_limit(value: str) -> str:
     return value
 
 
+def _reserve(value: str) -> str:
+    if value == "auto":
+        return value
+    try:
+        parse_memory_limit(value, None)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (or 'auto')".replace("memory_limit ", "")) from None
+    return value
+
+
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse ``type`` for integers >= ``minimum`` (1 for sizes, 0 for step counts)."""
 
@@ -123,8 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-limit",
         type=_memory_limit,
         metavar="SIZE|FRACTION",
-        help=f"memory budget: a size (24GiB, 512MB) or a fraction of the device (0.8); "
-        f"default: the whole GPU, or {CLI_CPU_MEMORY_LIMIT} of live tensors on CPU",
+        help=f"memory budget: a size (24GiB, 512MB) or a fraction of the device's total memory (0.8; on CPU, of "
+        f"the available memory); on a GPU it caps what the allocator reserves; default: what the process can reach "
+        f"on the GPU, or {CLI_CPU_MEMORY_LIMIT} of live tensors on CPU",
+    )
+    probe.add_argument(
+        "--reserve",
+        type=_reserve,
+        metavar="SIZE|auto",
+        help="memory taken off --memory-limit for what a GPU of that size loses outside the allocator (CUDA "
+        "context, handles): --memory-limit 24GB --reserve 600MiB stands for a 24 GB card; 'auto' measures what "
+        "the device uses outside this process's allocator now",
     )
     probe.add_argument(
         "--headroom",
@@ -221,12 +240,13 @@ def _probe(args: argparse.Namespace) -> int:
             from batchfit.testing import check_fits
 
             outcome: Any = check_fits(
-                target.model, batch_size=args.require_batch, memory_limit=limit, **calls.kwargs(), **kwargs
+                target.model, target.sample, batch_size=args.require_batch, **calls.kwargs(), **kwargs
             )
         else:
-            from batchfit.finder import find
+            from batchfit.finder import find_with
+            from batchfit.options import Options
 
-            outcome = find(target.model, memory_limit=limit, **calls.kwargs(), **kwargs)
+            outcome = find_with(target.model, target.sample, Options(**kwargs), **calls.kwargs())
     except BaseException as exc:
         view.stop()
         return _probe_failed(exc, calls.started, args.traceback)
@@ -265,14 +285,14 @@ class _Calls:
 def _plan(args: argparse.Namespace) -> tuple[str, str | None, list[str], int | None]:
     """The device, the memory limit, the header lines that say where the probe runs and under
     which limit, and the budget as far as it is known before the probe starts."""
-    import torch
+    from batchfit.backends import default_device
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or default_device()
     limit = args.memory_limit
     header = [f"batchfit {__version__}: probing {args.target} ({args.mode}) on {device}"]
     on_cpu = device.split(":")[0] == "cpu"
     if on_cpu:
-        why = "" if args.device else "no CUDA device: "
+        why = "" if args.device else "no GPU: "
         if limit is None:
             limit = CLI_CPU_MEMORY_LIMIT
             source = "the CLI's CPU default; --memory-limit SIZE to change"
@@ -281,7 +301,8 @@ def _plan(args: argparse.Namespace) -> tuple[str, str | None, list[str], int | N
         shown = _shown_limit(limit)
         header.append(f"{why}running on CPU under a limit of {shown} on live tensor bytes ({source})")
     elif limit is not None:
-        header.append(f"memory limit {_shown_limit(limit)} (--memory-limit)")
+        reserve = f" less --reserve {args.reserve}" if args.reserve else ""
+        header.append(f"memory limit {_shown_limit(limit)} (--memory-limit{reserve}), counting reserved bytes")
     if args.require_batch is not None:
         header.append(f"gate: does batch {args.require_batch} fit?")
     try:
@@ -295,13 +316,16 @@ def _shown_limit(limit: str) -> str:
     try:
         return format_bytes(parse_memory_limit(limit, None))
     except ValueError:
-        return f"{float(limit):.0%} of the available memory"
+        return f"{float(limit):.0%} of the device's memory"
 
 
 def _find_kwargs(args: argparse.Namespace, target: Target, device: str, limit: str | None) -> dict[str, Any]:
+    """``batchfit.options.Options`` keywords: the target's extras and the command line's options."""
     kwargs: dict[str, Any] = {
-        **target.find_kwargs(),
+        **target.extras,
         "device": device,
+        "memory_limit": limit,
+        "reserve": args.reserve,
         "amp": args.amp,
         "mode": args.mode,
         "multiple_of": args.multiple_of,
@@ -360,7 +384,7 @@ def _first_line(exc: BaseException) -> str:
 def _devices(args: argparse.Namespace) -> int:
     import json
 
-    from batchfit.gpu_info import query_devices
+    from batchfit.nvml import query_devices
     from batchfit.view import devices_lines
 
     report = query_devices()

@@ -55,3 +55,14 @@ class NothingFitsError(BatchfitError):
 class DeviceFailedError(BatchfitError):
     """The device reported an error that poisons its context (CUDA illegal memory access,
     device-side assert, ...). The probe stops: later trials on that context would lie."""
+
+
+class LimitError(BatchfitError):
+    """A memory limit that cannot be enforced: this process already holds more memory on the
+    device than the limit allows, so the allocator's cap would not stop the first trial."""
+
+
+class NoOptimizerStepError(BatchfitError):
+    """The optimizer never stepped in a trial (with fp16, every step's gradients overflowed and
+    the ``GradScaler`` skipped ``optimizer.step()``), so the optimizer state was never allocated
+    and the trial's memory cannot be trusted."""

@@ -1,10 +1,11 @@
 """``find()``: the search, run on real trials, assembled into a :class:`Result`.
 
 :class:`Prober` owns the lifetime of a probe: it validates the input, snapshots the user's
-model and optimizer, moves the model to the probe device, applies the memory limit, runs
-trials on request, and in ``__exit__`` (also on an error or Ctrl-C) undoes all of it and
-releases the memory. :func:`find` drives a :class:`Prober` with the pure search from
-``search.py``, then picks and verifies a safe batch.
+model and optimizer, moves the model to the probe device, warms the device up, applies the
+memory limit, runs trials on request, and in ``__exit__`` (also on an error or Ctrl-C) undoes
+all of it and releases the memory. Everything device-specific is asked of the device's
+backend (``batchfit.backends``). :func:`find` drives a :class:`Prober` with the pure search
+from ``search.py``, then picks and verifies a safe batch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import gc
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -21,40 +23,22 @@ import torch
 from torch import nn
 
 from batchfit import search as search_mod
-from batchfit.devices import describe, resolve_device
-from batchfit.errors import NothingFitsError
-from batchfit.memory import DEFAULT_CPU_FRACTION, CudaMeter, LiveTensorMeter, Meter, available_host_bytes
-from batchfit.result import DeviceInfo, MemoryModel, Result, Settings, Trial
+from batchfit.backends import Meter, backend_for, resolve_device
+from batchfit.errors import DeviceFailedError, NothingFitsError
+from batchfit.oom import annotate
+from batchfit.options import DEFAULT_MAX_BATCH, Options, positive_int
+from batchfit.result import DeviceInfo, MemoryModel, Result, Settings, Trial, TrialKind, Unit
 from batchfit.state import Snapshot, take
 from batchfit.trial import run_trial
 from batchfit.units import format_bytes, parse_memory_limit
 from batchfit.version import __version__
-from batchfit.workload import (
-    AMP_DTYPES,
-    MODES,
-    Workload,
-    batch_size_of,
-    optimizer_factory,
-    tensor_leaves,
-    to_device,
-    validate_choice,
-)
+from batchfit.workload import AMP_DTYPES, Workload, batch_size_of, optimizer_factory, tensor_leaves, to_device
 
 TrialCallback = Callable[[Trial], None]
 StartCallback = Callable[[int, str], None]
 ProbeStartCallback = Callable[[DeviceInfo, "int | None"], None]
 
-#: Above 65535 rows some CUDA kernels fail with "invalid configuration argument", which is not
-#: an out-of-memory; the default ceiling stays below it.
-DEFAULT_MAX_BATCH = 32768
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+__all__ = ["DEFAULT_MAX_BATCH", "Prober", "find", "find_with"]
 
 
 class Prober:
@@ -65,130 +49,126 @@ class Prober:
         with batchfit.Prober(model, sample, memory_limit="8GiB") as prober:
             trial = prober.trial(64)          # a real Trial: fits, peak_bytes, samples_per_s...
 
-    Arguments are those of :func:`batchfit.find` that describe the work and the device.
+    Keywords are :func:`batchfit.find`'s (an :class:`~batchfit.options.Options` as ``options=``,
+    keywords override it); the search keywords are accepted and ignored here.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        sample: Any = None,
-        *,
-        make_batch: Callable[[int], Any] | None = None,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        step_fn: Callable[[nn.Module, Any], Any] | None = None,
-        optimizer: Any = None,
-        amp: str | None = None,
-        mode: str = "train",
-        device: str | torch.device | None = None,
-        memory_limit: int | float | str | None = None,
-        steps_per_trial: int = 3,
-    ) -> None:
+    def __init__(self, model: nn.Module, sample: Any = None, *, options: Options | None = None, **kwargs: Any) -> None:
+        options = Options(**kwargs) if options is None else replace(options, **kwargs)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if (sample is None) == (make_batch is None):
+        if (sample is None) == (options.make_batch is None):
             raise TypeError(
                 "pass exactly one of sample= (one batch; its first dimension is the batch) "
                 "or make_batch= (a callable batch_size -> batch)"
                 if sample is None
                 else "pass either sample or make_batch, not both"
             )
-        if make_batch is not None and not callable(make_batch):
-            raise TypeError(f"make_batch must be callable, got {type(make_batch).__name__}")
-        for name, fn in (("loss_fn", loss_fn), ("step_fn", step_fn)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
-        if loss_fn is not None and step_fn is not None:
-            raise ValueError("pass loss_fn or step_fn, not both (step_fn computes the loss itself)")
-        validate_choice("mode", mode, MODES)
-        validate_choice("amp", amp, (None, *AMP_DTYPES))
-        self.steps_per_trial = _positive_int("steps_per_trial", steps_per_trial)
+        self.options = options
+        self.steps_per_trial = options.steps_per_trial
+        self.mode = options.mode
         self._sample_size = batch_size_of(sample) if sample is not None else None
-        self._user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-        self._new_optimizer = optimizer_factory(optimizer)
-        self.device = resolve_device(device, model)
-        self.device_info: DeviceInfo = describe(self.device)
+        self._user_optimizer = options.optimizer if isinstance(options.optimizer, torch.optim.Optimizer) else None
+        self._new_optimizer = optimizer_factory(options.optimizer)
+        self.device = resolve_device(options.device, model)
+        self.backend = backend_for(self.device)
+        self.device_info: DeviceInfo = self.backend.describe(self.device)
         self._model = model
         self._raw_sample = sample
-        self._make_batch = make_batch
-        self._loss_fn = loss_fn
-        self._step_fn = step_fn
-        self._amp = amp
-        self.mode = mode
-        self.limit_bytes, self.limit_source = self._resolve_limit(memory_limit)
+        self.limit_bytes, self.limit_source, self.reserve_bytes = self._resolve_limit()
         self.budget_bytes: int | None = None
         self.meter: Meter | None = None
         self.optimizer_state_bytes = 0
+        #: Things the probe's set-up wants the result to say (a clipped budget, ...).
+        self.notes: list[str] = []
+        self._grad_scale: float | None = None
         self._workload: Workload | None = None
         self._snapshot: Snapshot | None = None
         self._stack: contextlib.ExitStack | None = None
 
-    def _resolve_limit(self, memory_limit: int | float | str | None) -> tuple[int | None, str]:
-        if self.device.type == "cpu":
-            available = available_host_bytes()
-            if memory_limit is None:
-                if available is None:
-                    raise ValueError("cannot read the host's available memory: pass memory_limit=")
-                return int(available * DEFAULT_CPU_FRACTION), (
-                    f"default: {DEFAULT_CPU_FRACTION:.0%} of available host memory"
-                )
-            return parse_memory_limit(memory_limit, available), "memory_limit"
-        if memory_limit is None:
-            return None, "device"
-        return parse_memory_limit(memory_limit, self.device_info.total_bytes), "memory_limit"
+    @property
+    def counts(self) -> Unit:
+        """The memory the budget counts on this device (see ``batchfit.backends.base``)."""
+        return self.meter.counts if self.meter is not None else "allocated"
+
+    def _resolve_limit(self) -> tuple[int | None, str, int]:
+        """The limit in bytes (``reserve`` taken off), where it came from, and the reserve."""
+        backend, device, options = self.backend, self.device, self.options
+        if options.memory_limit is None:
+            if options.reserve is not None:
+                raise ValueError("reserve= only applies with a memory_limit (it is taken off the limit)")
+            limit, source = backend.default_limit(device)
+            return limit, source, 0
+        limit = parse_memory_limit(options.memory_limit, backend.limit_total_bytes(device))
+        if options.reserve is None:
+            return limit, "memory_limit", 0
+        if options.reserve == "auto":
+            reserve = backend.outside_allocator_bytes(device)
+        else:
+            reserve = parse_memory_limit(options.reserve, None)
+        if reserve >= limit:
+            raise ValueError(
+                f"reserve {format_bytes(reserve)} is not below memory_limit {format_bytes(limit)}: nothing is left"
+            )
+        return limit - reserve, f"memory_limit {format_bytes(limit)} less reserve {format_bytes(reserve)}", reserve
 
     # lifetime ------------------------------------------------------------------------------------
     def __enter__(self) -> Prober:
-        self._snapshot = take(self._model, self._user_optimizer)
+        self._snapshot = take(self._model, self._user_optimizer, self.backend, self.device)
         self._stack = contextlib.ExitStack()
         try:
             self._prepare()
         except BaseException:
-            self._finish()
+            self._finish(device_usable=True)
             raise
         return self
 
     def _prepare(self) -> None:
-        model = self._model
+        model, device, options = self._model, self.device, self.options
         with torch.no_grad():
             for param in model.parameters():
                 param.grad = None
             for tensor in [*model.parameters(), *model.buffers()]:
-                if tensor.device != self.device:
-                    tensor.data = tensor.data.to(self.device)
+                if tensor.device != device:
+                    tensor.data = tensor.data.to(device)
         model.train(self.mode == "train")
-        sample = to_device(self._raw_sample, self.device) if self._raw_sample is not None else None
+        sample = to_device(self._raw_sample, device) if self._raw_sample is not None else None
         self._workload = Workload(
             model=model,
-            device=self.device,
+            device=device,
             mode=self.mode,
             sample=sample,
             sample_size=self._sample_size,
-            make_batch=self._make_batch,
-            loss_fn=self._loss_fn,
-            step_fn=self._step_fn,
+            make_batch=options.make_batch,
+            loss_fn=options.loss_fn,
+            step_fn=options.step_fn,
             new_optimizer=self._new_optimizer,
-            amp=self._amp,
+            amp=options.amp,
         )
-        if self.mode == "train" and not self._workload.trainable_parameters() and self._step_fn is None:
+        if self.mode == "train" and not self._workload.trainable_parameters() and options.step_fn is None:
             raise ValueError(
                 "the model has no trainable parameter: a training probe needs one (or use mode='inference')"
             )
-        self.meter = self._make_meter(sample)
+        self.backend.warm_up(device, AMP_DTYPES.get(options.amp or ""))
+        self.budget_bytes = self._budget()
+        held = [*model.parameters(), *model.buffers()] + [t for _, t in tensor_leaves(sample, "sample")]
+        self.meter = self.backend.make_meter(device, self.budget_bytes, self.limit_bytes, tensors=held)
         assert self._stack is not None
         self._stack.enter_context(self.meter.active())
 
-    def _make_meter(self, sample: Any) -> Meter:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            reachable = free + torch.cuda.memory_reserved(self.device)
-            self.budget_bytes = (
-                reachable
-                if self.limit_bytes is None
-                else min(self.limit_bytes, self.device_info.total_bytes or self.limit_bytes)
+    def _budget(self) -> int | None:
+        """The limit, clipped to what this process can reach on the device (and said so)."""
+        reachable = self.backend.reachable_bytes(self.device)
+        if self.limit_bytes is None:
+            return reachable
+        if reachable is not None and self.limit_bytes > reachable:
+            self.notes.append(
+                f"the memory limit {format_bytes(self.limit_bytes)} is more than this process can reach on "
+                f"{self.device} ({format_bytes(reachable)} free or held by it): the budget is "
+                f"{format_bytes(reachable)}, and batch sizes are what fits there, not under the limit"
             )
-            return CudaMeter(self.device, self.budget_bytes, self.limit_bytes)
-        self.budget_bytes = self.limit_bytes
-        return LiveTensorMeter(self.limit_bytes, self.device_info.total_bytes, _live_bytes(self._model, sample))
+            return reachable
+        return self.limit_bytes
 
     def __exit__(
         self,
@@ -196,49 +176,53 @@ class Prober:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._finish()
+        failed = isinstance(exc, DeviceFailedError)
+        self._finish(device_usable=not failed)
+        if failed and exc is not None and self.device.type != "cpu":
+            annotate(
+                exc,
+                f"batchfit: the model's tensors that were on {self.device} were restored to their exact values "
+                "on the CPU: the device cannot be used again in this process",
+            )
 
-    def _finish(self) -> None:
+    def _finish(self, device_usable: bool) -> None:
+        """Undo everything. On a failed device nothing is asked of it: every call would raise
+        and the raw device error would replace the one that explains what happened."""
         try:
             if self._stack is not None:
-                self._stack.close()
+                if device_usable:
+                    self._stack.close()
+                else:
+                    with contextlib.suppress(Exception):
+                        self._stack.close()
         finally:
+            self._stack = None
             self._workload = None
             if self._snapshot is not None:
-                self._snapshot.restore()
+                self._snapshot.restore(device_usable)
                 self._snapshot = None
             gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            if device_usable:
+                self.backend.empty_cache(self.device)
 
     # trials ----------------------------------------------------------------------------------------
-    def trial(self, batch_size: int, steps: int | None = None, kind: str = "search") -> Trial:
+    def trial(self, batch_size: int, steps: int | None = None, kind: TrialKind = "search") -> Trial:
         """Run one real trial at ``batch_size`` (``steps`` defaults to ``steps_per_trial``)."""
         if self._workload is None or self.meter is None:
             raise RuntimeError("Prober.trial() needs an active probe: use 'with Prober(...) as p:'")
-        batch_size = _positive_int("batch_size", batch_size)
-        steps = self.steps_per_trial if steps is None else _positive_int("steps", steps)
-        run = run_trial(self._workload, self.meter, batch_size, steps, kind)
+        batch_size = positive_int("batch_size", batch_size)
+        steps = self.steps_per_trial if steps is None else positive_int("steps", steps)
+        run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale)
+        self._grad_scale = run.grad_scale
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
         return run.trial
 
-    def memory_parts(self) -> tuple[int, int]:
-        """(weights bytes, gradient bytes) of the model as probed."""
+    def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
+        """The memory equation of ``trials``, in the unit the budget counts."""
         weights = sum(p.numel() * p.element_size() for p in self._model.parameters())
         grads = sum(p.numel() * p.element_size() for p in self._model.parameters() if p.requires_grad)
-        return weights, grads if self.mode == "train" else 0
-
-
-def _live_bytes(model: nn.Module, sample: Any) -> int:
-    """Bytes of the distinct storages the probe starts with: weights, buffers, the sample."""
-    storages: dict[int, int] = {}
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t for _, t in tensor_leaves(sample, "sample")] if sample is not None else []
-    for tensor in tensors:
-        if tensor.device.type == "cpu":
-            storage = tensor.untyped_storage()
-            storages[storage._cdata] = storage.nbytes()
-    return sum(storages.values())
+        grads = grads if self.mode == "train" else 0
+        return MemoryModel.fit(trials, weights, grads, self.optimizer_state_bytes, unit=self.counts)
 
 
 def find(
@@ -253,6 +237,7 @@ def find(
     mode: str = "train",
     device: str | torch.device | None = None,
     memory_limit: int | float | str | None = None,
+    reserve: int | str | None = None,
     headroom: float = 0.10,
     init_batch: int | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
@@ -269,8 +254,8 @@ def find(
 
     Runs real steps (forward, loss, backward, optimizer step; forward only with
     ``mode="inference"``) at growing batch sizes until one runs out of memory, then
-    binary-searches the boundary. The model, its buffers, train/eval flags, gradients, the
-    given optimizer and the RNG state are restored exactly afterwards, whatever happens.
+    searches the boundary. The model, its buffers, train/eval flags, gradients, the given
+    optimizer and the RNG state are restored exactly afterwards, whatever happens.
 
     Args:
         model: the ``nn.Module`` to probe.
@@ -281,12 +266,20 @@ def find(
         step_fn: ``(model, batch) -> loss``, replaces forward and loss entirely.
         optimizer: ``None`` (a fresh AdamW), an optimizer (a fresh one of its class and
             hyperparameters is used; yours is never stepped) or a factory ``params -> optimizer``.
-        amp: ``"bf16"`` or ``"fp16"`` to run under autocast (fp16 with a grad scaler).
+        amp: ``"bf16"`` or ``"fp16"`` to run under autocast (fp16 with a grad scaler; steps whose
+            optimizer update the scaler skips do not count, see ``Trial.skipped_steps``).
         mode: ``"train"`` or ``"inference"`` (forward only, under ``torch.inference_mode``).
         device: where to probe; default: where the model is. The model comes back afterwards.
-        memory_limit: bytes, a size (``"24GiB"``) or a fraction of the device's memory (CUDA:
-            its total; CPU: what is available at the start). On CPU the default is half the
-            available host memory, and the limit counts live tensor bytes.
+        memory_limit: bytes, a size (``"24GiB"``) or a fraction of the device's memory (CUDA: its
+            total as the runtime reports it; CPU: what is available at the start). On CUDA it caps
+            what the caching allocator may reserve; on the CPU, live tensor bytes. Without one:
+            on CUDA the memory this process can reach, on the CPU half the available memory.
+            A limit above what the process can reach is clipped to it, with a note.
+        reserve: bytes (or a size) taken off ``memory_limit`` for memory a device of that size
+            loses outside the caching allocator (CUDA context, library handles, NCCL), so that
+            ``memory_limit="24GB", reserve="600MiB"`` stands for a 24 GB card. ``"auto"``: what
+            the device uses outside this process's allocator now (the context, and any other
+            process's memory). Default: nothing.
         headroom: the fraction of the budget the safe batch leaves free.
         init_batch: the first size tried. Default: 2, or ``multiple_of`` when that is larger.
             Batch 1 is skipped by default because BatchNorm cannot train on one sample
@@ -307,49 +300,53 @@ def find(
 
     Raises:
         NothingFitsError: even ``init_batch`` runs out of memory.
+        LimitError: on CUDA, this process already holds more than ``memory_limit``.
+        DeviceFailedError: the device failed for good (device-side assert, illegal address).
         TypeError, ValueError: bad arguments, with a message naming the problem.
         Any exception from the model that is not an out-of-memory, unchanged, with a note that
         names the batch size.
     """
-    started = time.monotonic()
-    multiple_of = _positive_int("multiple_of", multiple_of)
-    if init_batch is None:
-        # 2 rather than 1 (BatchNorm cannot train on one sample), but never above max_batch;
-        # a max_batch of the wrong type is left for Grid to name.
-        init_batch = max(multiple_of, 2)
-        if multiple_of == 1 and isinstance(max_batch, int) and max_batch < init_batch:
-            init_batch = 1
-    grid = search_mod.Grid(
-        init=init_batch,
-        maximum=max_batch,
-        multiple_of=multiple_of,
-    )
-    chooser = search_mod.make_strategy(strategy)
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
-        raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
-    verify_steps = _positive_int("verify_steps", verify_steps, minimum=0)
-    if time_budget is not None and (not isinstance(time_budget, (int, float)) or time_budget <= 0):
-        raise ValueError(f"time_budget must be a positive number of seconds, got {time_budget!r}")
-    for name, fn in (("callback", callback), ("on_trial_start", on_trial_start), ("on_start", on_start)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
-
-    prober = Prober(
-        model,
-        sample,
+    options = Options(
         make_batch=make_batch,
         loss_fn=loss_fn,
         step_fn=step_fn,
         optimizer=optimizer,
-        amp=amp,
-        mode=mode,
+        amp=amp,  # type: ignore[arg-type]
+        mode=mode,  # type: ignore[arg-type]
         device=device,
         memory_limit=memory_limit,
+        reserve=reserve,
         steps_per_trial=steps_per_trial,
+        headroom=headroom,
+        init_batch=init_batch,
+        max_batch=max_batch,
+        multiple_of=multiple_of,
+        verify_steps=verify_steps,
+        strategy=strategy,
+        time_budget=time_budget,
     )
+    return find_with(model, sample, options, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
+
+
+def find_with(
+    model: nn.Module,
+    sample: Any,
+    options: Options,
+    *,
+    callback: TrialCallback | None = None,
+    on_trial_start: StartCallback | None = None,
+    on_start: ProbeStartCallback | None = None,
+) -> Result:
+    """:func:`find` for callers that hold an :class:`~batchfit.options.Options` (the CLI, the gate)."""
+    started = time.monotonic()
+    for name, fn in (("callback", callback), ("on_trial_start", on_trial_start), ("on_start", on_start)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    grid, chooser = options.grid(), options.make_strategy()
+    prober = Prober(model, sample, options=options)
     trials: list[Trial] = []
 
-    def run(batch_size: int, kind: str, steps: int | None = None) -> Trial:
+    def run(batch_size: int, kind: TrialKind, steps: int | None = None) -> Trial:
         if on_trial_start is not None:
             on_trial_start(batch_size, kind)
         trial = prober.trial(batch_size, steps=steps, kind=kind)
@@ -359,49 +356,23 @@ def find(
         return trial
 
     def out_of_time() -> bool:
-        return time_budget is not None and time.monotonic() - started > time_budget
+        return options.time_budget is not None and time.monotonic() - started > options.time_budget
 
     with prober:
-        budget = prober.budget_bytes
+        budget, unit = prober.budget_bytes, prober.counts
         if on_start is not None:
             on_start(prober.device_info, budget)
         try:
-            report = search_mod.search(lambda b: run(b, "search"), grid, chooser, out_of_time, budget_bytes=budget)
+            # The search sees each trial in the unit the budget counts (reserved bytes on CUDA).
+            report = search_mod.search(
+                lambda b: _verdict(run(b, "search"), unit), grid, chooser, out_of_time, budget_bytes=budget
+            )
         except NothingFitsError as failed:
             last = trials[-1]
             raise NothingFitsError(failed.batch_size, failed.needed_bytes, budget, last.phase, last.message) from None
-        weights, grads = prober.memory_parts()
-        memory = MemoryModel.fit(trials, weights, grads, prober.optimizer_state_bytes)
-        safe, verified, safe_notes = _safe_batch(report, trials, memory, budget, headroom, grid, verify_steps, run)
+        memory = prober.memory_model(trials)
+        safe, verified, safe_notes = _safe_batch(report, trials, memory, budget, options, unit, run)
 
-    notes = list(safe_notes)
-    non_monotone = search_mod.is_non_monotone([search_mod.Attempt(t.batch_size, t.fits) for t in trials])
-    if non_monotone:
-        notes.append("memory was not monotone in batch size: a size failed although a larger one fitted")
-    notes += [
-        f"trial at batch {t.batch_size} left {format_bytes(t.leaked_bytes)} allocated after release"
-        for t in trials
-        if t.leaked_bytes
-    ]
-    if not report.boundary_reached:
-        notes.append(
-            f"no size ran out of memory up to {report.largest_fit} ({report.stop_reason}): "
-            "the true maximum may be larger"
-        )
-    settings = Settings(
-        mode=mode,
-        amp=amp,
-        init_batch=grid.init,
-        max_batch=grid.maximum,
-        multiple_of=grid.multiple_of,
-        steps_per_trial=prober.steps_per_trial,
-        verify_steps=verify_steps,
-        headroom=float(headroom),
-        strategy=chooser.name,
-        memory_limit_bytes=prober.limit_bytes,
-        limit_source=prober.limit_source,
-        time_budget_s=None if time_budget is None else float(time_budget),
-    )
     return Result(
         max_batch=report.largest_fit,
         safe_batch=safe,
@@ -409,17 +380,67 @@ def find(
         budget_bytes=budget,
         boundary_reached=report.boundary_reached,
         stop_reason=report.stop_reason,
-        non_monotone=non_monotone,
+        non_monotone=search_mod.is_non_monotone([_verdict(t, unit) for t in trials]),
         safe_verified=verified,
         trials=tuple(trials),
         memory=memory,
         device=prober.device_info,
-        settings=settings,
+        settings=_settings(options, prober, chooser.name),
         elapsed_s=time.monotonic() - started,
         torch_version=torch.__version__,
         batchfit_version=__version__,
-        notes=tuple(notes),
+        notes=tuple([*prober.notes, *safe_notes, *_trial_notes(trials, report)]),
+        budget_counts=unit,
     )
+
+
+def _verdict(trial: Trial, unit: Unit) -> search_mod.Attempt:
+    """A trial as the search sees it: fits or not, and its peaks in the budget's unit."""
+    return search_mod.Attempt(trial.batch_size, trial.fits, trial.peak_in(unit), trial.phase_peaks_in(unit))
+
+
+def _settings(options: Options, prober: Prober, strategy: str) -> Settings:
+    grid = options.grid()
+    return Settings(
+        mode=options.mode,
+        amp=options.amp,
+        init_batch=grid.init,
+        max_batch=grid.maximum,
+        multiple_of=grid.multiple_of,
+        steps_per_trial=options.steps_per_trial,
+        verify_steps=options.verify_steps,
+        headroom=float(options.headroom),
+        strategy=strategy,
+        memory_limit_bytes=prober.limit_bytes,
+        limit_source=prober.limit_source,
+        time_budget_s=None if options.time_budget is None else float(options.time_budget),
+        reserve_bytes=prober.reserve_bytes,
+    )
+
+
+def _trial_notes(trials: list[Trial], report: search_mod.SearchReport) -> list[str]:
+    """What the trials showed that a reader should know: odd memory, leaks, fp16 skips."""
+    notes: list[str] = []
+    if search_mod.is_non_monotone([search_mod.Attempt(t.batch_size, t.fits) for t in trials]):
+        notes.append("memory was not monotone in batch size: a size failed although a larger one fitted")
+    notes += [
+        f"trial at batch {t.batch_size} left {format_bytes(t.leaked_bytes)} allocated after release"
+        for t in trials
+        if t.leaked_bytes
+    ]
+    skipped = sum(t.skipped_steps for t in trials)
+    if skipped:
+        notes.append(
+            f"fp16: the GradScaler skipped {skipped} optimizer step(s) (inf/NaN gradients while its scale came "
+            "down); those steps did not count, every trial ran until its optimizer really stepped, so the "
+            "optimizer state is in every peak"
+        )
+    if not report.boundary_reached:
+        notes.append(
+            f"no size ran out of memory up to {report.largest_fit} ({report.stop_reason}): "
+            "the true maximum may be larger"
+        )
+    return notes
 
 
 def _safe_batch(
@@ -427,24 +448,27 @@ def _safe_batch(
     trials: list[Trial],
     memory: MemoryModel | None,
     budget: int | None,
-    headroom: float,
-    grid: search_mod.Grid,
-    verify_steps: int,
-    run: Callable[[int, str, int | None], Trial],
+    options: Options,
+    unit: Unit,
+    run: Callable[[int, TrialKind, int | None], Trial],
 ) -> tuple[int, bool, list[str]]:
-    """The largest size whose peak leaves ``headroom`` of the budget free, then verified.
+    """The largest size whose peak (in the budget's unit) leaves ``headroom`` of the budget
+    free, then verified.
 
     Candidates: the largest fitting trial whose measured peak is within the target, and the
     memory equation's prediction (which can land between tried sizes). If the verification
     run fails, step down by the headroom fraction and try again (at most three times).
     """
     notes: list[str] = []
+    grid, headroom, verify_steps = options.grid(), options.headroom, options.verify_steps
     largest = report.largest_fit
     if budget is None:
         safe = largest
     else:
         target = budget * (1 - headroom)
-        measured = [t.batch_size for t in trials if t.fits and t.peak_bytes is not None and t.peak_bytes <= target]
+        measured = [
+            t.batch_size for t in trials if t.fits and t.peak_in(unit) is not None and t.peak_in(unit) <= target
+        ]
         predicted = grid.floor(memory.largest_batch_within(target, ceiling=largest)) if memory else 0
         safe = min(largest, max([*measured, predicted, 0]))
         if safe < grid.init:

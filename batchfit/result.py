@@ -8,12 +8,22 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
+from batchfit.search import StopReason
 from batchfit.units import format_bytes
 
 SCHEMA = "batchfit.result/1"
 PHASES = ("batch", "forward", "backward", "step")
+
+#: Where a step was when it ran out of memory, and the phases peaks are recorded for.
+Phase = Literal["batch", "forward", "backward", "step"]
+#: Why a trial ran: the search, the safe batch's verification, or the CI gate's one trial.
+TrialKind = Literal["search", "verify", "gate"]
+#: Which memory a budget, a peak or a memory equation counts: what live tensors hold
+#: (``"allocated"``), or what the allocator holds from the device (``"reserved"``, the unit of
+#: a CUDA limit).
+Unit = Literal["allocated", "reserved"]
 
 
 @dataclass(frozen=True)
@@ -27,21 +37,28 @@ class Trial:
             check the safe batch.
         phase: where it ran out of memory (``"batch"``, ``"forward"``, ``"backward"``,
             ``"step"``), ``None`` when it fitted.
-        peak_bytes: peak memory of the trial. For a failed trial: the memory that would have
-            been live had the failing allocation succeeded, when the backend says (a lower bound
-            of what the size needs), else ``None``.
-        phase_peaks: peak memory per phase, as ``(phase, bytes)`` pairs.
+        peak_bytes: peak allocated memory (live tensors) of the trial. For a failed trial: a
+            lower bound of what the size needs (on the CPU the live bytes plus the failing
+            request; on CUDA the live bytes when it failed), else ``None``.
+        phase_peaks: peak allocated memory per phase, as ``(phase, bytes)`` pairs.
+        reserved_peak_bytes: the same in reserved bytes (what the allocator held from the
+            device; on CUDA a memory limit counts these). Equal to ``peak_bytes`` on the CPU. For
+            a failed CUDA trial: reserved bytes plus the segment the allocator was refused.
+        phase_reserved_peaks: peak reserved memory per phase.
         step_time_s: median wall time of the timed steps (steps 2..N), ``None`` if none ran.
         samples_per_s: ``batch_size / step_time_s``.
         steps: steps that completed.
         leaked_bytes: memory still allocated after the trial was released (0 is healthy).
         message: first line of the out-of-memory error, for failed trials.
+        skipped_steps: steps whose optimizer update a ``GradScaler`` skipped (fp16 gradients
+            overflowed). They ran on top of ``steps``: a trial only counts real optimizer steps,
+            because the optimizer state is allocated in the first one.
     """
 
     batch_size: int
     fits: bool
-    kind: str = "search"
-    phase: str | None = None
+    kind: TrialKind = "search"
+    phase: Phase | None = None
     peak_bytes: int | None = None
     phase_peaks: tuple[tuple[str, int], ...] = ()
     step_time_s: float | None = None
@@ -49,16 +66,28 @@ class Trial:
     steps: int = 0
     leaked_bytes: int = 0
     message: str | None = None
+    reserved_peak_bytes: int | None = None
+    phase_reserved_peaks: tuple[tuple[str, int], ...] = ()
+    skipped_steps: int = 0
 
     @property
     def peaks_by_phase(self) -> dict[str, int]:
         return dict(self.phase_peaks)
 
+    def peak_in(self, unit: Unit) -> int | None:
+        """The peak counted in ``unit``."""
+        return self.reserved_peak_bytes if unit == "reserved" else self.peak_bytes
+
+    def phase_peaks_in(self, unit: Unit) -> tuple[tuple[str, int], ...]:
+        """The per-phase peaks counted in ``unit``."""
+        return self.phase_reserved_peaks if unit == "reserved" else self.phase_peaks
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trial:
         """The inverse of ``dataclasses.asdict(trial)`` (JSON turns the pairs into lists)."""
         values = dict(data)
-        values["phase_peaks"] = tuple((str(p), int(b)) for p, b in data.get("phase_peaks", ()))
+        for name in ("phase_peaks", "phase_reserved_peaks"):
+            values[name] = tuple((str(p), int(b)) for p, b in data.get(name, ()))
         return cls(**values)
 
 
@@ -87,6 +116,11 @@ class MemoryModel:
     ``weights_bytes``, ``gradient_bytes`` and ``optimizer_state_bytes`` are measured directly
     (parameter storages, the gradients and optimizer state the probe's step allocated), so a
     reader can see what the fixed part is made of.
+
+    ``unit`` says which memory the lines count: a result's equation counts what its budget
+    counts (reserved bytes on CUDA, where the limit caps the allocator's segments), because it
+    is the one that predicts the boundary and sizes the safe batch. Fit the other unit from the
+    trials with ``MemoryModel.fit(result.trials, unit="allocated")``.
     """
 
     fixed_bytes: int
@@ -96,6 +130,7 @@ class MemoryModel:
     weights_bytes: int = 0
     gradient_bytes: int = 0
     optimizer_state_bytes: int = 0
+    unit: Unit = "allocated"
 
     def predict(self, batch_size: float) -> int:
         """Predicted peak bytes at ``batch_size``."""
@@ -123,13 +158,14 @@ class MemoryModel:
         weights_bytes: int = 0,
         gradient_bytes: int = 0,
         optimizer_state_bytes: int = 0,
+        unit: Unit = "allocated",
     ) -> MemoryModel | None:
         """Least-squares line per phase over the fitting trials; ``None`` with < 2 sizes."""
         points: dict[str, dict[int, int]] = {}
         for trial in trials:
             if not trial.fits:
                 continue
-            for phase, peak in trial.phase_peaks:
+            for phase, peak in trial.phase_peaks_in(unit):
                 points.setdefault(phase, {})[trial.batch_size] = peak
         lines = tuple(
             _least_squares(phase, sorted(by_size.items())) for phase, by_size in points.items() if len(by_size) >= 2
@@ -145,6 +181,7 @@ class MemoryModel:
             weights_bytes=weights_bytes,
             gradient_bytes=gradient_bytes,
             optimizer_state_bytes=optimizer_state_bytes,
+            unit=unit,
         )
 
 
@@ -160,12 +197,28 @@ def _least_squares(phase: str, points: Sequence[tuple[int, int]]) -> PhaseLine:
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """The device the probe ran on."""
+    """The device the probe ran on.
+
+    ``total_bytes`` is the total that memory fractions and budgets refer to: on CUDA the
+    runtime's ``totalGlobalMem`` (what ``set_per_process_memory_fraction`` multiplies).
+    ``nvml_total_bytes`` is NVML's (``nvidia-smi``'s) total, which also counts memory the driver
+    reserves (about 0.5 GiB more); shown beside it, never used for arithmetic. ``config``: the
+    settings that change what a step allocates or how fast it runs (allocator backend,
+    ``PYTORCH_CUDA_ALLOC_CONF``, TF32, ``cudnn.benchmark``; torch threads on the CPU).
+    """
 
     type: str
     index: int | None = None
     name: str = ""
     total_bytes: int | None = None
+    nvml_total_bytes: int | None = None
+    config: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceInfo:
+        values = dict(data)
+        values["config"] = tuple((str(k), str(v)) for k, v in data.get("config", ()))
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -174,16 +227,17 @@ class Settings:
 
     mode: str = "train"
     amp: str | None = None
-    init_batch: int = 1
+    init_batch: int = 2
     max_batch: int = 32768
     multiple_of: int = 1
     steps_per_trial: int = 3
-    verify_steps: int = 6
+    verify_steps: int = 5
     headroom: float = 0.10
     strategy: str = "interpolate"
     memory_limit_bytes: int | None = None
     limit_source: str = "device"
     time_budget_s: float | None = None
+    reserve_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -204,6 +258,9 @@ class Result:
         trials: every trial, in order.
         memory: the fitted memory equation, ``None`` with fewer than two fitting sizes.
         notes: warnings worth reading (leaked memory, non-monotone memory, ...).
+        budget_counts: the memory the budget counts, ``"allocated"`` (live tensors; the CPU) or
+            ``"reserved"`` (the allocator's segments; CUDA). The search aims, and the safe batch
+            keeps its headroom, in this unit.
     """
 
     max_batch: int
@@ -211,7 +268,7 @@ class Result:
     best_throughput_batch: int
     budget_bytes: int | None
     boundary_reached: bool
-    stop_reason: str
+    stop_reason: StopReason
     non_monotone: bool
     safe_verified: bool
     trials: tuple[Trial, ...]
@@ -222,6 +279,7 @@ class Result:
     torch_version: str
     batchfit_version: str
     notes: tuple[str, ...] = field(default=())
+    budget_counts: Unit = "allocated"
 
     @property
     def search_trials(self) -> tuple[Trial, ...]:
@@ -250,7 +308,7 @@ class Result:
         values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
         values["trials"] = tuple(Trial.from_dict(t) for t in data["trials"])
         values["memory"] = _memory_from_dict(data["memory"]) if data.get("memory") else None
-        values["device"] = DeviceInfo(**data["device"])
+        values["device"] = DeviceInfo.from_dict(data["device"])
         values["settings"] = Settings(**data["settings"])
         values["notes"] = tuple(data.get("notes", ()))
         return cls(**values)
@@ -277,7 +335,8 @@ def render_text(result: Result) -> str:
         f"batchfit {result.batchfit_version} on {device.name or device.type}"
         f" (torch {result.torch_version}, {result.settings.mode}"
         f"{', amp ' + result.settings.amp if result.settings.amp else ''})",
-        f"memory budget      {format_bytes(result.budget_bytes)} ({result.settings.limit_source})",
+        f"memory budget      {format_bytes(result.budget_bytes)} ({result.settings.limit_source}"
+        + ("; counts reserved bytes)" if result.budget_counts == "reserved" else ")"),
         f"max batch          {result.max_batch}"
         + ("" if result.boundary_reached else f"  (boundary not reached: {result.stop_reason})"),
         f"safe batch         {result.safe_batch}  ({result.settings.headroom:.0%} headroom, "
@@ -289,7 +348,7 @@ def render_text(result: Result) -> str:
         mem = result.memory
         lines.append(
             f"memory equation    {format_bytes(mem.fixed_bytes)} + "
-            f"{format_bytes(mem.per_sample_bytes)} x batch  ({mem.phase} peak; weights "
+            f"{format_bytes(mem.per_sample_bytes)} x batch  ({mem.phase} peak, {mem.unit}; weights "
             f"{format_bytes(mem.weights_bytes)}, grads {format_bytes(mem.gradient_bytes)}, "
             f"optimizer state {format_bytes(mem.optimizer_state_bytes)})"
         )
@@ -302,7 +361,7 @@ def render_text(result: Result) -> str:
         rate = f"{trial.samples_per_s:,.0f}" if trial.samples_per_s is not None else "-"
         lines.append(
             f"{trial.batch_size:>8}  {trial.kind:<6}  {outcome:<14}  "
-            f"{format_bytes(trial.peak_bytes):>11}  {step:>10}  {rate:>11}"
+            f"{format_bytes(trial.peak_in(result.budget_counts)):>11}  {step:>10}  {rate:>11}"
         )
     for note in result.notes:
         lines.append(f"note: {note}")

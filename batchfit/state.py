@@ -5,6 +5,11 @@ A probe runs real training steps, which change parameters (optimizer steps), buf
 ``device=``, where the model lives. :class:`Snapshot` records all of it before the first trial
 and puts it back in a ``finally``, so an OOM, a bug in the model or Ctrl-C leaves the user's
 model and optimizer bit-for-bit as they were.
+
+The copies live on the host. That matters when the device fails for good (a device-side
+assert, an illegal address): then every call on the device fails, so :meth:`Snapshot.restore`
+with ``device_usable=False`` rebinds each tensor that lived on the failed device to its host
+copy instead of copying into it. The model comes back with its exact values, on the CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from batchfit.backends.base import Backend
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -35,29 +42,39 @@ class Snapshot:
     optimizer_state: dict[Any, dict[str, Any]] = field(default_factory=dict)
     optimizer_groups: list[dict[str, Any]] = field(default_factory=list)
     cpu_rng: torch.Tensor | None = None
-    cuda_rng: list[torch.Tensor] | None = None
+    backend: Backend | None = None
+    device: torch.device | None = None
+    device_rng: Any = None
 
-    def restore(self) -> None:
-        """Put everything back: device, values, grads, flags, optimizer state, RNG."""
+    def restore(self, device_usable: bool = True) -> None:
+        """Put everything back: device, values, grads, flags, optimizer state, RNG.
+
+        ``device_usable=False``: the probe's device failed for good; tensors on it are rebound
+        to their host copies and nothing is asked of the device (see the module docs).
+        """
+        failed = None if device_usable else self.device
         with torch.no_grad():
-            for tensor, device in self.devices:
-                if tensor.device != device:
+            for (tensor, device), (_, saved) in zip(self.devices, self.values):
+                if _on(tensor, failed):
+                    tensor.data = saved
+                elif tensor.device != device:
                     tensor.data = tensor.data.to(device)
             for tensor, saved in self.values:
-                tensor.copy_(saved)
+                if tensor.data_ptr() != saved.data_ptr():
+                    tensor.copy_(saved)
         for param, grad in self.grads:
-            param.grad = None if grad is None else grad.to(param.device)
+            param.grad = None if grad is None else (grad if _on(param, failed) else grad.to(param.device))
         for param, flag in self.requires_grad:
             param.requires_grad_(flag)
         for module, flag in self.training:
             module.training = flag
-        self._restore_optimizer()
+        self._restore_optimizer(failed)
         if self.cpu_rng is not None:
             torch.random.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        if device_usable and self.backend is not None and self.device is not None:
+            self.backend.set_rng_state(self.device, self.device_rng)
 
-    def _restore_optimizer(self) -> None:
+    def _restore_optimizer(self, failed: torch.device | None) -> None:
         if self.optimizer is None:
             return
         state = self.optimizer.state
@@ -68,7 +85,10 @@ class Snapshot:
             for param, entries in self.optimizer_state.items():
                 restored = {}
                 for key, (original, saved) in entries.items():
-                    if isinstance(original, torch.Tensor):
+                    if isinstance(original, torch.Tensor) and _on(original, failed):
+                        original.data = saved
+                        restored[key] = original
+                    elif isinstance(original, torch.Tensor):
                         original.copy_(saved)
                         restored[key] = original
                     else:
@@ -79,9 +99,20 @@ class Snapshot:
                 group[key] = value
 
 
-def take(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Snapshot:
-    """Record the model's parameters, buffers, grads, flags and the optimizer's state."""
-    snap = Snapshot(model=model)
+def _on(tensor: torch.Tensor, device: torch.device | None) -> bool:
+    """Whether ``tensor`` lives on ``device`` (``None``: no device failed, so never)."""
+    return device is not None and tensor.device.type == device.type and tensor.device.index == device.index
+
+
+def take(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    backend: Backend | None = None,
+    device: torch.device | None = None,
+) -> Snapshot:
+    """Record the model's parameters, buffers, grads, flags, the optimizer's state, and the RNG
+    of the CPU and (through ``backend``) of the probe's device."""
+    snap = Snapshot(model=model, backend=backend, device=device)
     seen: set[int] = set()
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in seen:
@@ -105,6 +136,6 @@ def take(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Snapshot:
             for group in optimizer.param_groups
         ]
     snap.cpu_rng = torch.random.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        snap.cuda_rng = torch.cuda.get_rng_state_all()
+    if backend is not None and device is not None:
+        snap.device_rng = backend.get_rng_state(device)
     return snap

@@ -7,17 +7,14 @@ actionable next to "48 still does". :func:`assert_fits` turns a failure into an
 ``AssertionError`` for tests, and ``batchfit probe --require-batch N`` uses the same
 :func:`check_fits`, so the CLI gate and a test cannot disagree.
 
-This module is also a pytest plugin (entry point ``pytest11: batchfit``): it registers the
-``cuda`` marker, which skips a test when torch sees no CUDA device. ``--require-cuda`` turns that
-skip into a failure, for GPU runners where a missing device must not pass silently.
+The pytest plugin (the ``cuda`` marker, ``--require-cuda``) is ``batchfit.pytest_plugin``.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from batchfit.result import DeviceInfo, Result, Trial
@@ -114,7 +111,7 @@ class GateReport:
             fits=data["fits"],
             trial=Trial.from_dict(data["trial"]),
             budget_bytes=data["budget_bytes"],
-            device=DeviceInfo(**data["device"]),
+            device=DeviceInfo.from_dict(data["device"]),
             largest_fit=data["largest_fit"],
             search=None if data.get("search") is None else Result.from_dict(data["search"]),
             elapsed_s=data["elapsed_s"],
@@ -142,32 +139,32 @@ def check_fits(
     callback: Callable[[Trial], None] | None = None,
     on_trial_start: Callable[[int, str], None] | None = None,
     on_start: Callable[[DeviceInfo, int | None], None] | None = None,
-    **find_kwargs: Any,
+    **options: Any,
 ) -> GateReport:
     """Run the trials needed to say whether ``batch_size`` fits within ``memory_limit``.
 
-    ``find_kwargs`` are :func:`batchfit.find`'s keywords (``optimizer``, ``loss_fn``, ``amp``,
-    ``device``, ``multiple_of``, ...). Those that describe the work go to the trial at
-    ``batch_size`` too; the search keywords only matter for the search below it. ``max_batch`` is
-    set by the gate (``batch_size - 1``), and ``verify_steps`` defaults to 0 there: the gate
+    ``options`` are :func:`batchfit.find`'s keywords (``optimizer``, ``loss_fn``, ``amp``,
+    ``device``, ``reserve``, ``multiple_of``, ...), validated as one
+    :class:`~batchfit.options.Options`. Those that describe the work go to the trial at
+    ``batch_size`` too; the search keywords only matter for the search below it. ``max_batch``
+    is set by the gate (``batch_size - 1``), and ``verify_steps`` defaults to 0 there: the gate
     reports what fits, it does not pick a safe batch.
     """
     from batchfit.errors import NothingFitsError
-    from batchfit.finder import Prober, find
+    from batchfit.finder import Prober, find_with
+    from batchfit.options import Options
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    find_params = set(inspect.signature(find).parameters)
-    unknown = sorted(set(find_kwargs) - find_params)
-    if unknown or "max_batch" in find_kwargs:
-        bad = unknown or ["max_batch"]
-        raise TypeError(f"check_fits() got keyword(s) it cannot pass on: {', '.join(bad)}")
-    prober_params = set(inspect.signature(Prober).parameters)
+    if "max_batch" in options:
+        raise TypeError("check_fits() got keyword(s) it cannot pass on: max_batch (the gate sets it to batch_size - 1)")
+    try:
+        settings = Options(memory_limit=memory_limit, **options)
+    except TypeError as exc:
+        raise TypeError(f"check_fits() got keyword(s) it cannot pass on: {exc}") from None
     started = time.monotonic()
 
-    with Prober(
-        model, sample, memory_limit=memory_limit, **{k: v for k, v in find_kwargs.items() if k in prober_params}
-    ) as prober:
+    with Prober(model, sample, options=settings) as prober:
         if on_start is not None:
             on_start(prober.device_info, prober.budget_bytes)
         if on_trial_start is not None:
@@ -179,19 +176,15 @@ def check_fits(
 
     search: Result | None = None
     largest: int | None = None
-    smallest = find_kwargs.get("init_batch") or find_kwargs.get("multiple_of") or 1
+    smallest = settings.init_batch or settings.multiple_of
     if not trial.fits and batch_size - 1 >= smallest:
-        kwargs = {"verify_steps": 0, **find_kwargs}
+        below = replace(
+            settings,
+            max_batch=batch_size - 1,
+            verify_steps=settings.verify_steps if "verify_steps" in options else 0,
+        )
         try:
-            search = find(
-                model,
-                sample,
-                memory_limit=memory_limit,
-                max_batch=batch_size - 1,
-                callback=callback,
-                on_trial_start=on_trial_start,
-                **kwargs,
-            )
+            search = find_with(model, sample, below, callback=callback, on_trial_start=on_trial_start)
             largest = search.max_batch
         except NothingFitsError:
             largest = 0
@@ -227,50 +220,3 @@ def assert_fits(
     if not report.fits:
         raise AssertionError(report.explain())
     return report
-
-
-# pytest plugin ------------------------------------------------------------------------------------
-def pytest_addoption(parser: Any) -> None:
-    parser.addoption(
-        "--require-cuda",
-        action="store_true",
-        default=False,
-        help="batchfit: fail tests marked 'cuda' when no CUDA device is present, instead of skipping them",
-    )
-
-
-def pytest_configure(config: Any) -> None:
-    config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped when torch sees none (batchfit)")
-
-
-def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    """Skip ``cuda`` tests when torch sees no CUDA device (with ``--require-cuda`` they run and
-    fail in setup instead). torch is only imported when some collected test has the marker."""
-    if config.getoption("--require-cuda", default=False):
-        return
-    marked = [item for item in items if item.get_closest_marker("cuda") is not None]
-    if not marked or _cuda_available():
-        return
-    import pytest
-
-    skip = pytest.mark.skip(reason=_NO_CUDA)
-    for item in marked:
-        item.add_marker(skip)
-
-
-def pytest_runtest_setup(item: Any) -> None:
-    if item.get_closest_marker("cuda") is None or not item.config.getoption("--require-cuda", default=False):
-        return
-    if not _cuda_available():
-        import pytest
-
-        pytest.fail(f"--require-cuda: {_NO_CUDA}", pytrace=False)
-
-
-_NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -5,49 +5,77 @@ and the frames hold the batch, the activations and the loss. :func:`_run_steps` 
 tensor in its own frame and returns only plain data, and the OOM is turned into a record
 inside the ``except`` block, so when the function returns nothing of the trial is referenced
 any more and :meth:`Meter.release` can really give the memory back.
+
+Two more rules shape the steps. *Synchronise only around timed steps*: the allocator's
+statistics are read on the host, so phases need no synchronisation, and every extra one makes a
+launch-bound batch look slow. *Count only real optimizer steps*: with fp16 a ``GradScaler``
+skips ``optimizer.step()`` when the gradients overflow, and AdamW allocates its moments inside
+``step()``; a trial whose steps were all skipped would "fit" without the optimizer state. So a
+skipped step does not count: the trial runs on (the scaler halves its scale each time) until
+``steps`` real optimizer steps ran, at most :data:`MAX_SKIPPED_STEPS` extra, and the scale
+reached is handed to the next trial so that only the first trial pays for finding it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from batchfit.errors import DeviceFailedError
-from batchfit.memory import Meter
+from batchfit.backends.base import Meter
+from batchfit.errors import DeviceFailedError, NoOptimizerStepError
 from batchfit.oom import annotate, first_line, is_oom, is_sticky_device_error
-from batchfit.result import Trial
+from batchfit.result import Phase, Trial, TrialKind
 from batchfit.workload import Workload
+
+#: Steps a trial may run beyond ``steps`` while a ``GradScaler`` skips the optimizer step. The
+#: scale starts at 2**16 and halves on every skip, so 24 skips reach 2**-8: gradients that
+#: still overflow there are inf or NaN whatever the scale.
+MAX_SKIPPED_STEPS = 24
 
 
 @dataclass(frozen=True)
 class TrialRun:
-    """A finished trial plus what the first training step allocated for optimizer state."""
+    """A finished trial, what the first real optimizer step allocated for optimizer state, and
+    the ``GradScaler`` scale the trial ended with (``None`` without fp16)."""
 
     trial: Trial
     optimizer_state_bytes: int
+    grad_scale: float | None = None
 
 
 @dataclass
 class _Progress:
-    phase: str = "batch"
+    phase: Phase = "batch"
     steps: int = 0
+    skipped: int = 0
     optimizer_state_bytes: int = 0
+    grad_scale: float | None = None
 
 
-def run_trial(workload: Workload, meter: Meter, batch_size: int, steps: int, kind: str = "search") -> TrialRun:
+def run_trial(
+    workload: Workload,
+    meter: Meter,
+    batch_size: int,
+    steps: int,
+    kind: TrialKind = "search",
+    grad_scale: float | None = None,
+) -> TrialRun:
     """Run ``steps`` real steps at ``batch_size`` and return the record.
 
     Out-of-memory errors become a failed :class:`Trial`; any other exception propagates
-    unchanged, with a note naming the batch size and phase.
+    unchanged, with a note naming the batch size and phase. ``grad_scale``: the fp16 scale to
+    start from (the previous trial's), ``None`` for the ``GradScaler`` default.
     """
     before = meter.allocated_bytes()
     meter.begin_trial()
-    progress = _Progress()
+    progress = _Progress(grad_scale=grad_scale)
     times: list[float] = []
-    failure: tuple[str, int | None] | None = None
+    failure: tuple[str, tuple[int | None, int | None]] | None = None
     with meter.tracking():
         try:
             _run_steps(workload, meter, batch_size, steps, progress, times)
@@ -65,35 +93,42 @@ def run_trial(workload: Workload, meter: Meter, batch_size: int, steps: int, kin
     _drop_grads(workload)
     meter.release(target_bytes=before)
     leaked = max(0, meter.allocated_bytes() - before)
-    peaks = meter.phase_peaks()
-    phase_peaks = tuple((phase, peaks[phase]) for phase in ("batch", "forward", "backward", "step") if phase in peaks)
+    phase_peaks = _ordered(meter.phase_peaks())
+    phase_reserved = _ordered(meter.phase_reserved_peaks())
+    common = {
+        "batch_size": batch_size,
+        "kind": kind,
+        "phase_peaks": phase_peaks,
+        "phase_reserved_peaks": phase_reserved,
+        "steps": progress.steps,
+        "skipped_steps": progress.skipped,
+        "leaked_bytes": leaked,
+    }
     if failure is not None:
-        message, needed = failure
+        message, (needed, needed_reserved) = failure
         trial = Trial(
-            batch_size=batch_size,
             fits=False,
-            kind=kind,
             phase=progress.phase,
             peak_bytes=needed,
-            phase_peaks=phase_peaks,
-            steps=progress.steps,
-            leaked_bytes=leaked,
+            reserved_peak_bytes=needed_reserved,
             message=message,
+            **common,
         )
-        return TrialRun(trial, progress.optimizer_state_bytes)
+        return TrialRun(trial, progress.optimizer_state_bytes, progress.grad_scale)
     step_time = statistics.median(times) if times else None
     trial = Trial(
-        batch_size=batch_size,
         fits=True,
-        kind=kind,
-        peak_bytes=max(peaks.values()) if peaks else None,
-        phase_peaks=phase_peaks,
+        peak_bytes=max((b for _, b in phase_peaks), default=None),
+        reserved_peak_bytes=max((b for _, b in phase_reserved), default=None),
         step_time_s=step_time,
         samples_per_s=batch_size / step_time if step_time else None,
-        steps=progress.steps,
-        leaked_bytes=leaked,
+        **common,
     )
-    return TrialRun(trial, progress.optimizer_state_bytes)
+    return TrialRun(trial, progress.optimizer_state_bytes, progress.grad_scale)
+
+
+def _ordered(peaks: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple((phase, peaks[phase]) for phase in ("batch", "forward", "backward", "step") if phase in peaks)
 
 
 def _run_steps(
@@ -105,30 +140,68 @@ def _run_steps(
     times: list[float],
 ) -> None:
     """The steps themselves. Step 1 warms up (and allocates optimizer state); steps 2..N are
-    timed with device synchronisation. With a single step, that step is timed."""
+    timed, with the device synchronised at their start and end only. With a single step, that
+    step is timed."""
     progress.phase = "batch"
     with meter.phase("batch"):
         batch = workload.build_batch(batch_size)
-    training = workload.mode == "train"
-    optimizer = workload.new_optimizer(workload.trainable_parameters()) if training else None
-    scaler = workload.grad_scaler() if training else None
-    for index in range(steps):
-        meter.synchronize()
-        start = time.perf_counter()
-        if training:
-            assert optimizer is not None
-            _train_step(workload, meter, batch, optimizer, scaler, progress)
-        else:
-            progress.phase = "forward"
-            with meter.phase("forward"), torch.inference_mode():
-                output, _ = workload.forward(batch)
-                del output
-        meter.synchronize()
-        progress.steps += 1
-        if index == 0 and optimizer is not None:
-            progress.optimizer_state_bytes = _state_bytes(optimizer)
-        if index > 0 or steps == 1:
-            times.append(time.perf_counter() - start)
+    if workload.mode != "train":
+        for index in range(steps):
+            with _timed(meter, times, index > 0 or steps == 1):
+                progress.phase = "forward"
+                with meter.phase("forward"), torch.inference_mode():
+                    output, _ = workload.forward(batch)
+                    del output
+            progress.steps += 1
+        return
+    optimizer = workload.new_optimizer(workload.trainable_parameters())
+    stepped: list[int] = []  # one entry per optimizer.step() that really ran
+    hook = optimizer.register_step_post_hook(lambda *_: stepped.append(1))
+    scaler = workload.grad_scaler(progress.grad_scale)
+    try:
+        while progress.steps < steps:
+            timed = bool(stepped) or steps == 1
+            with _timed(meter, times, timed) as record:
+                ran_before = len(stepped)
+                _train_step(workload, meter, batch, optimizer, scaler, progress)
+                record.keep = len(stepped) > ran_before
+            if scaler is not None:
+                progress.grad_scale = float(scaler.get_scale())
+            if len(stepped) == ran_before:
+                progress.skipped += 1
+                if progress.skipped > MAX_SKIPPED_STEPS:
+                    raise NoOptimizerStepError(
+                        f"the optimizer never stepped at batch size {batch_size}: the GradScaler skipped "
+                        f"{progress.skipped} optimizer steps in a row because the fp16 gradients were inf or NaN "
+                        "at every scale, so the optimizer state was never allocated and the trial's memory cannot "
+                        "be measured. Check the loss for inf/NaN, or probe with amp='bf16'."
+                    )
+                continue
+            progress.steps += 1
+            if progress.steps == 1:
+                progress.optimizer_state_bytes = _state_bytes(optimizer)
+    finally:
+        hook.remove()
+
+
+class _Timing:
+    keep = True
+
+
+@contextlib.contextmanager
+def _timed(meter: Meter, times: list[float], timed: bool) -> Iterator[_Timing]:
+    """Time the code inside between two synchronisations when ``timed``; the caller may clear
+    ``keep`` (a step whose optimizer update was skipped is not a step's time)."""
+    record = _Timing()
+    if not timed:
+        yield record
+        return
+    meter.synchronize()
+    start = time.perf_counter()
+    yield record
+    meter.synchronize()
+    if record.keep:
+        times.append(time.perf_counter() - start)
 
 
 def _train_step(

@@ -5,7 +5,7 @@ optimizer, autocast. Everything here is about *what* runs; *measuring* it is tri
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,6 @@ StepFn = Callable[[nn.Module, Batch], Any]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-MODES = ("train", "inference")
 
 
 # Samples and batches ------------------------------------------------------------------------
@@ -207,8 +206,13 @@ class Workload:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=AMP_DTYPES[self.amp])
 
-    def grad_scaler(self) -> torch.amp.GradScaler | None:
-        return torch.amp.GradScaler(self.device.type) if self.amp == "fp16" else None
+    def grad_scaler(self, init_scale: float | None = None) -> torch.amp.GradScaler | None:
+        """A ``GradScaler`` for fp16 (``None`` otherwise), starting at ``init_scale`` when given."""
+        if self.amp != "fp16":
+            return None
+        if init_scale is None:
+            return torch.amp.GradScaler(self.device.type)
+        return torch.amp.GradScaler(self.device.type, init_scale=init_scale)
 
     def forward(self, batch: Any) -> tuple[Any, torch.Tensor | None]:
         """Run forward (and loss): returns ``(output, loss)``; loss is None in inference mode."""
@@ -234,9 +238,3 @@ class Workload:
                 "(are all parameters frozen, or does the loss detach the output?)"
             )
         return output, loss
-
-
-def validate_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
-    allowed = tuple(allowed)
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")

@@ -56,7 +56,9 @@ import torch
 import batchfit
 from batchfit import examples
 from batchfit import search as search_mod
-from batchfit.memory import LiveTensorMeter, Meter
+from batchfit.backends import Meter
+from batchfit.backends.cpu import LiveTensorMeter
+from batchfit.interpolate import Interpolating
 from batchfit.units import format_bytes, parse_memory_limit
 from batchfit.workload import batch_size_of, call_model, default_loss, tile
 
@@ -236,7 +238,7 @@ def run_batchfit(
     note = ""
     if strategy == "interpolate" and not forwards_budget:
         # The same budget find() would hand the strategy on this device: the cap.
-        chooser = search_mod.Interpolating(budget_bytes=case.cap_bytes)
+        chooser = Interpolating(budget_bytes=case.cap_bytes)
         note = "budget passed to the strategy by this script (find() does not forward it yet); "
     started = time.perf_counter()
     result = batchfit.find(

@@ -167,7 +167,7 @@ def test_probe_without_gpu_says_it_runs_on_cpu_under_the_cli_default(targets: Pa
     proc = run_cli("probe", f"{targets}:wide", "--max-batch", "16", "--verify-steps", "0")
 
     assert proc.returncode == 0, proc.stderr
-    assert "no CUDA device: running on CPU under a limit of 256.00 MiB" in proc.stdout
+    assert "no GPU: running on CPU under a limit of 256.00 MiB" in proc.stdout
 
 
 def test_json_to_stdout_with_quiet_keeps_stdout_pure_json(targets: Path) -> None:

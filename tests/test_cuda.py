@@ -1,7 +1,7 @@
 """CUDA-only paths: the allocator limit, recovery with empty_cache, NVML device info.
 
 These carry ``@pytest.mark.cuda`` and skip on machines without a CUDA device (the marker is
-registered by batchfit's pytest plugin, ``batchfit.testing``).
+registered by batchfit's pytest plugin, ``batchfit.pytest_plugin``).
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ def mlp() -> tuple[torch.nn.Module, torch.Tensor]:
         ({"memory_limit": 1.5}, ValueError, r"fraction 1.5 must be in \(0, 1\]"),
         ({"memory_limit": [1]}, TypeError, "memory_limit must be bytes"),
         ({"init_batch": 64, "max_batch": 32}, ValueError, "max_batch=32 is smaller than init_batch=64"),
-        ({"init_batch": 0}, ValueError, "init must be >= 1"),
-        ({"max_batch": 2.5}, TypeError, "maximum must be an int"),
+        ({"init_batch": 0}, ValueError, "init_batch must be >= 1"),
+        ({"max_batch": 2.5}, TypeError, "max_batch must be an int"),
         ({"multiple_of": 8, "init_batch": 12}, ValueError, "init_batch=12 must be a multiple of multiple_of=8"),
         ({"mode": "eval"}, ValueError, "mode must be one of 'train', 'inference'"),
         ({"amp": "fp8"}, ValueError, "amp must be one of None, 'bf16', 'fp16'"),
@@ -50,7 +50,7 @@ def mlp() -> tuple[torch.nn.Module, torch.Tensor]:
         ({"device": "cuda:0"}, ValueError, "CUDA is not available"),
         ({"strategy": "guess"}, ValueError, "unknown search strategy 'guess'"),
         ({"callback": "print"}, TypeError, "callback must be callable"),
-        ({"time_budget": -1}, ValueError, "time_budget must be a positive number"),
+        ({"time_budget": -1}, ValueError, "time_budget must be a positive, finite number"),
     ],
 )
 def test_bad_input_is_named(
@@ -96,7 +96,7 @@ def test_make_batch_of_the_wrong_size_is_named(mlp: tuple[torch.nn.Module, torch
 
 def test_unsupported_device_is_named() -> None:
     model = torch.nn.Linear(2, 2).to("meta")
-    with pytest.raises(ValueError, match="'cpu' and 'cuda' devices; 'meta' is not supported"):
+    with pytest.raises(ValueError, match="'cpu', 'cuda', 'xpu' devices; 'meta' is not supported"):
         batchfit.find(model, torch.zeros(2, 2))
 
 

@@ -11,7 +11,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from batchfit import examples
-from batchfit.memory import LiveTensorMeter
+from batchfit.backends.cpu import LiveTensorMeter
 from batchfit.workload import call_model, default_loss, tile
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchfit.memory import requested_bytes
+from batchfit.backends import requested_bytes
 from batchfit.oom import is_oom, is_sticky_device_error
 
 

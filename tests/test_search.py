@@ -1,4 +1,5 @@
-"""Properties of the pure search (batchfit/search.py), for both strategies.
+"""Properties of the pure search (batchfit/search.py), for both strategies (the interpolating one
+in batchfit/interpolate.py, the names in batchfit/strategies.py).
 
 The oracles here are synthetic: a size fits when its memory need is within a budget, and the
 need is a function of the batch size (affine, flat-then-linear as when the optimizer step
@@ -20,6 +21,8 @@ from hypothesis import strategies as st
 
 from batchfit import search as S
 from batchfit.errors import NothingFitsError
+from batchfit.interpolate import Interpolating
+from batchfit.strategies import STRATEGIES, make_strategy
 
 STRATEGY_NAMES = ("binary", "interpolate")
 
@@ -134,7 +137,7 @@ def boundary_of(need: Need, budget: int, grid: S.Grid) -> int | None:
 def test_any_monotone_threshold_gives_exact_boundary_within_bound(strategy: str, grid: S.Grid, data) -> None:
     threshold = data.draw(st.integers(grid.init, grid.maximum + 100), label="threshold")
     oracle, calls = counting(threshold_oracle(threshold))
-    report = S.search(oracle, grid, strategy, budget_bytes=data.draw(st.none() | st.integers(1, 10**9)))
+    report = S.search(oracle, grid, make_strategy(strategy), budget_bytes=data.draw(st.none() | st.integers(1, 10**9)))
     expected = truth_on_grid(grid, threshold)
     assert report.largest_fit == expected
     assert len(calls) == len(report.attempts) <= S.max_trials(grid)
@@ -160,7 +163,7 @@ def test_memory_shaped_needs_give_exact_boundary_within_bound(strategy: str, gri
     expected = boundary_of(need, budget, grid)
     assert expected is not None
     oracle, calls = counting(memory_oracle(need, budget, failure, phases))
-    report = S.search(oracle, grid, strategy, budget_bytes=budget if give_budget else None)
+    report = S.search(oracle, grid, make_strategy(strategy), budget_bytes=budget if give_budget else None)
     assert report.largest_fit == expected
     assert len(calls) <= S.max_trials(grid)
     assert report.boundary_reached == (expected < grid.top)
@@ -173,8 +176,8 @@ def test_interpolate_without_budget_proposes_what_binary_does(grid: S.Grid, data
     boundary = data.draw(st.integers(grid.init, grid.top + 50))
     budget = fixed + per * boundary
     oracle = memory_oracle(lambda b: fixed + per * b, budget, data.draw(st.sampled_from(["barely", "exact"])))
-    plain = S.search(oracle, grid, "binary")
-    interpolated = S.search(oracle, grid, "interpolate")
+    plain = S.search(oracle, grid, S.Doubling())
+    interpolated = S.search(oracle, grid, Interpolating())
     assert [a.batch_size for a in interpolated.attempts] == [a.batch_size for a in plain.attempts]
 
 
@@ -192,7 +195,7 @@ def test_interpolate_needs_at_most_five_trials_on_affine_memory(
     grid = S.Grid(1, 32_768)
     budget = fixed + per * boundary
     oracle = memory_oracle(lambda b: fixed + per * b, budget, failure)
-    report = S.search(oracle, grid, "interpolate", budget_bytes=budget)
+    report = S.search(oracle, grid, Interpolating(), budget_bytes=budget)
     assert report.largest_fit == boundary
     assert len(report.attempts) <= 5
 
@@ -210,8 +213,8 @@ def test_interpolate_takes_fewer_trials_on_average() -> None:
         budget = need(boundary)
         grid = S.Grid(1, 32_768)
         oracle = memory_oracle(need, budget)
-        plain += len(S.search(oracle, grid, "binary").attempts)
-        report = S.search(oracle, grid, "interpolate", budget_bytes=budget)
+        plain += len(S.search(oracle, grid, S.Doubling()).attempts)
+        report = S.search(oracle, grid, Interpolating(), budget_bytes=budget)
         assert report.largest_fit == boundary_of(need, budget, grid)
         smart += len(report.attempts)
     assert smart * 2 <= plain
@@ -247,8 +250,8 @@ def test_interpolate_on_measured_phase_lines(name: str, sizes, boundary: int) ->
 
     budget = need(boundary)
     grid = S.Grid(1, 32_768)
-    smart = S.search(memory_oracle(need, budget, phases=sizes), grid, "interpolate", budget_bytes=budget)
-    plain = S.search(memory_oracle(need, budget, phases=sizes), grid, "binary")
+    smart = S.search(memory_oracle(need, budget, phases=sizes), grid, Interpolating(), budget_bytes=budget)
+    plain = S.search(memory_oracle(need, budget, phases=sizes), grid, S.Doubling())
     assert smart.largest_fit == plain.largest_fit == boundary
     assert len(smart.attempts) <= 5
     assert 2 * len(smart.attempts) <= len(plain.attempts)
@@ -265,7 +268,7 @@ def test_init_failing_raises_nothing_fits_naming_the_size(strategy: str, grid: S
         return Verdict(False, needed, phase="backward")
 
     with pytest.raises(NothingFitsError) as raised:
-        S.search(oracle, grid, strategy, budget_bytes=1000)
+        S.search(oracle, grid, make_strategy(strategy), budget_bytes=1000)
     assert calls == [grid.init]
     assert raised.value.batch_size == grid.init
     assert f"batch size {grid.init} " in str(raised.value)
@@ -281,7 +284,7 @@ def test_nothing_failing_up_to_max_reports_max_batch(strategy: str, grid: S.Grid
     per = data.draw(st.integers(1, 1000))
     budget = per * (grid.maximum + 1) + data.draw(st.integers(0, 10**6))
     oracle, calls = counting(memory_oracle(lambda b: per * b, budget))
-    report = S.search(oracle, grid, strategy, budget_bytes=budget)
+    report = S.search(oracle, grid, make_strategy(strategy), budget_bytes=budget)
     assert report.largest_fit == grid.top
     assert report.smallest_fail is None
     assert not report.boundary_reached
@@ -304,7 +307,7 @@ def test_should_stop_ends_the_search_with_what_it_has(
         return consulted > allowed
 
     oracle, calls = counting(threshold_oracle(threshold))
-    report = S.search(oracle, grid, strategy, should_stop)
+    report = S.search(oracle, grid, make_strategy(strategy), should_stop)
     assert len(calls) <= allowed + 1  # the first call happens before should_stop is asked
     assert report.largest_fit <= truth_on_grid(grid, threshold)
     if report.stop_reason == "stopped":
@@ -340,7 +343,7 @@ def test_non_monotone_oracle_still_ends_on_a_local_boundary(
         fits = size not in failing and per * size <= budget * (2 if size % 7 == 0 else 1)
         return Verdict(fits, per * size if fits else budget + 1)
 
-    report = S.search(oracle, grid, strategy, budget_bytes=budget)
+    report = S.search(oracle, grid, make_strategy(strategy), budget_bytes=budget)
     assert len(report.attempts) <= S.max_trials(grid)
     assert oracle(report.largest_fit).fits
     if report.boundary_reached:
@@ -412,7 +415,7 @@ def test_max_trials_covers_the_plain_worst_case_exhaustively(multiple_of: int, i
         assert worst <= S.max_trials(grid)
         if maximum < 300:
             for threshold in range(grid.init, maximum + 2):
-                report = S.search(threshold_oracle(threshold), grid, "binary")
+                report = S.search(threshold_oracle(threshold), grid, S.Doubling())
                 assert len(report.attempts) <= worst
 
 
@@ -424,15 +427,15 @@ def test_max_trials_matches_the_documented_formula() -> None:
 
 # Plumbing ---------------------------------------------------------------------------------------
 def test_make_strategy_knows_both_names_and_accepts_objects() -> None:
-    assert set(S.STRATEGIES) == {"binary", "interpolate"}
-    assert S.make_strategy("binary").name == "binary"
-    assert S.make_strategy("interpolate").name == "interpolate"
-    custom = S.Interpolating(budget_bytes=10)
-    assert S.make_strategy(custom) is custom
+    assert set(STRATEGIES) == {"binary", "interpolate"}
+    assert make_strategy("binary").name == "binary"
+    assert make_strategy("interpolate").name == "interpolate"
+    custom = Interpolating(budget_bytes=10)
+    assert make_strategy(custom) is custom
     with pytest.raises(ValueError, match="unknown search strategy 'smart'.*binary, interpolate"):
-        S.make_strategy("smart")
+        make_strategy("smart")
     with pytest.raises(TypeError, match="propose"):
-        S.make_strategy(object())  # type: ignore[arg-type]
+        make_strategy(object())  # type: ignore[arg-type]
 
 
 def test_budget_and_phase_peaks_reach_the_strategy() -> None:
@@ -456,22 +459,48 @@ def test_constructor_budget_is_used_when_the_search_passes_none() -> None:
     need = lambda b: 1000 + 10 * b  # noqa: E731
     oracle = memory_oracle(need, need(777))
     grid = S.Grid(1, 32_768)
-    with_budget = S.search(oracle, grid, S.Interpolating(budget_bytes=need(777)))
+    with_budget = S.search(oracle, grid, Interpolating(budget_bytes=need(777)))
     assert with_budget.largest_fit == 777
     assert len(with_budget.attempts) <= 5
-    passed = S.search(oracle, grid, S.Interpolating(budget_bytes=1), budget_bytes=need(777))
+    passed = S.search(oracle, grid, Interpolating(budget_bytes=1), budget_bytes=need(777))
     assert [a.batch_size for a in passed.attempts] == [a.batch_size for a in with_budget.attempts]
 
 
+def test_search_takes_a_strategy_object_not_a_name() -> None:
+    with pytest.raises(TypeError, match="make_strategy"):
+        S.search(threshold_oracle(5), S.Grid(1, 64), "binary")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="propose"):
+        S.search(threshold_oracle(5), S.Grid(1, 64), object())  # type: ignore[arg-type]
+    assert S.search(threshold_oracle(5), S.Grid(1, 64)).strategy == "binary"
+
+
 def test_search_module_does_not_import_torch() -> None:
+    """Nor do the interpolating strategy and the registry; search imports neither of them, and
+    interpolate does not import the registry (checked in fresh interpreters)."""
     import ast
     import inspect
+    import subprocess
+    import sys
 
-    tree = ast.parse(inspect.getsource(S))
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module.split(".")[0])
-    assert "torch" not in imported
+    import batchfit.interpolate
+    import batchfit.strategies
+
+    for module in (S, batchfit.interpolate, batchfit.strategies):
+        tree = ast.parse(inspect.getsource(module))
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.split(".")[0])
+        assert "torch" not in imported, module.__name__
+
+    forbidden = {
+        "batchfit.search": ("torch", "batchfit.interpolate", "batchfit.strategies"),
+        "batchfit.interpolate": ("torch", "batchfit.strategies"),
+        "batchfit.strategies": ("torch",),
+    }
+    for module, absent in forbidden.items():
+        code = f"import sys, {module}; print(sorted(m for m in {absent!r} if m in sys.modules))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert out.strip() == "[]", f"importing {module} loaded {out.strip()}"

@@ -1,32 +1,26 @@
-"""Memory meters: peak memory of a trial, per phase, and a memory limit, per device.
+"""The CPU backend: exact live-tensor accounting, and a memory limit that raises a real OOM.
 
-One small interface, two implementations:
+The CPU has no allocator statistics. :class:`LiveTensorMeter` is a ``TorchDispatchMode`` that sees
+every operation; each output whose storage is new (not one of the op's inputs' storages, not
+already counted) adds ``storage.nbytes()`` to the live total, and a ``weakref.finalize`` on the
+storage subtracts it when the storage dies. That is the exact live-tensor peak of a step,
+gradients and optimizer state included. With a limit, the operation whose output takes live
+memory over the cap raises a real ``torch.OutOfMemoryError``, in forward, backward or optimizer
+step, as a GPU of that size would. Its message carries the CPU allocator's wording
+("DefaultCPUAllocator: can't allocate memory") so other libraries' OOM detection recognises it
+too.
 
-* :class:`CudaMeter` reads the CUDA caching allocator's own statistics
-  (``reset_peak_memory_stats`` / ``max_memory_allocated``) and applies a limit with
-  ``torch.cuda.set_per_process_memory_fraction``, so the real allocator raises
-  ``torch.OutOfMemoryError`` at the cap. The previous fraction is restored afterwards.
-* :class:`LiveTensorMeter` is for the CPU, which has no allocator statistics. A
-  ``TorchDispatchMode`` sees every operation; each output whose storage is new (not one of the
-  op's inputs' storages, not already counted) adds ``storage.nbytes()`` to the live total, and a
-  ``weakref.finalize`` on the storage subtracts it when the storage dies. That is the exact
-  live-tensor peak of a step, gradients and optimizer state included. With a limit, the
-  operation whose output takes live memory over the cap raises a real
-  ``torch.OutOfMemoryError``, in forward, backward or optimizer step, as a GPU of that size
-  would. Its message carries the CPU allocator's wording ("DefaultCPUAllocator: can't allocate
-  memory") so other libraries' OOM detection recognises it too.
-
-  What it does not see: scratch memory that a kernel allocates and frees inside itself (CPU
-  convolutions do this), and allocator overheads. The CPU limit is therefore a limit on live
-  *tensor* bytes: well defined and repeatable, not the process's resident size.
+What it does not see: scratch memory that a kernel allocates and frees inside itself (CPU
+convolutions do this), and allocator overheads. The CPU limit is therefore a limit on live
+*tensor* bytes: well defined and repeatable, not the process's resident size. Allocated and
+reserved bytes are the same number here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
-import re
+import platform
 import threading
 import weakref
 from collections.abc import Iterator
@@ -36,6 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from batchfit.backends.base import Backend, Meter
+from batchfit.result import DeviceInfo
 from batchfit.units import format_bytes
 
 #: Without an explicit limit, a CPU probe may use this fraction of the memory that is
@@ -44,63 +40,44 @@ from batchfit.units import format_bytes
 DEFAULT_CPU_FRACTION = 0.5
 
 
-class Meter:
-    """The interface the trial runner uses; one instance per probe and device."""
+class CpuBackend(Backend):
+    """The host: live-tensor meter, host memory from ``/proc/meminfo``, the CPU generator."""
 
-    device: torch.device
-    budget_bytes: int | None
-    total_bytes: int | None
+    type = "cpu"
 
-    def __init__(self) -> None:
-        self._phase_peaks: dict[str, int] = {}
+    def validate(self, device: torch.device) -> torch.device:
+        return torch.device("cpu")
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """Apply the limit for the lifetime of a probe and undo it afterwards."""
-        yield
+    def describe(self, device: torch.device) -> DeviceInfo:
+        return DeviceInfo(
+            type="cpu",
+            index=None,
+            name=_cpu_name(),
+            total_bytes=total_host_bytes(),
+            config=(("torch threads", str(torch.get_num_threads())),),
+        )
 
-    @contextlib.contextmanager
-    def tracking(self) -> Iterator[None]:
-        """Measure the code inside (a trial's steps)."""
-        yield
+    def limit_total_bytes(self, device: torch.device) -> int | None:
+        # A fraction of what is free now: the rest of the host is somebody else's.
+        return available_host_bytes()
 
-    def allocated_bytes(self) -> int:
-        """Memory live on the device now, as this meter counts it."""
-        raise NotImplementedError
+    def default_limit(self, device: torch.device) -> tuple[int | None, str]:
+        available = available_host_bytes()
+        if available is None:
+            raise ValueError("cannot read the host's available memory: pass memory_limit=")
+        return int(available * DEFAULT_CPU_FRACTION), f"default: {DEFAULT_CPU_FRACTION:.0%} of available host memory"
 
-    def begin_trial(self) -> None:
-        self._phase_peaks = {}
+    def reachable_bytes(self, device: torch.device) -> int | None:
+        return available_host_bytes()
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Record the peak of the code inside under ``name``."""
-        raise NotImplementedError
-        yield  # pragma: no cover
+    def make_meter(
+        self, device: torch.device, budget_bytes: int | None, limit_bytes: int | None, tensors: list[torch.Tensor]
+    ) -> Meter:
+        # The meter counts storages it sees created; what exists before the probe it is told.
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors if t.device.type == "cpu"}
+        return LiveTensorMeter(budget_bytes, total_host_bytes(), sum(storages.values()))
 
-    def phase_peaks(self) -> dict[str, int]:
-        return dict(self._phase_peaks)
-
-    def failure_bytes(self, message: str) -> int | None:
-        """Memory live plus the failing request, read inside the ``except`` of an OOM.
-
-        Read while the failed step's tensors are still referenced, so "live" is what the
-        step had when the allocator said no; ``None`` when the message states no size.
-        """
-        requested = requested_bytes(message)
-        return None if requested is None else self.allocated_bytes() + requested
-
-    def synchronize(self) -> None:
-        """Wait for queued device work (so wall-clock timing is honest)."""
-
-    def release(self, target_bytes: int | None = None) -> None:
-        """Give back what the last trial left behind.
-
-        A full ``gc.collect()`` costs tens to hundreds of milliseconds once torch is loaded,
-        more than a small model's whole step, so it only runs when memory is still above
-        ``target_bytes`` (the pre-trial level), i.e. when reference cycles really hold tensors.
-        """
-        if target_bytes is None or self.allocated_bytes() > target_bytes:
-            gc.collect()
+    # The CPU generator is saved and restored by the snapshot for every probe, whatever the device.
 
 
 class LiveTensorMeter(Meter):
@@ -203,9 +180,11 @@ class LiveTensorMeter(Meter):
             with self._lock:
                 self._phase = None
 
-    def failure_bytes(self, message: str) -> int | None:
+    def failure_bytes(self, message: str) -> tuple[int | None, int | None]:
         # The meter's own limit knows exactly; a real allocator failure states its request.
-        return self._last_failure if self._last_failure is not None else super().failure_bytes(message)
+        if self._last_failure is not None:
+            return self._last_failure, self._last_failure
+        return super().failure_bytes(message)
 
 
 class _DispatchObserver(TorchDispatchMode):
@@ -234,68 +213,15 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
         return None
 
 
-class CudaMeter(Meter):
-    """CUDA caching-allocator statistics, and a limit through the per-process memory fraction."""
-
-    def __init__(self, device: torch.device, budget_bytes: int | None, limit_bytes: int | None) -> None:
-        super().__init__()
-        self.device = device
-        self.total_bytes = torch.cuda.get_device_properties(device).total_memory
-        self.budget_bytes = budget_bytes
-        self._limit = limit_bytes
-        self._phase_start = 0
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        if self._limit is None:
-            yield
-            return
-        previous = torch.cuda.get_per_process_memory_fraction(self.device)
-        torch.cuda.set_per_process_memory_fraction(min(1.0, self._limit / self.total_bytes), self.device)
-        try:
-            yield
-        finally:
-            torch.cuda.set_per_process_memory_fraction(previous, self.device)
-
-    def allocated_bytes(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
-
-    def begin_trial(self) -> None:
-        super().begin_trial()
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        torch.cuda.reset_peak_memory_stats(self.device)
-        try:
-            yield
-        finally:
-            self.synchronize()
-            peak = torch.cuda.max_memory_allocated(self.device)
-            self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), peak)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def release(self, target_bytes: int | None = None) -> None:
-        super().release(target_bytes)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-
-_REQUEST = re.compile(
-    r"(?:tried to allocate|Tried to allocate)\s+([0-9.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)?", re.IGNORECASE
-)
-_SCALE = {"bytes": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-def requested_bytes(message: str) -> int | None:
-    """The size of the failing request, from a CUDA or CPU allocator message, if stated."""
-    match = _REQUEST.search(message)
-    if not match:
-        return None
-    unit = (match.group(2) or "bytes").lower()
-    return int(float(match.group(1)) * _SCALE[unit])
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return "CPU: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU: " + (platform.processor() or platform.machine())
 
 
 def available_host_bytes() -> int | None:

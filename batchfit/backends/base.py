@@ -1,0 +1,188 @@
+"""The device seam: what a probe needs from a device kind, and the meter every kind provides.
+
+A probe asks a device for six things, and nothing else in batchfit knows which device it is:
+
+* validate a requested device (:meth:`Backend.validate`) and describe it (:meth:`Backend.describe`);
+* how much memory this process can reach there (:meth:`Backend.reachable_bytes`), and what a
+  ``memory_limit`` fraction is a fraction of (:meth:`Backend.limit_total_bytes`);
+* one-time allocations to make before a baseline is taken (:meth:`Backend.warm_up`: cuBLAS
+  workspaces on CUDA);
+* a :class:`Meter` that measures a trial's peak per phase and enforces the limit;
+* cached memory to give back (:meth:`Backend.empty_cache`) and queued work to wait for
+  (:meth:`Backend.synchronize`);
+* the device's random number generator state, so that it is restored exactly.
+
+(Whether an exception left a device unusable is read from the exception alone, in ``oom.py``.)
+
+Two units of memory exist. *Allocated* bytes are what live tensors hold. *Reserved* bytes are
+what an allocator holds from the device (allocated plus its cache): on CUDA a memory limit caps
+reserved bytes, so the search aims, and the safe batch keeps its headroom, in reserved bytes
+there. On the CPU the live-tensor meter's limit counts live tensors, so both units are the same.
+:attr:`Meter.counts` says which unit the budget counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from batchfit.result import DeviceInfo, Unit
+
+
+class Meter:
+    """Peak memory of a trial per phase, and the memory limit, for one probe on one device.
+
+    The trial runner calls :meth:`begin_trial`, then runs the steps inside :meth:`tracking`,
+    each phase inside :meth:`phase`; it reads :meth:`phase_peaks` (allocated bytes) and
+    :meth:`phase_reserved_peaks` (reserved bytes) afterwards.
+    """
+
+    device: torch.device
+    budget_bytes: int | None
+    counts: Unit = "allocated"
+
+    def __init__(self) -> None:
+        self._phase_peaks: dict[str, int] = {}
+        self._phase_reserved: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Apply the limit for the lifetime of a probe and undo it afterwards."""
+        yield
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        """Measure the code inside (a trial's steps)."""
+        yield
+
+    def allocated_bytes(self) -> int:
+        """Memory that live tensors hold on the device now, as this meter counts it."""
+        raise NotImplementedError
+
+    def reserved_bytes(self) -> int:
+        """Memory the allocator holds from the device now (allocated plus its cache)."""
+        return self.allocated_bytes()
+
+    def begin_trial(self) -> None:
+        self._phase_peaks = {}
+        self._phase_reserved = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Record the peak of the code inside under ``name``."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    def phase_peaks(self) -> dict[str, int]:
+        """Peak allocated bytes per phase of the last trial."""
+        return dict(self._phase_peaks)
+
+    def phase_reserved_peaks(self) -> dict[str, int]:
+        """Peak reserved bytes per phase of the last trial."""
+        return dict(self._phase_reserved) if self._phase_reserved else dict(self._phase_peaks)
+
+    def failure_bytes(self, message: str) -> tuple[int | None, int | None]:
+        """Lower bounds of what a failed step needed, ``(allocated, reserved)``.
+
+        Read inside the ``except`` of an OOM, while the failed step's tensors are still
+        referenced. The base rule: live memory plus the request the message states (``None``
+        where it states none). Allocators that round requests override this.
+        """
+        requested = requested_bytes(message)
+        if requested is None:
+            return None, None
+        return self.allocated_bytes() + requested, self.reserved_bytes() + requested
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (so wall-clock timing is honest)."""
+
+    def release(self, target_bytes: int | None = None) -> None:
+        """Give back what the last trial left behind.
+
+        A full ``gc.collect()`` costs tens to hundreds of milliseconds once torch is loaded,
+        more than a small model's whole step, so it only runs when memory is still above
+        ``target_bytes`` (the pre-trial level), i.e. when reference cycles really hold tensors.
+        """
+        if target_bytes is None or self.allocated_bytes() > target_bytes:
+            gc.collect()
+
+
+class Backend:
+    """What a probe needs from one kind of device. One instance per device type; stateless."""
+
+    #: ``torch.device.type`` this backend serves.
+    type: str = ""
+
+    def validate(self, device: torch.device) -> torch.device:
+        """``device`` with its index resolved; ``ValueError`` when it is not there."""
+        raise NotImplementedError
+
+    def describe(self, device: torch.device) -> DeviceInfo:
+        raise NotImplementedError
+
+    def limit_total_bytes(self, device: torch.device) -> int | None:
+        """What a fractional ``memory_limit`` (``0.8``) is a fraction of."""
+        raise NotImplementedError
+
+    def default_limit(self, device: torch.device) -> tuple[int | None, str]:
+        """The limit without ``memory_limit`` (``None``: the device's reachable memory), and a
+        phrase that says where it came from."""
+        return None, "device"
+
+    def reachable_bytes(self, device: torch.device) -> int | None:
+        """Memory this process can use on ``device`` now (``None`` when unknown)."""
+        return None
+
+    def outside_allocator_bytes(self, device: torch.device) -> int:
+        """Memory in use on the device that the allocator does not hold (context, handles,
+        other processes); what ``reserve="auto"`` sets aside. 0 where there is no such thing."""
+        return 0
+
+    def warm_up(self, device: torch.device, amp_dtype: torch.dtype | None) -> None:
+        """Make the one-time allocations a first step would make, before a baseline is taken."""
+
+    def make_meter(
+        self, device: torch.device, budget_bytes: int | None, limit_bytes: int | None, tensors: list[torch.Tensor]
+    ) -> Meter:
+        """A meter for one probe. ``budget_bytes``: what trials may use; ``limit_bytes``: the
+        user's limit to enforce (``None``: none); ``tensors``: what the probe holds before its
+        first trial (weights, buffers, the sample), for meters that must count it themselves."""
+        raise NotImplementedError
+
+    def empty_cache(self, device: torch.device) -> None:
+        """Give cached memory back to the device."""
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait for the device's queued work."""
+
+    def get_rng_state(self, device: torch.device) -> Any:
+        """The device's random number generator state (``None``: nothing to restore)."""
+        return None
+
+    def set_rng_state(self, device: torch.device, state: Any) -> None:
+        """Restore what :meth:`get_rng_state` returned."""
+
+
+_REQUEST = re.compile(
+    r"(?:tried to allocate|Tried to allocate)\s+([0-9.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)?", re.IGNORECASE
+)
+_SCALE = {"bytes": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def requested_bytes(message: str) -> int | None:
+    """The size an allocator message says it tried to allocate, if it states one.
+
+    On CUDA this is the rounded segment the caching allocator tried to reserve (a 3 MiB
+    request reads "Tried to allocate 20.00 MiB"), not the tensor's size: a bound in reserved
+    bytes, not in allocated bytes.
+    """
+    match = _REQUEST.search(message)
+    if not match:
+        return None
+    unit = (match.group(2) or "bytes").lower()
+    return int(float(match.group(1)) * _SCALE[unit])
