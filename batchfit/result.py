@@ -74,6 +74,12 @@ class Trial:
     def peaks_by_phase(self) -> dict[str, int]:
         return dict(self.phase_peaks)
 
+    @property
+    def capped_peak_bytes(self) -> int | None:
+        """The peak a memory limit is compared with: reserved bytes where they were recorded (a
+        CUDA limit caps them; on the CPU they equal the live-tensor bytes), else allocated."""
+        return self.reserved_peak_bytes if self.reserved_peak_bytes is not None else self.peak_bytes
+
     def peak_in(self, unit: Unit) -> int | None:
         """The peak counted in ``unit``."""
         return self.reserved_peak_bytes if unit == "reserved" else self.peak_bytes

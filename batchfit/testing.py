@@ -67,10 +67,12 @@ class GateReport:
         if self.fits:
             return (
                 f"batch {self.batch_size} fits within {limit} on {self.device_text}: "
-                f"peak {format_bytes(trial.peak_bytes)}"
+                f"peak {format_bytes(trial.capped_peak_bytes)}"
             )
         needed = (
-            f"needing at least {format_bytes(trial.peak_bytes)}" if trial.peak_bytes is not None else "(peak unknown)"
+            f"needing at least {format_bytes(trial.capped_peak_bytes)}"
+            if trial.capped_peak_bytes is not None
+            else "(peak unknown)"
         )
         where = f" in {trial.phase}" if trial.phase else ""
         text = (
@@ -78,7 +80,8 @@ class GateReport:
         )
         largest = self.largest_trial
         if largest is not None:
-            text += f"; the largest batch that fit is {self.largest_fit} (peak {format_bytes(largest.peak_bytes)})"
+            peak = format_bytes(largest.capped_peak_bytes)
+            text += f"; the largest batch that fit is {self.largest_fit} (peak {peak})"
         elif self.largest_fit == 0:
             text += "; no smaller batch fits either"
         return text + "."

@@ -51,18 +51,20 @@ class TrialCells:
 
 
 def trial_cells(index: int, trial: Trial, budget_bytes: int | None) -> TrialCells:
-    """Format one trial. A failed trial's peak is the memory that would have been live had the
-    failing allocation succeeded (a lower bound of what that size needs), hence the ``>=``."""
+    """Format one trial. A failed trial's peak is a lower bound of what that size needs (what
+    was held when it failed, plus the refused request where the backend states it), hence the
+    ``>=``."""
     if trial.fits:
         outcome = "fits"
     else:
         outcome = f"OOM in {trial.phase}" if trial.phase else "OOM"
-    peak = format_bytes(trial.peak_bytes)
-    if not trial.fits and trial.peak_bytes is not None:
+    value = trial.capped_peak_bytes
+    peak = format_bytes(value)
+    if not trial.fits and value is not None:
         peak = ">=" + peak
     fraction = None
-    if trial.peak_bytes is not None and budget_bytes:
-        fraction = trial.peak_bytes / budget_bytes
+    if value is not None and budget_bytes:
+        fraction = value / budget_bytes
     return TrialCells(
         index=str(index),
         batch=str(trial.batch_size),
@@ -118,10 +120,15 @@ def memory_equation(memory: MemoryModel) -> list[str]:
 
 
 def device_label(result: Result) -> str:
+    """The device and its total memory: the runtime's total (what fractions and budgets are of)
+    and, where NVML gave it, nvidia-smi's, which also counts driver-reserved memory."""
     from batchfit.testing import device_text
 
-    total = result.device.total_bytes
-    return device_text(result.device) + (f", {format_bytes(total)} total" if total else "")
+    device = result.device
+    total = f", {format_bytes(device.total_bytes)} total" if device.total_bytes else ""
+    if device.nvml_total_bytes and device.nvml_total_bytes != device.total_bytes:
+        total += f" ({format_bytes(device.nvml_total_bytes)} in nvidia-smi)"
+    return device_text(device) + total
 
 
 def summary_rows(result: Result) -> list[tuple[str, str]]:
@@ -150,9 +157,12 @@ def summary_rows(result: Result) -> list[tuple[str, str]]:
         rows.extend(("", line) for line in rest)
     else:
         rows.append(("memory", "no equation: fewer than two batch sizes fitted"))
-    rows.append(("budget", f"{format_bytes(result.budget_bytes)} ({settings.limit_source})"))
+    counts = "; counts reserved bytes" if result.budget_counts == "reserved" else ""
+    rows.append(("budget", f"{format_bytes(result.budget_bytes)} ({settings.limit_source}{counts})"))
     mode = settings.mode + (f", amp {settings.amp}" if settings.amp else "")
     rows.append(("device", f"{device_label(result)}; {mode}; torch {result.torch_version}"))
+    if result.device.config:
+        rows.append(("config", ", ".join(f"{key} {value}" for key, value in result.device.config)))
     rows.append(("trials", f"{len(result.trials)} in {result.elapsed_s:.1f} s"))
     rows.extend(("note", note) for note in result.notes)
     return rows
@@ -174,7 +184,7 @@ def gate_rows(report: GateReport) -> list[tuple[str, str]]:
     """The gate's verdict: the peak at the required batch against the limit, and on failure the
     largest batch that did fit."""
     trial = report.trial
-    peak = format_bytes(trial.peak_bytes)
+    peak = format_bytes(trial.capped_peak_bytes)
     verdict = (
         f"PASS: batch {report.batch_size} fits"
         if report.fits

@@ -9,6 +9,13 @@ from batchfit.backends import requested_bytes
 from batchfit.oom import is_oom, is_sticky_device_error
 
 
+def _coded(code: int, text: str) -> BaseException:
+    """An AcceleratorError as torch raises it from C++, with the runtime's error code."""
+    error = torch.AcceleratorError(text)
+    error.error_code = code  # type: ignore[attr-defined]
+    return error
+
+
 @pytest.mark.parametrize(
     "exc",
     [
@@ -25,6 +32,14 @@ from batchfit.oom import is_oom, is_sticky_device_error
         RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
         RuntimeError(
             "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
+        ),
+        torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+        _coded(2, "CUDA error: unnamed"),  # cudaErrorMemoryAllocation by its code
+        torch.OutOfMemoryError("Allocation on device would exceed allowed memory. (out of memory)"),
+        RuntimeError("Allocation on device 0 would exceed allowed memory. (out of memory)"),  # cudaMallocAsync
+        RuntimeError(
+            "cuDNN Frontend error: [cudnn_frontend] Error: No execution plans support the graph. "
+            "unable to find an engine to execute this computation"
         ),
     ],
     ids=lambda e: str(e)[:24],
@@ -53,7 +68,16 @@ def test_other_errors_are_not_out_of_memory(exc: BaseException) -> None:
 def test_sticky_cuda_errors_are_recognised() -> None:
     assert is_sticky_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert is_sticky_device_error(RuntimeError("CUDA error: device-side assert triggered"))
+    assert is_sticky_device_error(_coded(700, "CUDA error: something new"))  # by code, whatever the text
+    assert not is_sticky_device_error(_coded(2, "CUDA error: out of memory"))
     assert not is_sticky_device_error(RuntimeError("shape mismatch"))
+
+
+def test_the_size_in_a_cuda_oom_is_the_rounded_segment_a_reserved_bound() -> None:
+    """A 3 MiB request is reported as the 20 MiB segment the allocator tried to reserve: the
+    meter adds it to reserved bytes, never to allocated ones (see AllocatorMeter.failure_bytes)."""
+    message = "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB"
+    assert requested_bytes(message) == 20 * 2**20
 
 
 def test_a_real_cpu_allocator_failure_is_recognised() -> None:
