@@ -29,12 +29,14 @@ class NothingFitsError(BatchfitError):
         budget_bytes: int | None = None,
         phase: str | None = None,
         cause: str | None = None,
+        advice: str | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.needed_bytes = needed_bytes
         self.budget_bytes = budget_bytes
         self.phase = phase
         self.cause = cause
+        self.advice = advice
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -46,7 +48,7 @@ class NothingFitsError(BatchfitError):
             msg += f" needing at least {format_bytes(self.needed_bytes)}"
         if self.budget_bytes is not None:
             msg += f" with a budget of {format_bytes(self.budget_bytes)}"
-        msg += ". Lower init_batch, raise memory_limit, or shrink the sample/model."
+        msg += ". " + (self.advice or "Lower init_batch, raise memory_limit, or shrink the sample/model.")
         if self.cause:
             msg += f" The error was: {self.cause}"
         return msg

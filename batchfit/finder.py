@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from batchfit import search as search_mod
 from batchfit.backends import Meter, backend_for, resolve_device
 from batchfit.errors import DeviceFailedError, NothingFitsError
+from batchfit.interrupts import InterruptGuard
 from batchfit.oom import annotate
 from batchfit.options import DEFAULT_MAX_BATCH, Options, positive_int
 from batchfit.result import DeviceInfo, MemoryModel, Result, Settings, Trial, TrialKind, Unit
@@ -64,6 +66,7 @@ class Prober:
                 if sample is None
                 else "pass either sample or make_batch, not both"
             )
+        _check_materialised(model, sample)
         self.options = options
         self.steps_per_trial = options.steps_per_trial
         self.mode = options.mode
@@ -74,17 +77,33 @@ class Prober:
         self.backend = backend_for(self.device)
         self.device_info: DeviceInfo = self.backend.describe(self.device)
         self._model = model
+        #: Things the probe's set-up wants the result to say (a clipped budget, ...).
+        self.notes: list[str] = []
+        #: What the trials call: the model itself, or the eager module inside a compiled one.
+        self._run_model = self._runnable(model)
         self._raw_sample = sample
         self.limit_bytes, self.limit_source, self.reserve_bytes = self._resolve_limit()
         self.budget_bytes: int | None = None
         self.meter: Meter | None = None
         self.optimizer_state_bytes = 0
-        #: Things the probe's set-up wants the result to say (a clipped budget, ...).
-        self.notes: list[str] = []
         self._grad_scale: float | None = None
+        self._interrupts = InterruptGuard()
         self._workload: Workload | None = None
         self._snapshot: Snapshot | None = None
         self._stack: contextlib.ExitStack | None = None
+
+    def _runnable(self, model: nn.Module) -> nn.Module:
+        """A ``torch.compile``d model runs eagerly where the backend's meter cannot run compiled
+        code (the CPU's dispatch mode): calling it compiled there would make dynamo skip its
+        frames for good, and the user's model would never compile again in this process."""
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None or self.backend.runs_compiled or not isinstance(inner, nn.Module):
+            return model
+        self.notes.append(
+            f"the torch.compile'd model was probed eagerly on {self.device.type} (its meter cannot run compiled "
+            "code, and dynamo would stop compiling the model for good); compiled code can use less memory"
+        )
+        return inner
 
     @property
     def counts(self) -> Unit:
@@ -114,12 +133,14 @@ class Prober:
 
     # lifetime ------------------------------------------------------------------------------------
     def __enter__(self) -> Prober:
-        self._snapshot = take(self._model, self._user_optimizer, self.backend, self.device)
-        self._stack = contextlib.ExitStack()
+        # Ctrl-C is deferred to safe points from here until the restore has finished.
+        self._interrupts = InterruptGuard().__enter__()
         try:
+            self._snapshot = take(self._model, self._user_optimizer, self.backend, self.device)
+            self._stack = contextlib.ExitStack()
             self._prepare()
-        except BaseException:
-            self._finish(device_usable=True)
+        except BaseException as exc:
+            self._finish(device_usable=True, exc=exc)
             raise
         return self
 
@@ -134,7 +155,7 @@ class Prober:
         model.train(self.mode == "train")
         sample = to_device(self._raw_sample, device) if self._raw_sample is not None else None
         self._workload = Workload(
-            model=model,
+            model=self._run_model,
             device=device,
             mode=self.mode,
             sample=sample,
@@ -149,10 +170,17 @@ class Prober:
             raise ValueError(
                 "the model has no trainable parameter: a training probe needs one (or use mode='inference')"
             )
+        if self.mode == "train":
+            # A factory that returns the wrong thing is named now, not as a failure inside a trial.
+            # Optimizers allocate their state in step(), so this one costs no memory.
+            self._new_optimizer(self._workload.trainable_parameters())
         self.backend.warm_up(device, AMP_DTYPES.get(options.amp or ""))
+        if options.reserve == "auto":  # measured once the warm-up made what the device keeps
+            self.limit_bytes, self.limit_source, self.reserve_bytes = self._resolve_limit()
         self.budget_bytes = self._budget()
         held = [*model.parameters(), *model.buffers()] + [t for _, t in tensor_leaves(sample, "sample")]
         self.meter = self.backend.make_meter(device, self.budget_bytes, self.limit_bytes, tensors=held)
+        self.meter.interrupts = self._interrupts
         assert self._stack is not None
         self._stack.enter_context(self.meter.active())
 
@@ -177,7 +205,7 @@ class Prober:
         tb: TracebackType | None,
     ) -> None:
         failed = isinstance(exc, DeviceFailedError)
-        self._finish(device_usable=not failed)
+        self._finish(device_usable=not failed, exc=exc)
         if failed and exc is not None and self.device.type != "cpu":
             annotate(
                 exc,
@@ -185,9 +213,10 @@ class Prober:
                 "on the CPU: the device cannot be used again in this process",
             )
 
-    def _finish(self, device_usable: bool) -> None:
-        """Undo everything. On a failed device nothing is asked of it: every call would raise
-        and the raw device error would replace the one that explains what happened."""
+    def _finish(self, device_usable: bool, exc: BaseException | None) -> None:
+        """Undo everything, then let a Ctrl-C that arrived meanwhile surface. On a failed device
+        nothing is asked of it: every call would raise and the raw device error would replace
+        the one that explains what happened."""
         try:
             if self._stack is not None:
                 if device_usable:
@@ -198,12 +227,15 @@ class Prober:
         finally:
             self._stack = None
             self._workload = None
-            if self._snapshot is not None:
-                self._snapshot.restore(device_usable)
-                self._snapshot = None
-            gc.collect()
-            if device_usable:
-                self.backend.empty_cache(self.device)
+            try:
+                if self._snapshot is not None:
+                    self._snapshot.restore(device_usable, restore_rng=self.options.restore_rng)
+                    self._snapshot = None
+                gc.collect()
+                if device_usable:
+                    self.backend.empty_cache(self.device)
+            finally:
+                self._interrupts.__exit__(type(exc) if exc else None, exc, None)
 
     # trials ----------------------------------------------------------------------------------------
     def trial(self, batch_size: int, steps: int | None = None, kind: TrialKind = "search") -> Trial:
@@ -212,10 +244,39 @@ class Prober:
             raise RuntimeError("Prober.trial() needs an active probe: use 'with Prober(...) as p:'")
         batch_size = positive_int("batch_size", batch_size)
         steps = self.steps_per_trial if steps is None else positive_int("steps", steps)
+        self._interrupts.check()
         run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale)
+        self._interrupts.check()
         self._grad_scale = run.grad_scale
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
         return run.trial
+
+    def fixed_advice(self) -> str | None:
+        """What to say when not even the first batch fits and the memory that does not depend
+        on the batch (weights, gradients, the optimizer's state) already exceeds the budget."""
+        budget = self.budget_bytes
+        weights = sum(p.numel() * p.element_size() for p in self._model.parameters())
+        trainable = sum(p.numel() * p.element_size() for p in self._model.parameters() if p.requires_grad)
+        if self.mode != "train":
+            parts, fixed = f"the weights alone need {format_bytes(weights)}", weights
+        else:
+            # AdamW (the default, and the Adam family) keeps two moments per trainable parameter.
+            adam = self.options.optimizer is None or isinstance(
+                self._user_optimizer, (torch.optim.Adam, torch.optim.AdamW)
+            )
+            state = 2 * trainable if adam else 0
+            fixed = weights + trainable + state
+            parts = (
+                f"the weights ({format_bytes(weights)}), their gradients ({format_bytes(trainable)})"
+                + (f" and AdamW's two moments ({format_bytes(state)})" if state else "")
+                + f" alone need {format_bytes(fixed)}"
+            )
+        if budget is None or fixed <= budget:
+            return None
+        return (
+            f"{parts[0].upper()}{parts[1:]}, more than the budget: lowering init_batch cannot help. Raise "
+            "memory_limit, use a smaller model, or an optimizer with less state (SGD, or 8-bit/factored moments)."
+        )
 
     def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
         """The memory equation of ``trials``, in the unit the budget counts."""
@@ -223,6 +284,25 @@ class Prober:
         grads = sum(p.numel() * p.element_size() for p in self._model.parameters() if p.requires_grad)
         grads = grads if self.mode == "train" else 0
         return MemoryModel.fit(trials, weights, grads, self.optimizer_state_bytes, unit=self.counts)
+
+
+def _check_materialised(model: nn.Module, sample: Any) -> None:
+    """Refuse, with the reason, what no trial could run: tensors without data (the ``meta``
+    device) and lazy modules whose shapes are not known yet."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if is_lazy(tensor):
+            raise ValueError(
+                f"the model's {name} is an uninitialized lazy parameter (a torch.nn.Lazy* module): run one forward "
+                "pass on a sample before probing, so that its shape is known"
+            )
+        if tensor.is_meta:
+            raise ValueError(
+                f"the model's {name} is on the meta device, which holds no data: materialise the model "
+                "(model.to_empty(device=...), then initialise its weights) before probing"
+            )
+    for path, tensor in tensor_leaves(sample, "sample") if sample is not None else ():
+        if tensor.is_meta:
+            raise ValueError(f"{path} is on the meta device, which holds no data: pass a sample with real values")
 
 
 def find(
@@ -246,6 +326,7 @@ def find(
     verify_steps: int = 5,
     strategy: str | search_mod.Strategy = "interpolate",
     time_budget: float | None = None,
+    restore_rng: bool = True,
     callback: TrialCallback | None = None,
     on_trial_start: StartCallback | None = None,
     on_start: ProbeStartCallback | None = None,
@@ -292,6 +373,10 @@ def find(
             meet the budget, bracketed so it stays exact) or ``"binary"`` (plain doubling and
             bisection), or a strategy object (see ``batchfit.search.Strategy``).
         time_budget: seconds after which no new search trial starts.
+        restore_rng: put the CPU and device random generators back as they were (default). The
+            generators are process-wide: a probe in a background thread that restores them
+            replays numbers other threads drew meanwhile; pass ``False`` there (the probe's
+            dropout then consumes random numbers as a training step would).
         callback: called with every finished :class:`Trial` (search and verification).
         on_trial_start: called with ``(batch_size, kind)`` before each trial.
         on_start: called once with ``(device_info, budget_bytes)`` when the probe is set up and
@@ -324,6 +409,7 @@ def find(
         verify_steps=verify_steps,
         strategy=strategy,
         time_budget=time_budget,
+        restore_rng=restore_rng,
     )
     return find_with(model, sample, options, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
 
@@ -358,18 +444,28 @@ def find_with(
     def out_of_time() -> bool:
         return options.time_budget is not None and time.monotonic() - started > options.time_budget
 
+    in_trial = [False]  # an exception raised while True came from a trial or a callback, not the search
+
+    def oracle(batch_size: int) -> search_mod.Attempt:
+        in_trial[0] = True
+        trial = run(batch_size, "search")
+        in_trial[0] = False
+        # The search sees each trial in the unit the budget counts (reserved bytes on CUDA).
+        return _verdict(trial, unit)
+
     with prober:
         budget, unit = prober.budget_bytes, prober.counts
         if on_start is not None:
             on_start(prober.device_info, budget)
         try:
-            # The search sees each trial in the unit the budget counts (reserved bytes on CUDA).
-            report = search_mod.search(
-                lambda b: _verdict(run(b, "search"), unit), grid, chooser, out_of_time, budget_bytes=budget
-            )
+            report = search_mod.search(oracle, grid, chooser, out_of_time, budget_bytes=budget)
         except NothingFitsError as failed:
+            if in_trial[0]:
+                raise  # the user's callback (or model) raised it: not the search's verdict
             last = trials[-1]
-            raise NothingFitsError(failed.batch_size, failed.needed_bytes, budget, last.phase, last.message) from None
+            raise NothingFitsError(
+                failed.batch_size, failed.needed_bytes, budget, last.phase, last.message, prober.fixed_advice()
+            ) from None
         memory = prober.memory_model(trials)
         safe, verified, safe_notes = _safe_batch(report, trials, memory, budget, options, unit, run)
 
@@ -456,8 +552,11 @@ def _safe_batch(
     free, then verified.
 
     Candidates: the largest fitting trial whose measured peak is within the target, and the
-    memory equation's prediction (which can land between tried sizes). If the verification
-    run fails, step down by the headroom fraction and try again (at most three times).
+    memory equation's prediction (which can land between tried sizes). The verification must fit
+    *and* leave the headroom (on CUDA reserved memory grows in segments, so a predicted size can
+    overshoot); if it does not, step down by the headroom fraction and try again (at most three
+    times). If none passes, the largest size that fitted any trial is returned, marked not
+    verified, with a note in capitals: never a size that was not run.
     """
     notes: list[str] = []
     grid, headroom, verify_steps = options.grid(), options.headroom, options.verify_steps
@@ -477,14 +576,27 @@ def _safe_batch(
     if verify_steps == 0:
         return safe, False, notes
     for _ in range(3):
-        if run(safe, "verify", verify_steps).fits:
+        check = run(safe, "verify", verify_steps)
+        peak = check.peak_in(unit)
+        if check.fits and (budget is None or peak is None or peak <= budget * (1 - headroom) or safe == grid.init):
             return safe, True, notes
-        notes.append(f"safe batch {safe} ran out of memory when verified with {verify_steps} steps")
+        notes.append(
+            f"safe batch {safe} ran out of memory when verified with {verify_steps} steps"
+            if not check.fits
+            else f"safe batch {safe} used {format_bytes(peak)} when verified, more than the headroom allows"
+        )
         lower = max(grid.init, grid.floor(math.floor(safe * (1 - max(headroom, 0.1)))))
         if lower == safe:
             break
         safe = lower
-    return safe, False, notes
+    # Never hand back a size that was not run: the largest one that fitted a trial.
+    tried = [t.batch_size for t in trials if t.fits and t.batch_size <= safe]
+    fallback = max(tried, default=grid.init)
+    notes.append(
+        f"NO SAFE BATCH WAS VERIFIED: batch {fallback} is the largest size that fitted a trial below the "
+        f"candidates, but it was not verified with {verify_steps} steps; expect out-of-memory errors near it"
+    )
+    return fallback, False, notes
 
 
 def _fastest(trials: list[Trial], fallback: int) -> int:

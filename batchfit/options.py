@@ -48,7 +48,8 @@ class Options:
     The work: ``make_batch``, ``loss_fn``, ``step_fn``, ``optimizer``, ``amp``, ``mode``,
     ``device``, ``memory_limit``, ``reserve``, ``steps_per_trial``. The search: ``headroom``,
     ``init_batch``, ``max_batch``, ``multiple_of``, ``verify_steps``, ``strategy``,
-    ``time_budget``. See :func:`batchfit.find` for what each one means.
+    ``time_budget``. The restore: ``restore_rng``. See :func:`batchfit.find` for what each one
+    means.
     """
 
     make_batch: Callable[[int], Any] | None = None
@@ -68,6 +69,7 @@ class Options:
     verify_steps: int = 5
     strategy: str | Strategy = "interpolate"
     time_budget: float | None = None
+    restore_rng: bool = True
 
     def __post_init__(self) -> None:
         if self.make_batch is not None and not callable(self.make_batch):
@@ -87,6 +89,8 @@ class Options:
                 parse_memory_limit(self.reserve, None)
             except ValueError as exc:
                 raise ValueError(f"reserve: {exc} (or reserve='auto')".replace("memory_limit ", "")) from None
+        if not isinstance(self.restore_rng, bool):
+            raise TypeError(f"restore_rng must be True or False, got {self.restore_rng!r}")
         positive_int("steps_per_trial", self.steps_per_trial)
         positive_int("verify_steps", self.verify_steps, minimum=0)
         headroom = self.headroom

@@ -76,7 +76,8 @@ def run_trial(
     progress = _Progress(grad_scale=grad_scale)
     times: list[float] = []
     failure: tuple[str, tuple[int | None, int | None]] | None = None
-    with meter.tracking():
+    # A probe started under torch.no_grad() or inference_mode() still trains for real.
+    with meter.tracking(), torch.inference_mode(False), torch.enable_grad():
         try:
             _run_steps(workload, meter, batch_size, steps, progress, times)
         except Exception as exc:  # KeyboardInterrupt passes untouched
@@ -90,6 +91,8 @@ def run_trial(
             else:
                 annotate(exc, f"batchfit: raised during {progress.phase} of a trial at batch size {batch_size}")
                 raise
+    if failure is not None and progress.phase == "backward":
+        _flush_autograd()
     _drop_grads(workload)
     meter.release(target_bytes=before)
     leaked = max(0, meter.allocated_bytes() - before)
@@ -147,6 +150,7 @@ def _run_steps(
         batch = workload.build_batch(batch_size)
     if workload.mode != "train":
         for index in range(steps):
+            meter.checkpoint()
             with _timed(meter, times, index > 0 or steps == 1):
                 progress.phase = "forward"
                 with meter.phase("forward"), torch.inference_mode():
@@ -159,29 +163,46 @@ def _run_steps(
     hook = optimizer.register_step_post_hook(lambda *_: stepped.append(1))
     scaler = workload.grad_scaler(progress.grad_scale)
     try:
-        while progress.steps < steps:
-            timed = bool(stepped) or steps == 1
-            with _timed(meter, times, timed) as record:
-                ran_before = len(stepped)
-                _train_step(workload, meter, batch, optimizer, scaler, progress)
-                record.keep = len(stepped) > ran_before
-            if scaler is not None:
-                progress.grad_scale = float(scaler.get_scale())
-            if len(stepped) == ran_before:
-                progress.skipped += 1
-                if progress.skipped > MAX_SKIPPED_STEPS:
-                    raise NoOptimizerStepError(
-                        f"the optimizer never stepped at batch size {batch_size}: the GradScaler skipped "
-                        f"{progress.skipped} optimizer steps in a row because the fp16 gradients were inf or NaN "
-                        "at every scale, so the optimizer state was never allocated and the trial's memory cannot "
-                        "be measured. Check the loss for inf/NaN, or probe with amp='bf16'."
-                    )
-                continue
-            progress.steps += 1
-            if progress.steps == 1:
-                progress.optimizer_state_bytes = _state_bytes(optimizer)
+        _train_steps(workload, meter, batch, batch_size, steps, optimizer, stepped, scaler, progress, times)
     finally:
         hook.remove()
+        if scaler is not None:  # read once (it synchronises), for the next trial to start from
+            with contextlib.suppress(Exception):  # a failed device must not hide the real error
+                progress.grad_scale = float(scaler.get_scale())
+
+
+def _train_steps(
+    workload: Workload,
+    meter: Meter,
+    batch: object,
+    batch_size: int,
+    steps: int,
+    optimizer: torch.optim.Optimizer,
+    stepped: list[int],
+    scaler: torch.amp.GradScaler | None,
+    progress: _Progress,
+    times: list[float],
+) -> None:
+    """Training steps until ``steps`` of them really stepped the optimizer (see the module docs)."""
+    while progress.steps < steps:
+        timed = bool(stepped) or steps == 1
+        with _timed(meter, times, timed) as record:
+            ran_before = len(stepped)
+            _train_step(workload, meter, batch, optimizer, scaler, progress)
+            record.keep = len(stepped) > ran_before
+        if len(stepped) == ran_before:
+            progress.skipped += 1
+            if progress.skipped > MAX_SKIPPED_STEPS:
+                raise NoOptimizerStepError(
+                    f"the optimizer never stepped at batch size {batch_size}: the GradScaler skipped "
+                    f"{progress.skipped} optimizer steps in a row because the fp16 gradients were inf or NaN "
+                    "at every scale, so the optimizer state was never allocated and the trial's memory cannot "
+                    "be measured. Check the loss for inf/NaN, or probe with amp='bf16'."
+                )
+            continue
+        progress.steps += 1
+        if progress.steps == 1:
+            progress.optimizer_state_bytes = _state_bytes(optimizer)
 
 
 class _Timing:
@@ -212,15 +233,19 @@ def _train_step(
     scaler: torch.amp.GradScaler | None,
     progress: _Progress,
 ) -> None:
-    # The output stays alive until the step ends, as in an ordinary training loop.
+    # The output stays alive until the step ends, as in an ordinary training loop. Between the
+    # phases a Ctrl-C deferred by the probe surfaces (meter.checkpoint).
     progress.phase = "forward"
+    meter.checkpoint()
     with meter.phase("forward"):
         output, loss = workload.forward(batch)
     assert loss is not None
     progress.phase = "backward"
+    meter.checkpoint()
     with meter.phase("backward"):
         (scaler.scale(loss) if scaler is not None else loss).backward()
     progress.phase = "step"
+    meter.checkpoint()
     with meter.phase("step"):
         if scaler is not None:
             scaler.step(optimizer)
@@ -238,6 +263,16 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
             if isinstance(value, torch.Tensor):
                 total += value.untyped_storage().nbytes()
     return total
+
+
+def _flush_autograd() -> None:
+    """Run a tiny backward after an OOM in backward. An exception raised inside the autograd
+    engine can leave the failed graph referenced until the next ``backward()`` anywhere in the
+    process (pytorch #82218; seen with CPU autocast, where the OOM hit a ``_to_copy`` in
+    backward and 100 MiB stayed live). Any leak that remains shows in ``Trial.leaked_bytes``."""
+    with torch.enable_grad():
+        seed = torch.zeros((), requires_grad=True)
+        (seed * 1.0).backward()
 
 
 def _drop_grads(workload: Workload) -> None:

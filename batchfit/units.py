@@ -56,6 +56,11 @@ def parse_memory_limit(limit: int | float | str, total_bytes: int | None) -> int
                 f"use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
             )
         value = float(number)
+        if unit == "" and number.endswith("."):
+            raise ValueError(
+                f"memory_limit {limit!r} is ambiguous: write a fraction with its digits ('0.8', '1.0' for all of "
+                "the device) or a size with a unit ('1GB')"
+            )
         if unit == "" and "." in number:
             return _fraction(value, total_bytes, repr(limit))
         nbytes = int(value * _UNITS[unit])

@@ -73,7 +73,16 @@ def batch_size_of(batch: Any, what: str = "sample") -> int:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    return _map_tensors(batch, lambda t: t.to(device))
+    """The batch on ``device``, detached from any autograd graph: the probe never backpropagates
+    into (or leaves a ``.grad`` on) the user's sample. Inference tensors (made under
+    ``torch.inference_mode()``) are cloned into ordinary ones, which a training step can save."""
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        moved = tensor.detach().to(device)
+        return moved.clone() if moved.is_inference() else moved
+
+    with torch.inference_mode(False):
+        return _map_tensors(batch, move)
 
 
 def tile(sample: Any, batch_size: int, sample_size: int) -> Any:

@@ -14,10 +14,13 @@ What differs from the CPU run:
   picture, as on a real smaller GPU.
 * Models are sized for a GPU, and a GPT-2-small-sized model (124M parameters, sequence 1024)
   runs in bf16 autocast (Lightning: ``precision="bf16-mixed"``).
-* Caps are calibrated at the start: two uncapped trials measure each model's peak at two batch
+* Caps are calibrated at the start: two uncapped trials measure each model's *reserved* peak
+  (``Trial.reserved_peak_bytes``, the allocator's segments: what the cap counts) at two batch
   sizes, and the cap is set where the fitted line reaches the case's target size. The
-  exhaustive scan then finds the true boundary under that cap (usually a little below the
-  target, because the allocator's reserve is larger than what is allocated).
+  exhaustive scan then finds the true boundary under that cap. Reserved memory grows in
+  segment-sized steps (2 MiB, 20 MiB) rather than on a line, so the boundary lands near the
+  target, not on it; calibrating on allocated bytes would put every cap too low by the
+  allocator's rounding and cache, and the boundary below the target.
 
 A deadline keeps the run unattended-safe: a case that would start after it is skipped and the
 output says so. The cases with the GPT-2-small model run first.
@@ -52,17 +55,18 @@ GPU_MODELS: tuple[tuple[str, dict[str, Any], str | None, tuple[int, ...]], ...] 
 def calibrate(
     model_name: str, kwargs: dict[str, Any], amp: str | None, targets: tuple[int, ...], device: torch.device, steps: int
 ) -> list[compare.Case]:
-    """Caps that put each target batch size just inside the cap, from two uncapped trials."""
+    """Caps that put each target batch size just inside the cap, from the reserved peaks of two
+    uncapped trials (the CUDA cap counts reserved bytes, not allocated ones)."""
     small, large = 2, 8
     case = compare.Case(model_name, 1, kwargs, amp)
     model, sample = case.build()
     with batchfit.Prober(model, sample, device=device, amp=amp, steps_per_trial=steps) as prober:
         low, high = prober.trial(small), prober.trial(large)
     compare.release(device)
-    if not (low.fits and high.fits and low.peak_bytes and high.peak_bytes):
+    if not (low.fits and high.fits and low.reserved_peak_bytes and high.reserved_peak_bytes):
         raise SystemExit(f"{model_name}: calibration trials at {small} and {large} did not fit on this GPU")
-    per_sample = (high.peak_bytes - low.peak_bytes) / (large - small)
-    fixed = low.peak_bytes - per_sample * small
+    per_sample = (high.reserved_peak_bytes - low.reserved_peak_bytes) / (large - small)
+    fixed = low.reserved_peak_bytes - per_sample * small
     return [compare.Case(model_name, int(fixed + per_sample * (target + 0.5)), kwargs, amp) for target in targets]
 
 

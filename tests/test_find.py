@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import exhaustive_boundary
 
 import batchfit
@@ -170,7 +171,6 @@ def test_make_batch_loss_fn_and_optimizer_factory() -> None:
 
 
 def test_loss_fn_receives_output_and_batch() -> None:
-    import torch
 
     model, sample = examples.mlp(in_features=16)
     seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
@@ -212,3 +212,72 @@ def test_memory_a_trial_keeps_is_reported_as_leaked() -> None:
     )
     assert [t.leaked_bytes for t in result.trials] == [2 * 64 * 4, 4 * 64 * 4, 8 * 64 * 4]
     assert any("left 512 B allocated" in note for note in result.notes)
+
+
+class HungryLater(torch.nn.Module):
+    """Fits during the search; once ``hungry`` (set when verification starts), every step also
+    keeps 16 KiB per row alive: the "found batch runs out of memory later" trap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+        self.hungry = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x)
+        if self.hungry:
+            out = out + torch.zeros(x.shape[0], 4096).sum(1, keepdim=True) * 0
+        return out
+
+
+def test_when_no_safe_batch_verifies_only_a_size_that_ran_is_returned_and_said_loudly() -> None:
+    model = HungryLater()
+
+    def on_trial_start(batch_size: int, kind: str) -> None:
+        model.hungry = kind == "verify"
+
+    result = batchfit.find(
+        model, torch.randn(2, 64), memory_limit="4MiB", max_batch=1024, on_trial_start=on_trial_start
+    )
+    verifies = [t for t in result.trials if t.kind == "verify"]
+    assert len(verifies) == 3 and not any(t.fits for t in verifies)
+    assert not result.safe_verified
+    assert result.safe_batch in {t.batch_size for t in result.trials if t.fits}
+    assert any("NO SAFE BATCH WAS VERIFIED" in note for note in result.notes)
+
+
+def _mobile_block(cin: int, cout: int, stride: int) -> torch.nn.Module:
+    """A MobileNetV3-style inverted residual: expand, depthwise conv, squeeze-excite, project."""
+    mid = cin * 4
+
+    class SqueezeExcite(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.down, self.up = torch.nn.Conv2d(mid, mid // 4, 1), torch.nn.Conv2d(mid // 4, mid, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scale = torch.nn.functional.adaptive_avg_pool2d(x, 1)
+            return x * torch.nn.functional.hardsigmoid(self.up(torch.relu(self.down(scale))))
+
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.Hardswish(),
+        nn.Conv2d(mid, mid, 3, stride, 1, groups=mid, bias=False), nn.BatchNorm2d(mid), nn.Hardswish(),
+        SqueezeExcite(), nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout),
+    )  # fmt: skip
+
+
+def test_out_of_memory_in_backward_under_autocast_leaves_nothing_behind() -> None:
+    """An OOM raised inside backward under CPU autocast can leave the failed graph alive until the
+    next backward (pytorch #82218); the trial runs a tiny backward after such an OOM, and any
+    leak would show in ``leaked_bytes`` and make the verification fail."""
+    nn = torch.nn
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.Hardswish(),
+        _mobile_block(16, 24, 2), _mobile_block(24, 40, 2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(40, 10),
+    )  # fmt: skip
+    result = batchfit.find(model, torch.randn(2, 3, 32, 32), amp="bf16", memory_limit="8MiB", steps_per_trial=2)
+    assert any(t.phase == "backward" for t in result.trials if not t.fits)
+    assert all(t.leaked_bytes == 0 for t in result.trials)
+    assert result.safe_verified

@@ -51,6 +51,7 @@ def mlp() -> tuple[torch.nn.Module, torch.Tensor]:
         ({"strategy": "guess"}, ValueError, "unknown search strategy 'guess'"),
         ({"callback": "print"}, TypeError, "callback must be callable"),
         ({"time_budget": -1}, ValueError, "time_budget must be a positive, finite number"),
+        ({"memory_limit": "1."}, ValueError, "memory_limit '1.' is ambiguous"),
     ],
 )
 def test_bad_input_is_named(
@@ -95,9 +96,67 @@ def test_make_batch_of_the_wrong_size_is_named(mlp: tuple[torch.nn.Module, torch
 
 
 def test_unsupported_device_is_named() -> None:
-    model = torch.nn.Linear(2, 2).to("meta")
-    with pytest.raises(ValueError, match="'cpu', 'cuda', 'xpu' devices; 'meta' is not supported"):
-        batchfit.find(model, torch.zeros(2, 2))
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="'cpu', 'cuda', 'xpu' devices; 'mps' is not supported"):
+        batchfit.find(model, torch.zeros(2, 2), device="mps")
+
+
+def test_a_model_or_sample_without_data_is_named() -> None:
+    with pytest.raises(ValueError, match=r"model's weight is on the meta device.*to_empty"):
+        batchfit.find(torch.nn.Linear(2, 2).to("meta"), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"sample\[1\] is on the meta device"):
+        batchfit.find(torch.nn.Linear(2, 2), (torch.zeros(2, 2), torch.zeros(2, 2, device="meta")))
+
+
+def test_lazy_modules_are_named_before_any_trial() -> None:
+    with pytest.raises(ValueError, match=r"weight is an uninitialized lazy parameter.*run one forward"):
+        batchfit.find(torch.nn.LazyLinear(4), torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_find_trains_even_when_called_with_gradients_off(mlp: tuple[torch.nn.Module, torch.Tensor], context) -> None:
+    model, sample = mlp
+    with context():
+        result = batchfit.find(model, sample, memory_limit="64MiB", max_batch=16, verify_steps=0)
+    assert result.max_batch == 16 and result.memory is not None and result.memory.optimizer_state_bytes > 0
+
+
+def test_a_sample_that_requires_grad_is_detached_and_untouched() -> None:
+    model = torch.nn.Linear(8, 2)
+    sample = torch.randn(2, 8, requires_grad=True)
+    original = sample.detach().clone()
+    result = batchfit.find(model, sample, memory_limit="8MiB", max_batch=8, verify_steps=0)
+    assert result.max_batch == 8
+    assert sample.grad is None and torch.equal(sample.detach(), original)
+
+
+def test_an_optimizer_factory_returning_none_is_named_before_any_trial(
+    mlp: tuple[torch.nn.Module, torch.Tensor],
+) -> None:
+    model, sample = mlp
+    started: list[int] = []
+    with pytest.raises(TypeError, match="optimizer factory returned NoneType") as info:
+        batchfit.find(model, sample, optimizer=lambda params: None, on_trial_start=lambda b, k: started.append(b))
+    assert not started and not getattr(info.value, "__notes__", None)
+
+
+def test_a_nothing_fits_error_from_a_callback_is_not_rewritten(mlp: tuple[torch.nn.Module, torch.Tensor]) -> None:
+    model, sample = mlp
+    mine = batchfit.NothingFitsError(12345, cause="raised by my callback")
+
+    def callback(trial: batchfit.Trial) -> None:
+        raise mine
+
+    with pytest.raises(batchfit.NothingFitsError) as info:
+        batchfit.find(model, sample, memory_limit="64MiB", callback=callback)
+    assert info.value is mine
+
+
+def test_nothing_fits_says_when_the_fixed_memory_alone_is_over_the_budget() -> None:
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights: with grads and AdamW, 16 MiB before any batch
+    with pytest.raises(batchfit.NothingFitsError, match="lowering init_batch cannot help") as info:
+        batchfit.find(model, torch.zeros(2, 1024), memory_limit="10MiB")
+    assert "Lower init_batch" not in str(info.value)
 
 
 def test_frozen_model_cannot_train(mlp: tuple[torch.nn.Module, torch.Tensor]) -> None:

@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+import batchfit
 from batchfit import examples
 from batchfit.backends.cpu import LiveTensorMeter
 from batchfit.workload import call_model, default_loss, tile
@@ -120,3 +122,31 @@ def test_the_failing_allocation_is_released_before_the_error_reaches_the_caller(
             assert meter.allocated_bytes() == 0
         else:
             raise AssertionError("the cap did not raise")
+
+
+class Growing(nn.Module):
+    """Each forward grows storages in place: a buffer through ``resize_``, a scratch tensor
+    through ``out=``. Neither creates a new storage, so a meter that only counts new storages
+    misses all of it."""
+
+    def __init__(self, per_row: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("cache", torch.zeros(0))
+        self.per_row = per_row
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        self.cache.resize_(rows * self.per_row)  # a buffer grown in place
+        scratch = torch.empty(0)
+        torch.mul(torch.ones(rows * self.per_row), 2.0, out=scratch)  # out= grows a fresh storage
+        return self.fc(x) + scratch[:1].sum() * 0
+
+
+def test_memory_grown_in_place_counts_against_the_limit() -> None:
+    per_row = 16 * 1024  # 64 KiB of float32 per row, twice
+    model = Growing(per_row)
+    result = batchfit.find(model, torch.randn(2, 16), memory_limit="8MiB", max_batch=4096, verify_steps=0)
+    # Two grown storages of 64 KiB per row fit 8 MiB only below 64 rows (the old meter said 4096).
+    assert result.boundary_reached and result.max_batch < 64
+    assert model.cache.numel() == 0  # and the buffer came back as it was

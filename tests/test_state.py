@@ -131,3 +131,84 @@ def test_probe_optimizer_is_a_fresh_one_like_the_users() -> None:
     assert all(torch.equal(s["step"], steps[id(p)]) for p, s in optimizer.state.items())
     assert result.memory is not None and result.memory.optimizer_state_bytes > 0
     assert all(t.leaked_bytes == 0 for t in result.trials)
+
+
+# What a model does to itself in forward, and what the optimizer holds outside the model -------
+class SelfChanging(nn.Module):
+    """Reassigns a buffer in forward (a step counter, a running mean updated out of place) and
+    registers a new buffer lazily the first time it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 8)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = self.steps + 1
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        if not hasattr(self, "lazy"):
+            self.register_buffer("lazy", torch.ones(3))
+        return self.fc(x)
+
+
+def test_buffers_reassigned_or_registered_in_forward_are_restored_by_attribute() -> None:
+    model, sample = SelfChanging(), torch.randn(2, 64)
+    steps, mean = model.steps, model.mean
+    before = state_of(model)
+    keys = set(model.state_dict())
+    batchfit.find(model, sample, memory_limit="8MiB", max_batch=32)
+    assert model.steps is steps and model.mean is mean  # the original objects, back in their slots
+    assert set(model.state_dict()) == keys and not hasattr(model, "lazy")
+    assert_same_state(before, state_of(model))
+
+
+def test_parameters_the_optimizer_holds_outside_the_model_are_restored() -> None:
+    model = nn.Linear(64, 8)
+    temperature = nn.Parameter(torch.tensor(2.0))
+    optimizer = torch.optim.AdamW([{"params": model.parameters()}, {"params": [temperature], "lr": 0.5}])
+
+    def loss_fn(output: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        return (output / temperature).square().mean()
+
+    value, sample = temperature.detach().clone(), torch.randn(2, 64)
+    before = state_of(model, optimizer)
+    batchfit.find(model, sample, optimizer=optimizer, loss_fn=loss_fn, memory_limit="8MiB", max_batch=32)
+    assert torch.equal(temperature.detach(), value) and temperature.grad is None
+    assert_same_state(before, state_of(model, optimizer))
+
+
+def test_gradients_that_are_views_of_one_buffer_stay_views() -> None:
+    """DDP's gradient_as_bucket_view and flat-buffer optimizers keep every grad as a view of one
+    flat buffer; a restore that copies them breaks the aliasing for good."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    offset = 0
+    for param in params:
+        param.grad = flat[offset : offset + param.numel()].view_as(param)
+        offset += param.numel()
+    flat.normal_()
+    values = flat.clone()
+    batchfit.find(model, torch.randn(2, 64), memory_limit="8MiB", max_batch=32)
+    offset = 0
+    for param in params:
+        assert param.grad is not None and param.grad.data_ptr() == flat[offset:].data_ptr()
+        offset += param.numel()
+    assert torch.equal(flat, values)
+    flat.add_(1.0)  # still one buffer: writing it writes every grad
+    assert torch.equal(params[0].grad.flatten(), values[: params[0].numel()] + 1.0)
+
+
+def test_a_compiled_model_still_compiles_after_a_cpu_probe() -> None:
+    """The CPU meter is a dispatch mode, under which dynamo skips frames and remembers the skip:
+    probing the compiled model itself left it never compiling again in the process."""
+    from torch._dynamo.utils import counters
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    compiled = torch.compile(model, backend="eager")
+    result = batchfit.find(compiled, torch.randn(2, 32), memory_limit="8MiB", max_batch=16, verify_steps=0)
+    assert any("probed eagerly" in note for note in result.notes)
+    counters.clear()
+    compiled(torch.randn(5, 32))
+    assert counters["frames"]["ok"] >= 1, dict(counters["frames"])

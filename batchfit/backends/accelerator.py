@@ -70,8 +70,14 @@ class AcceleratorBackend(Backend):
         return int(self.module.get_device_properties(device).total_memory)
 
     def reachable_bytes(self, device: torch.device) -> int | None:
+        """Free memory plus what this process's allocator holds, and never more than a lower
+        per-process fraction the user set allows."""
         free, _ = self.module.mem_get_info(device)
-        return int(free) + int(self.memory.memory_reserved(device))
+        reachable = int(free) + int(self.memory.memory_reserved(device))
+        fraction = self.get_fraction(device)
+        if fraction is not None and fraction < 1.0:
+            reachable = min(reachable, int(fraction * self.limit_total_bytes(device)))
+        return reachable
 
     def outside_allocator_bytes(self, device: torch.device) -> int:
         free, total = self.module.mem_get_info(device)
@@ -125,14 +131,14 @@ class AllocatorMeter(Meter):
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        if self._limit is None:
-            yield
-            return
         backend, device, limit = self.backend, self.device, self._limit
-        # The fraction is only checked when a new segment is reserved: cached blocks are handed
-        # out unchecked, so a cache above the limit would let the first trial past it.
+        # Start from an empty cache, limit or not: blocks cached before the probe would be
+        # handed to the first trial unchecked by a cap, and would inflate its reserved peak.
         gc.collect()
         backend.empty_cache(device)
+        if limit is None:
+            yield
+            return
         reserved = self.reserved_bytes()
         if reserved > limit:
             raise LimitError(

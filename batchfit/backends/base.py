@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from batchfit.interrupts import InterruptGuard
 from batchfit.result import DeviceInfo, Unit
 
 
@@ -49,6 +50,13 @@ class Meter:
     def __init__(self) -> None:
         self._phase_peaks: dict[str, int] = {}
         self._phase_reserved: dict[str, int] = {}
+        #: Set by the probe: raises a Ctrl-C deferred while the probe runs (``batchfit.interrupts``).
+        self.interrupts: InterruptGuard | None = None
+
+    def checkpoint(self) -> None:
+        """A safe point: raise a Ctrl-C that arrived since the last one."""
+        if self.interrupts is not None:
+            self.interrupts.check()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -117,6 +125,10 @@ class Backend:
 
     #: ``torch.device.type`` this backend serves.
     type: str = ""
+    #: Whether a ``torch.compile``d model can run compiled under this backend's meter. The CPU
+    #: meter is a dispatch mode: dynamo skips frames under it and remembers the skip, so a
+    #: compiled model probed there would never compile again in the process.
+    runs_compiled: bool = True
 
     def validate(self, device: torch.device) -> torch.device:
         """``device`` with its index resolved; ``ValueError`` when it is not there."""

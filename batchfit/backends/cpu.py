@@ -23,7 +23,7 @@ import os
 import platform
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ class CpuBackend(Backend):
     """The host: live-tensor meter, host memory from ``/proc/meminfo``, the CPU generator."""
 
     type = "cpu"
+    runs_compiled = False
 
     def validate(self, device: torch.device) -> torch.device:
         return torch.device("cpu")
@@ -74,8 +75,7 @@ class CpuBackend(Backend):
         self, device: torch.device, budget_bytes: int | None, limit_bytes: int | None, tensors: list[torch.Tensor]
     ) -> Meter:
         # The meter counts storages it sees created; what exists before the probe it is told.
-        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors if t.device.type == "cpu"}
-        return LiveTensorMeter(budget_bytes, total_host_bytes(), sum(storages.values()))
+        return LiveTensorMeter(budget_bytes, total_host_bytes(), tensors=tensors)
 
     # The CPU generator is saved and restored by the snapshot for every probe, whatever the device.
 
@@ -83,57 +83,84 @@ class CpuBackend(Backend):
 class LiveTensorMeter(Meter):
     """Exact live-tensor accounting on the CPU, with an optional limit (see module docs)."""
 
-    def __init__(self, budget_bytes: int | None, total_bytes: int | None, baseline_bytes: int) -> None:
+    def __init__(
+        self,
+        budget_bytes: int | None,
+        total_bytes: int | None,
+        baseline_bytes: int = 0,
+        tensors: Iterable[torch.Tensor] = (),
+    ) -> None:
+        """``baseline_bytes``: bytes live before the probe that the meter is told of;
+        ``tensors``: tensors live before the probe (weights, buffers, the sample), whose
+        storages are tracked like the probe's own, so that growing one in place is seen."""
         super().__init__()
         self.device = torch.device("cpu")
         self.budget_bytes = budget_bytes
         self.total_bytes = total_bytes
         self._lock = threading.Lock()
         self._live: dict[int, int] = {}
+        self._finalizers: dict[int, weakref.finalize] = {}
         self._baseline = baseline_bytes
         self._current = baseline_bytes
         self._peak = baseline_bytes
         self._phase: str | None = None
         self._last_failure: int | None = None
+        for tensor in tensors:
+            storage = _storage_of(tensor)
+            if storage is not None and storage._cdata not in self._live:
+                self._track(storage)
+        self._baseline = self._current
 
     # accounting --------------------------------------------------------------------------
     def _add(self, key: int, nbytes: int) -> None:
+        """``nbytes`` more are live under ``key`` (a new storage, or one that grew)."""
         with self._lock:
-            self._live[key] = nbytes
+            self._live[key] = self._live.get(key, 0) + nbytes
             self._current += nbytes
             if self._current > self._peak:
                 self._peak = self._current
             if self._phase is not None and self._current > self._phase_peaks.get(self._phase, 0):
                 self._phase_peaks[self._phase] = self._current
 
+    def _track(self, storage: torch.UntypedStorage) -> int:
+        key, nbytes = storage._cdata, storage.nbytes()
+        self._add(key, nbytes)
+        self._finalizers[key] = weakref.finalize(storage, self._release, key)
+        return nbytes
+
     def _release(self, key: int) -> None:
+        # Runs inside a weakref callback: plain bookkeeping only, nothing that can raise (an
+        # exception here would be printed and dropped; Ctrl-C is deferred by the probe).
         with self._lock:
             nbytes = self._live.pop(key, None)
+            self._finalizers.pop(key, None)
             if nbytes is not None:
                 self._current -= nbytes
 
     def _observe(self, args: tuple, kwargs: dict, out: Any) -> int:
-        """Count the new storages among ``out``; return the bytes they added."""
+        """Count the new storages among ``out``, and the growth of known ones (``resize_``,
+        ``out=``); return the bytes they added."""
         inputs: set[int | None] | None = None  # built only when an output storage is not known yet
         added = 0
         for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+            if not isinstance(tensor, torch.Tensor):
                 continue
-            try:
-                storage = tensor.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # sparse, nested, ... : no plain storage
+            storage = _storage_of(tensor)
+            if storage is None:
                 continue
             key = storage._cdata
-            if key in self._live:
+            known = self._live.get(key)
+            if known is not None:
+                grown = storage.nbytes() - known
+                if grown > 0:
+                    self._add(key, grown)
+                    added += grown
                 continue
             if inputs is None:
                 inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             if key in inputs:
                 continue
-            nbytes = storage.nbytes()
-            self._add(key, nbytes)
-            weakref.finalize(storage, self._release, key)
-            added += nbytes
+            added += self._track(storage)
         return added
 
     def _over_limit(self, func: Any, added: int) -> torch.OutOfMemoryError | None:
@@ -150,6 +177,16 @@ class LiveTensorMeter(Meter):
         )
 
     # Meter interface ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            # Storages that outlive the probe (the model's own) must not call back into it later.
+            for finalizer in list(self._finalizers.values()):
+                finalizer.detach()
+            self._finalizers.clear()
+
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
         with _DispatchObserver(self):
@@ -197,20 +234,30 @@ class _DispatchObserver(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        error = self._meter._over_limit(func, self._meter._observe(args, kwargs, out))
+        meter = self._meter
+        error = meter._over_limit(func, meter._observe(args, kwargs, out))
         if error is not None:
             # A real allocator never hands out the failing block: drop it before raising, so
             # no frame of the traceback keeps it alive while the caller handles the error.
             del out
             raise error
+        meter.checkpoint()  # a deferred Ctrl-C surfaces here, between two operations
         return out
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
+def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """A CPU tensor's storage; ``None`` for other devices and storage-less layouts."""
+    if tensor.device.type != "cpu":
         return None
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested, ... : no plain storage
+        return None
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    storage = _storage_of(tensor)
+    return None if storage is None else storage._cdata
 
 
 def _cpu_name() -> str:
