@@ -51,6 +51,8 @@ class Outcome:
 
 def child(model_name: str, limit: str) -> int:
     """The child's side: probe, and report how it ended as one JSON line."""
+    # As in a terminal: a child started from a background job inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import torch
 
     import batchfit
@@ -67,7 +69,7 @@ def child(model_name: str, limit: str) -> int:
         return 130
     print("returned", flush=True)
     try:
-        time.sleep(30)
+        time.sleep(10)
     except KeyboardInterrupt:
         print(json.dumps({"outcome": "after", "restored": _same(before, _state(model))}), flush=True)
         return 0
