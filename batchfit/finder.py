@@ -485,7 +485,9 @@ def find_with(
         elapsed_s=time.monotonic() - started,
         torch_version=torch.__version__,
         batchfit_version=__version__,
-        notes=tuple([*prober.notes, *safe_notes, *_trial_notes(trials, report)]),
+        notes=tuple(
+            [*prober.notes, *safe_notes, *_trial_notes(trials, report), *_equation_notes(memory, report, budget)]
+        ),
         budget_counts=unit,
     )
 
@@ -537,6 +539,18 @@ def _trial_notes(trials: list[Trial], report: search_mod.SearchReport) -> list[s
             "the true maximum may be larger"
         )
     return notes
+
+
+def _equation_notes(memory: MemoryModel | None, report: search_mod.SearchReport, budget: int | None) -> list[str]:
+    """Say so when the memory equation calls the size that ran out of memory a fit: then it
+    must not be trusted near the boundary (the measured trials are what counts)."""
+    failed = report.smallest_fail
+    if memory is None or budget is None or failed is None or memory.predict(failed) > budget:
+        return []
+    return [
+        f"the memory equation predicts {format_bytes(memory.predict(failed))} for batch {failed}, within the "
+        f"budget, but batch {failed} ran out of memory: do not extrapolate the equation near the boundary"
+    ]
 
 
 def _safe_batch(

@@ -6,9 +6,12 @@ Pure Python (no torch import): a result can be loaded and read on a machine with
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from functools import cache
+from types import UnionType
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from batchfit.search import StopReason
 from batchfit.units import format_bytes
@@ -24,6 +27,8 @@ TrialKind = Literal["search", "verify", "gate"]
 #: (``"allocated"``), or what the allocator holds from the device (``"reserved"``, the unit of
 #: a CUDA limit).
 Unit = Literal["allocated", "reserved"]
+
+_Record = TypeVar("_Record")
 
 
 @dataclass(frozen=True)
@@ -90,11 +95,12 @@ class Trial:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trial:
-        """The inverse of ``dataclasses.asdict(trial)`` (JSON turns the pairs into lists)."""
-        values = dict(data)
-        for name in ("phase_peaks", "phase_reserved_peaks"):
-            values[name] = tuple((str(p), int(b)) for p, b in data.get(name, ()))
-        return cls(**values)
+        """The inverse of ``dataclasses.asdict(trial)`` (JSON turns the pairs into lists).
+
+        Raises ``ValueError`` naming the field when ``data`` is not a trial (see
+        :meth:`Result.from_dict`).
+        """
+        return _read_document(cls, data, "trial")
 
 
 @dataclass(frozen=True)
@@ -115,9 +121,25 @@ class MemoryModel:
 
     The peak of a step is not always in the same phase: at small batches the optimizer step
     (weights + grads + optimizer moments + temporaries) can be the peak and stays flat, until
-    the activations of forward/backward overtake it. So one line is fitted per phase and the
-    prediction is their maximum; ``fixed_bytes`` and ``per_sample_bytes`` are the line of the
-    phase that grows fastest (the one that decides the boundary).
+    the activations of forward/backward overtake it. Within a phase, too, the peak can move
+    from one tensor to another as the batch grows, so a phase's peak bends upwards (a flat
+    start, then kinks: it is the maximum of lines, one per moment of the phase). So the lines
+    are fitted per phase, and the prediction is their maximum:
+
+    * each phase's line is fitted (least squares) over its *upper piece*: the longest run of
+      its largest fitting sizes that one growing line fits, every peak within 0.2% of it (or
+      within the allocator's granularity, the greatest common divisor of the peaks, when that
+      is coarser: CUDA reserves whole 2 MiB segments). A flat start and the sizes below a kink
+      fall outside; a phase with no growing run gets the line through all its sizes;
+    * below its upper piece, a phase also keeps the chord between each two neighbouring
+      measured sizes, as long as the chord does not fall and stays within the measured peaks
+      (it does wherever the phase bends upwards). Between two measured sizes such a chord lies
+      above the true peak, so predictions below the upper piece err on the safe side, where the
+      upper line extended down would promise more than fits.
+
+    ``fixed_bytes``, ``per_sample_bytes`` and ``phase`` are the line of the phase that decides
+    the boundary: the phase whose line predicts the highest peak at the largest fitting size
+    (the one a larger batch runs out of memory in; not necessarily the fastest-growing one).
 
     ``weights_bytes``, ``gradient_bytes`` and ``optimizer_state_bytes`` are measured directly
     (parameter storages, the gradients and optimizer state the probe's step allocated), so a
@@ -166,29 +188,61 @@ class MemoryModel:
         optimizer_state_bytes: int = 0,
         unit: Unit = "allocated",
     ) -> MemoryModel | None:
-        """Least-squares line per phase over the fitting trials; ``None`` with < 2 sizes."""
+        """The lines of the fitting trials' per-phase peaks (see the class); ``None`` with < 2 sizes."""
         points: dict[str, dict[int, int]] = {}
         for trial in trials:
             if not trial.fits:
                 continue
             for phase, peak in trial.phase_peaks_in(unit):
                 points.setdefault(phase, {})[trial.batch_size] = peak
-        lines = tuple(
-            _least_squares(phase, sorted(by_size.items())) for phase, by_size in points.items() if len(by_size) >= 2
-        )
-        if not lines:
+        fitted = {phase: sorted(by_size.items()) for phase, by_size in points.items() if len(by_size) >= 2}
+        if not fitted:
             return None
-        main = max(lines, key=lambda line: line.per_sample_bytes)
+        largest = max(series[-1][0] for series in fitted.values())
+        per_phase = [_phase_lines(phase, series) for phase, series in fitted.items()]
+        main = max((lines[0] for lines in per_phase), key=lambda line: line.predict(largest))
         return cls(
-            fixed_bytes=int(main.fixed_bytes),
+            fixed_bytes=round(main.fixed_bytes),
             per_sample_bytes=main.per_sample_bytes,
             phase=main.phase,
-            lines=lines,
+            lines=tuple(line for lines in per_phase for line in lines),
             weights_bytes=weights_bytes,
             gradient_bytes=gradient_bytes,
             optimizer_state_bytes=optimizer_state_bytes,
             unit=unit,
         )
+
+
+#: A peak within this fraction of a line lies on it (the CPU meter and CUDA's allocated bytes
+#: are exact to the byte; this leaves room for a few bytes of bookkeeping that vary).
+ON_LINE = 0.002
+
+
+def _phase_lines(phase: str, points: Sequence[tuple[int, int]]) -> tuple[PhaseLine, ...]:
+    """One phase's lines: that of its upper piece first, then the chords below it (see
+    :class:`MemoryModel`). ``points`` are ``(size, peak)`` pairs sorted by size, at least two."""
+    quantum = math.gcd(*(peak for _, peak in points))
+
+    def within(line: PhaseLine, size: int, peak: int) -> bool:
+        return abs(line.predict(size) - peak) <= max(ON_LINE * peak, quantum)
+
+    upper: tuple[int, PhaseLine] | None = None
+    for start in range(len(points) - 2, -1, -1):  # the run points[start:], longer each time
+        line = _least_squares(phase, points[start:])
+        if line.per_sample_bytes > 0 and all(within(line, size, peak) for size, peak in points[start:]):
+            upper = start, line
+        elif upper is not None:
+            break
+    if upper is None:  # nothing grows (a flat phase): the line through every size
+        return (_least_squares(phase, points),)
+    start, line = upper
+    chords = []
+    for (x0, y0), (x1, y1) in zip(points[:start], points[1 : start + 1]):
+        slope = (y1 - y0) / (x1 - x0)
+        chord = PhaseLine(phase, y0 - slope * x0, slope)
+        if slope >= 0 and chord not in chords and all(chord.predict(x) <= y or within(chord, x, y) for x, y in points):
+            chords.append(chord)
+    return (line, *chords)
 
 
 def _least_squares(phase: str, points: Sequence[tuple[int, int]]) -> PhaseLine:
@@ -222,9 +276,9 @@ class DeviceInfo:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceInfo:
-        values = dict(data)
-        values["config"] = tuple((str(k), str(v)) for k, v in data.get("config", ()))
-        return cls(**values)
+        """The inverse of ``dataclasses.asdict(info)``; ``ValueError`` naming the field when
+        ``data`` is not a device description."""
+        return _read_document(cls, data, "device")
 
 
 @dataclass(frozen=True)
@@ -308,30 +362,33 @@ class Result:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Result:
-        schema = data.get("schema")
-        if schema != SCHEMA:
-            raise ValueError(f"not a batchfit result: schema is {schema!r}, expected {SCHEMA!r}")
-        values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-        values["trials"] = tuple(Trial.from_dict(t) for t in data["trials"])
-        values["memory"] = _memory_from_dict(data["memory"]) if data.get("memory") else None
-        values["device"] = DeviceInfo.from_dict(data["device"])
-        values["settings"] = Settings(**data["settings"])
-        values["notes"] = tuple(data.get("notes", ()))
-        return cls(**values)
+        """The inverse of :meth:`to_dict`.
+
+        Every field is checked against its type: ints are ints (not bools, floats or strings),
+        numbers finite, names within their allowed values, nested records likewise; fields
+        with a default may be absent (documents written before they existed), others may not,
+        and unknown fields are refused. Anything else raises one ``ValueError`` that says what
+        is wrong and where, e.g. ``not a batchfit result: field 'trials[2].peak_bytes' must be
+        an int or null, got str '17'``.
+        """
+        if isinstance(data, dict) and data.get("schema") != SCHEMA:
+            raise ValueError(f"not a batchfit result: schema is {data.get('schema')!r}, expected {SCHEMA!r}")
+        if isinstance(data, dict):
+            data = {name: value for name, value in data.items() if name != "schema"}
+        return _read_document(cls, data, "result")
 
     @classmethod
-    def from_json(cls, text: str) -> Result:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> Result:
+        """The inverse of :meth:`to_json`; ``ValueError`` for anything else (see :meth:`from_dict`)."""
+        try:
+            data = json.loads(text)
+        except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+            raise ValueError(f"not a batchfit result: invalid JSON ({error})") from None
+        return cls.from_dict(data)
 
     # Text -----------------------------------------------------------------------------------
     def __str__(self) -> str:
         return render_text(self)
-
-
-def _memory_from_dict(data: dict[str, Any]) -> MemoryModel:
-    values = dict(data)
-    values["lines"] = tuple(PhaseLine(**line) for line in data["lines"])
-    return MemoryModel(**values)
 
 
 def render_text(result: Result) -> str:
@@ -372,3 +429,104 @@ def render_text(result: Result) -> str:
     for note in result.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+# Reading documents back --------------------------------------------------------------------------
+class _Corrupt(Exception):
+    """What is wrong with a document, and where (raised inside, turned into one ValueError)."""
+
+
+def _read_document(cls: type[_Record], data: Any, noun: str) -> _Record:
+    try:
+        return _read_record(cls, data, "")
+    except _Corrupt as corrupt:
+        raise ValueError(f"not a batchfit {noun}: {corrupt}") from None
+
+
+def _read_record(cls: type[_Record], data: Any, path: str) -> _Record:
+    """``cls`` from the mapping ``data``, every field checked against its type hint."""
+    if not isinstance(data, dict):
+        if not path:
+            raise _Corrupt(f"the document is {_kind(data)}, not an object")
+        raise _Corrupt(f"field {path!r} must be an object, got {_shown(data)}")
+    declared = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    for name in data:
+        if name not in declared:
+            raise _Corrupt(f"unknown field {_joined(path, str(name))!r}")
+    for name, declaration in declared.items():
+        if name not in data and declaration.default is MISSING and declaration.default_factory is MISSING:
+            raise _Corrupt(f"missing field {_joined(path, name)!r}")
+    hints = _hints(cls)
+    return cls(**{name: _read_value(hints[name], value, _joined(path, name)) for name, value in data.items()})
+
+
+def _read_value(hint: Any, value: Any, path: str, nullable: bool = False) -> Any:
+    """``value`` as the type ``hint`` describes (JSON lists become tuples), or ``_Corrupt``."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = (arg for arg in args if arg is not type(None))
+        return _read_value(inner, value, path, nullable=type(None) in args)
+    if is_dataclass(hint):
+        if nullable and not isinstance(value, dict):
+            raise _Corrupt(f"field {path!r} must be an object or null, got {_shown(value)}")
+        return _read_record(hint, value, path)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _Corrupt(f"field {path!r} must be a list{' or null' if nullable else ''}, got {_shown(value)}")
+        items = args[:1] * len(value) if args[1:] == (Ellipsis,) else args
+        if len(items) != len(value):
+            raise _Corrupt(f"field {path!r} must be a list of {len(items)} items, got {_shown(value)}")
+        return tuple(_read_value(item, v, f"{path}[{i}]") for i, (item, v) in enumerate(zip(items, value)))
+    if origin is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+        allowed = ", ".join(repr(arg) for arg in args) + (" or null" if nullable else "")
+        raise _Corrupt(f"field {path!r} must be one of {allowed}, got {_shown(value)}")
+    wanted, accepted = _SCALARS[hint]
+    if not accepted(value):
+        raise _Corrupt(f"field {path!r} must be {wanted}{' or null' if nullable else ''}, got {_shown(value)}")
+    return float(value) if hint is float else value
+
+
+#: What each scalar type hint accepts: a description for the message, and the test. Bools are
+#: ints in Python, but never in a document; ints are accepted where a float is expected.
+_SCALARS: dict[Any, tuple[str, Callable[[Any], bool]]] = {
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("an int", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def _finite(number: float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _joined(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _kind(value: Any) -> str:
+    """A JSON-ish name of ``value``'s type, with its article."""
+    if value is None:
+        return "null"
+    names = {bool: "a bool", int: "an int", float: "a float", str: "a string", list: "a list", dict: "an object"}
+    return names.get(type(value), f"a {type(value).__name__}")
+
+
+def _shown(value: Any) -> str:
+    """``str '17'``, ``float nan``, ``null``: the type and (the start of) the value."""
+    if value is None:
+        return "null"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"

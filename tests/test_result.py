@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 import batchfit
 from batchfit import examples
-from batchfit.result import SCHEMA, MemoryModel, Trial
+from batchfit.result import ON_LINE, SCHEMA, DeviceInfo, MemoryModel, Trial
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +66,228 @@ def test_memory_model_takes_the_max_of_phase_lines() -> None:
 def test_memory_model_needs_two_sizes() -> None:
     assert MemoryModel.fit([_trial(4, {"forward": 10})]) is None
     assert MemoryModel.fit([Trial(batch_size=4, fits=False, phase="forward")]) is None
+
+
+# Reading documents back: every corrupt one is one ValueError that says what and where -----------------
+def _set(path: str, value: object):
+    """A change to a result document: ``path`` like ``trials.2.peak_bytes``, the last key set."""
+
+    def change(document: dict) -> None:
+        *parents, last = path.split(".")
+        for key in parents:
+            document = document[int(key) if key.isdigit() else key]
+        document[int(last) if last.isdigit() else last] = value
+
+    return change
+
+
+def _drop(path: str):
+    def change(document: dict) -> None:
+        *parents, last = path.split(".")
+        for key in parents:
+            document = document[int(key) if key.isdigit() else key]
+        del document[last]
+
+    return change
+
+
+CORRUPT_DOCUMENTS = {
+    "a list": ("[]", "the document is a list, not an object"),
+    "null": ("null", "the document is null, not an object"),
+    "a string": ('"result"', "the document is a string, not an object"),
+    "not JSON": ("{'max_batch': 17}", "invalid JSON"),
+    "empty text": ("", "invalid JSON"),
+    "no schema": (_drop("schema"), "schema is None"),
+    "another schema": (_set("schema", "batchfit.result/2"), "schema is 'batchfit.result/2'"),
+    "missing field": (_drop("device"), "missing field 'device'"),
+    "unknown field": (_set("foo", 1), "unknown field 'foo'"),
+    "trials a string": (_set("trials", "abc"), "field 'trials' must be a list, got str 'abc'"),
+    "max_batch a string": (_set("max_batch", "17"), "field 'max_batch' must be an int, got str '17'"),
+    "max_batch a float": (_set("max_batch", 17.0), "field 'max_batch' must be an int, got float 17.0"),
+    "max_batch a bool": (_set("max_batch", True), "field 'max_batch' must be an int, got bool True"),
+    "max_batch null": (_set("max_batch", None), "field 'max_batch' must be an int, got null"),
+    "elapsed NaN": (_set("elapsed_s", float("nan")), "field 'elapsed_s' must be a finite number, got float nan"),
+    "budget infinite": (
+        _set("budget_bytes", float("inf")),
+        "field 'budget_bytes' must be an int or null, got float inf",
+    ),
+    "verified a string": (_set("safe_verified", "yes"), "field 'safe_verified' must be true or false, got str 'yes'"),
+    "stop reason": (
+        _set("stop_reason", "done"),
+        "field 'stop_reason' must be one of 'boundary', 'max_batch', 'stopped'",
+    ),
+    "budget_counts null": (_set("budget_counts", None), "field 'budget_counts' must be one of 'allocated', 'reserved'"),
+    "notes a string": (_set("notes", "abc"), "field 'notes' must be a list, got str 'abc'"),
+    "a note a number": (_set("notes", [1]), "field 'notes[0]' must be a string, got int 1"),
+    "trial peak a string": (_set("trials.2.peak_bytes", "17"), "field 'trials[2].peak_bytes' must be an int or null"),
+    "trial not an object": (_set("trials.1", 5), "field 'trials[1]' must be an object, got int 5"),
+    "trial missing size": (_drop("trials.0.batch_size"), "missing field 'trials[0].batch_size'"),
+    "trial unknown field": (_set("trials.0.oom", True), "unknown field 'trials[0].oom'"),
+    "trial fits null": (_set("trials.0.fits", None), "field 'trials[0].fits' must be true or false, got null"),
+    "trial kind": (_set("trials.0.kind", "warmup"), "field 'trials[0].kind' must be one of 'search', 'verify', 'gate'"),
+    "trial phase": (_set("trials.0.phase", "loss"), "field 'trials[0].phase' must be one of 'batch', 'forward'"),
+    "phase peak not a pair": (
+        _set("trials.0.phase_peaks", [["forward"]]),
+        "'trials[0].phase_peaks[0]' must be a list of 2",
+    ),
+    "phase peak a float": (
+        _set("trials.0.phase_peaks", [["forward", 1.5]]),
+        "field 'trials[0].phase_peaks[0][1]' must be an int, got float 1.5",
+    ),
+    "step time NaN": (
+        _set("trials.0.step_time_s", float("nan")),
+        "field 'trials[0].step_time_s' must be a finite number",
+    ),
+    "memory a list": (_set("memory", []), "field 'memory' must be an object or null, got list []"),
+    "memory empty": (_set("memory", {}), "missing field 'memory.fixed_bytes'"),
+    "memory unit": (_set("memory.unit", "bytes"), "field 'memory.unit' must be one of 'allocated', 'reserved'"),
+    "memory line NaN": (
+        _set("memory.lines.0.fixed_bytes", float("nan")),
+        "field 'memory.lines[0].fixed_bytes' must be a finite number, got float nan",
+    ),
+    "device config": (_set("device.config", [["threads"]]), "field 'device.config[0]' must be a list of 2 items"),
+    "device type missing": (_drop("device.type"), "missing field 'device.type'"),
+    "settings unknown": (_set("settings.batch", 4), "unknown field 'settings.batch'"),
+    "headroom a string": (_set("settings.headroom", "0.1"), "field 'settings.headroom' must be a finite number"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT_DOCUMENTS))
+def test_a_corrupt_document_is_one_value_error_naming_what_and_where(result: batchfit.Result, case: str) -> None:
+    corruption, fragment = CORRUPT_DOCUMENTS[case]
+    if isinstance(corruption, str):
+        text = corruption
+    else:
+        document = json.loads(result.to_json())
+        corruption(document)
+        text = json.dumps(document)
+    with pytest.raises(ValueError) as raised:
+        batchfit.Result.from_json(text)
+    assert str(raised.value).startswith("not a batchfit result: ")
+    assert fragment in str(raised.value)
+    if not isinstance(corruption, str):  # the same from the parsed document
+        with pytest.raises(ValueError, match="not a batchfit result: "):
+            batchfit.Result.from_dict(json.loads(text))
+
+
+def test_documents_without_the_fields_added_later_still_load(result: batchfit.Result) -> None:
+    document = json.loads(result.to_json())
+    del document["budget_counts"], document["settings"]["reserve_bytes"]
+    del document["device"]["config"], document["device"]["nvml_total_bytes"]
+    for trial in document["trials"]:
+        del trial["reserved_peak_bytes"], trial["phase_reserved_peaks"], trial["skipped_steps"]
+    loaded = batchfit.Result.from_json(json.dumps(document))
+    assert loaded.budget_counts == "allocated" and loaded.settings.reserve_bytes == 0
+    assert loaded.device.config == () and loaded.device.nvml_total_bytes is None
+    assert all(t.reserved_peak_bytes is None and t.skipped_steps == 0 for t in loaded.trials)
+    assert [t.phase_peaks for t in loaded.trials] == [t.phase_peaks for t in result.trials]
+    assert loaded.max_batch == result.max_batch and loaded.memory == result.memory
+
+
+def test_trial_and_device_records_are_checked_too(result: batchfit.Result) -> None:
+    """The CI gate's report (batchfit.testing.GateReport) reads its trial and device with these."""
+    trial = dataclasses.asdict(result.trials[0])
+    assert Trial.from_dict(json.loads(json.dumps(trial))) == result.trials[0]
+    assert DeviceInfo.from_dict(json.loads(json.dumps(dataclasses.asdict(result.device)))) == result.device
+    with pytest.raises(ValueError, match=r"^not a batchfit trial: field 'batch_size' must be an int, got str '2'$"):
+        Trial.from_dict({**trial, "batch_size": "2"})
+    with pytest.raises(ValueError, match=r"^not a batchfit trial: missing field 'fits'$"):
+        Trial.from_dict({"batch_size": 2})
+    with pytest.raises(ValueError, match=r"^not a batchfit trial: the document is a list, not an object$"):
+        Trial.from_dict([])  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"^not a batchfit device: field 'index' must be an int or null, got float 0.5$"
+    ):
+        DeviceInfo.from_dict({"type": "cpu", "index": 0.5})
+
+
+# The memory equation: lines over the part of each phase that grows ----------------------------------
+FLAT_STEP = 1_000_003
+
+
+def _backward(b: int) -> int:
+    """Flat while a fixed buffer is the peak, then 50,021 bytes a sample (the line 400,009 + 50,021 b)."""
+    return max(1_200_007, 400_009 + 50_021 * b)
+
+
+def _forward(b: int) -> int:
+    """Grows faster than backward, but below it up to ~70 samples."""
+    return 50_021 + 55_001 * b
+
+
+def _phased_trials(sizes) -> list[Trial]:
+    return [_trial(b, {"forward": _forward(b), "backward": _backward(b), "step": FLAT_STEP}) for b in sizes]
+
+
+def test_each_phase_line_is_exact_on_the_part_that_grows() -> None:
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    model = MemoryModel.fit(_phased_trials(sizes))
+    assert model is not None
+    lines = {}
+    for line in model.lines:
+        lines.setdefault(line.phase, line)  # a phase's own line comes first, then its chords
+    backward = lines["backward"]
+    assert backward.fixed_bytes == pytest.approx(400_009) and backward.per_sample_bytes == pytest.approx(50_021)
+    assert lines["step"].fixed_bytes == pytest.approx(FLAT_STEP) and lines["step"].per_sample_bytes == 0
+    for b in (16, 32, 64, 100, 1000):  # on the growing part, and beyond it
+        assert model.predict(b) == max(_forward(b), _backward(b), FLAT_STEP)
+    # Below the growing part the chords between measured sizes never promise less than is needed.
+    for b in range(1, 65):
+        truth = max(_forward(b), _backward(b), FLAT_STEP)
+        assert model.predict(b) >= truth
+        if b in sizes:
+            assert model.predict(b) == truth
+
+
+def test_the_equation_is_the_phase_that_decides_the_boundary() -> None:
+    """forward grows faster (55,001 > 50,021 bytes a sample), but at the largest fitting size, 64,
+    backward is the peak: a batch just above runs out of memory in backward."""
+    model = MemoryModel.fit(_phased_trials((1, 2, 4, 8, 16, 32, 64)))
+    assert model is not None
+    assert model.phase == "backward"
+    assert (model.fixed_bytes, model.per_sample_bytes) == (400_009, pytest.approx(50_021))
+    assert model.largest_batch_within(_backward(64), ceiling=10**6) == 64
+    # With sizes up to 128 forward has overtaken backward: it decides there.
+    later = MemoryModel.fit(_phased_trials((1, 2, 4, 8, 16, 32, 64, 128)))
+    assert later is not None and later.phase == "forward"
+
+
+def test_a_growing_phase_is_fitted_on_the_sizes_near_the_boundary_only() -> None:
+    """A kink: 3,112 bytes a sample up to 64, then 15,440 (the built-in MLP's backward phase). The
+    line is the upper piece's; the chord from 4 to 500 keeps the prediction above the truth."""
+
+    def need(b: int) -> int:
+        return max(10_596_520 + 3_112 * b, 7_968_936 + 15_440 * b)
+
+    model = MemoryModel.fit([_trial(b, {"backward": need(b)}) for b in (2, 4, 500, 520, 530, 531)])
+    assert model is not None
+    assert model.fixed_bytes == 7_968_936 and model.per_sample_bytes == pytest.approx(15_440)
+    assert all(model.predict(b) == need(b) for b in (2, 4, 500, 531, 600))
+    assert all(model.predict(b) >= need(b) for b in range(1, 600))
+    target = need(455)
+    assert model.largest_batch_within(target, ceiling=531) <= 455  # never more than fits
+
+
+def test_the_equation_of_a_real_run_is_exact_where_memory_grows_and_safe_below() -> None:
+    """The built-in MLP at 16 MiB: its backward peak grows 3,112 bytes a sample at small batches
+    and, in kinks, 15,440 near the boundary (570), where the search's trials are. The equation is
+    the backward line (the boundary fails in backward), exact on the trials near the boundary,
+    and never below a peak measured anywhere under them."""
+    model, sample = examples.mlp()
+    result = batchfit.find(model, sample, memory_limit="16MiB")
+    memory, unit = result.memory, result.budget_counts
+    assert memory is not None and result.boundary_reached
+    assert memory.phase == result.trial(result.max_batch + 1).phase == "backward"
+    fitted = [t for t in result.search_trials if t.fits]
+    near = [t for t in fitted if t.batch_size >= 0.9 * result.max_batch]
+    assert len(near) >= 2 and any(t.batch_size < 0.5 * result.max_batch for t in fitted)
+    for trial in near:  # the growing part: within ON_LINE (0.2%), where the CPU meter is exact
+        assert abs(memory.predict(trial.batch_size) - trial.peak_in(unit)) <= ON_LINE * trial.peak_in(unit)
+    for trial in fitted:
+        assert memory.predict(trial.batch_size) >= trial.peak_in(unit) * (1 - ON_LINE)
+    # Between the small sizes and the boundary nothing was tried: measure a few sizes there.
+    with batchfit.Prober(model, sample, memory_limit="16MiB") as prober:
+        for size in (100, 300, 455, 500):
+            measured = prober.trial(size).peak_in(unit)
+            assert measured is not None and memory.predict(size) >= measured * (1 - ON_LINE), size
+    assert result.safe_verified and result.trials[-1].peak_in(unit) <= 0.9 * result.budget_bytes

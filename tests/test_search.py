@@ -257,6 +257,78 @@ def test_interpolate_on_measured_phase_lines(name: str, sizes, boundary: int) ->
     assert 2 * len(smart.attempts) <= len(plain.attempts)
 
 
+# Memory that does not explain the failures ------------------------------------------------------
+#: How many trials more than the plain strategy the interpolating one may take when the measured
+#: peaks say nothing about where sizes fail: at most ``MISSES`` (5) wrong guesses before it stops
+#: following its model, then the plain doubling restarted from its largest fit, which can land
+#: on a ladder one or two sizes longer than the plain search's (the worst case the property
+#: search found, over some 60,000 targeted examples, was 7; before the distrust rule, 16 to 24).
+UNRELATED_EXTRA = 8
+
+
+@st.composite
+def unrelated_memory(draw: st.DrawFn, grid: S.Grid) -> tuple[int, int, Callable[[int], Verdict]]:
+    """A true threshold, a budget, and an oracle whose peaks are unrelated to that threshold:
+    a line that meets the budget anywhere (far above or far below the threshold), or noise.
+    Failures report what a real allocator may: just over the budget, nothing, the line's peak,
+    or some number below the budget (live bytes when a fragmented device gave up)."""
+    threshold = draw(st.integers(grid.init, grid.maximum + 100), label="threshold")
+    budget = draw(st.integers(1, 10**12), label="budget")
+    peaks = draw(st.sampled_from(["line", "noise"]), label="peaks")
+    fixed, per = draw(st.integers(0, 10**9), label="fixed"), draw(st.integers(1, 10**9), label="per")
+    failure = draw(st.sampled_from(["barely", "none", "peak", "below"]), label="failure")
+    seed = draw(st.integers(0, 2**32), label="seed")
+
+    def peak(size: int) -> int:
+        if peaks == "line":
+            return fixed + per * size
+        return random.Random(seed * 1_000_003 + size).randint(1, 2 * budget)
+
+    def oracle(size: int) -> Verdict:
+        if size <= threshold:
+            return Verdict(True, peak(size))
+        below = random.Random(seed - size).randint(1, budget)
+        return Verdict(False, {"barely": budget + 1, "none": None, "peak": peak(size), "below": below}[failure])
+
+    return threshold, budget, oracle
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(grid=grids(), data=st.data())
+def test_interpolate_stops_following_memory_that_does_not_explain_the_failures(grid: S.Grid, data) -> None:
+    """Exact and within the bound whatever the peaks say, and at most UNRELATED_EXTRA trials more
+    than the plain strategy: once the trials contradict the model it proposes the plain sizes."""
+    threshold, budget, oracle = data.draw(unrelated_memory(grid))
+    plain = S.search(oracle, grid, S.Doubling())
+    report = S.search(oracle, grid, Interpolating(), budget_bytes=budget)
+    assert report.largest_fit == truth_on_grid(grid, threshold)
+    assert len(report.attempts) <= S.max_trials(grid)
+    assert len(report.attempts) <= len(plain.attempts) + UNRELATED_EXTRA
+
+
+@pytest.mark.parametrize("threshold", [9333, 9416, 9471])
+def test_interpolate_under_a_real_allocator_limit_far_below_the_budget(threshold: int) -> None:
+    """The shape of the RLIMIT_AS run (tests/test_real_oom.py): peaks that grow 16.4 KiB a sample
+    as measured, a 4 GiB budget the process could never reach, and failures that report a little
+    less than the failing size needs (live bytes plus the refused request). Before the distrust
+    rule the model aimed at each failure's bound in turn, a little lower each time, and took 42
+    trials (the bound; 36 in the real run) where the plain strategy takes 27; now 19. It must
+    not take more than the plain one."""
+    need = lambda b: 2_150_000 + 16_790 * b  # noqa: E731
+    budget = 4 * 2**30
+
+    def oracle(size: int) -> Verdict:
+        if size <= threshold:
+            return Verdict(True, need(size))
+        return Verdict(False, need(size) * (970 + size % 31) // 1000)
+
+    grid = S.Grid(2, 1 << 20)
+    plain = S.search(oracle, grid, S.Doubling())
+    report = S.search(oracle, grid, Interpolating(), budget_bytes=budget)
+    assert report.largest_fit == plain.largest_fit == threshold
+    assert len(report.attempts) <= len(plain.attempts)
+
+
 # Edges: nothing fits, everything fits, should_stop ----------------------------------------------
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 @given(grid=grids(max_maximum=5000), needed=st.none() | st.integers(1, 10**9))
