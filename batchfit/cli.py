@@ -5,23 +5,44 @@ Exit codes are the interface a CI pipeline reads, so they are fixed and document
 * 0: the probe finished (with ``--require-batch N``: batch N fits).
 * 1: an error, including an exception raised by the user's factory or model.
 * 2: a usage error: bad option, or a bad target (no such module or attribute, a factory that
-  needs arguments, a value that is not ``(model, sample)``, a sample without tensors).
+  needs arguments, a value that is not ``(model, sample)``, a sample without tensors, a model
+  or sample that ``find()`` rejects before its first trial), or a ``--json`` path that cannot be
+  written.
 * 3: does not fit: with ``--require-batch N``, batch N ran out of memory within the limit;
   without it, not even the smallest batch fitted.
+* 130: interrupted by Ctrl-C. Once the probe had started, the model and optimizer were restored
+  (the message says so); while the target was still loading there was nothing to restore.
+* 141: the reader of stdout went away (``batchfit probe ... | head -1``): the probe stops at its
+  next line of output, quietly, with the code a shell gives a tool killed by SIGPIPE (128 + 13),
+  so ``set -o pipefail`` sees that the probe did not finish; no JSON file is written.
+* 143: terminated by SIGTERM during a probe (128 + 15). It unwinds as Ctrl-C does: the live
+  view is taken down (a terminal gets its cursor back) and the model is restored. A second
+  SIGTERM stops a probe stuck in the user's code at once (see :class:`_SigtermUnwinds`).
+  Outside a probe (the target loading) SIGTERM keeps its default action.
 
-Human output goes to stdout (to stderr when ``--json -`` puts the JSON on stdout); errors go to
-stderr as one line starting with ``batchfit: error:``.
+A target that calls ``sys.exit(n)`` (at import, in its factory, in the model) does not end
+batchfit with its code: that is an error in the target, reported as such, exit 1.
+
+Human output goes to stdout (to stderr when ``--json -`` puts the JSON on stdout). Every error
+goes to stderr in a line starting with ``batchfit: error:``: batchfit's own are that one line;
+a command line that argparse rejects prints the usage first (argparse's ``batchfit probe:
+error:`` prefix is replaced by the same ``batchfit: error:``). ``--json PATH`` is checked before
+the target is loaded, so a path that cannot be written fails at once, not after the probe.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from batchfit.units import format_bytes, parse_memory_limit
 from batchfit.version import __version__
@@ -34,6 +55,12 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_DOES_NOT_FIT = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+#: What an interrupted probe says once it had started: ``Prober`` restores on any exit.
+RESTORED = "the model and optimizer were restored"
 
 #: Without ``--memory-limit``, a CPU probe from the command line caps live tensor bytes at this.
 #: On a CPU the time of a trial grows with the memory it touches, so the cap is what keeps
@@ -45,6 +72,83 @@ CLI_CPU_MEMORY_LIMIT = "256MiB"
 
 class _UsageError(Exception):
     """Raised inside a subcommand for a usage problem found after argument parsing."""
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during a probe. A ``KeyboardInterrupt`` so that it unwinds exactly as Ctrl-C does:
+    past the user's ``except Exception``, through the probe's restore, to the CLI, which takes the
+    view down. ``forced``: raised at once by a second SIGTERM, wherever the probe stood."""
+
+    def __init__(self, *, forced: bool = False) -> None:
+        super().__init__()
+        self.forced = forced
+
+
+class _SigtermUnwinds:
+    """While a probe runs, SIGTERM is delivered as a Ctrl-C instead of killing the process where
+    it stands, so the probe unwinds as on Ctrl-C: the model restored, the live view stopped (a
+    terminal gets its cursor back); :attr:`received` then turns exit 130 into 143. Around the
+    probe only: outside it SIGTERM keeps its default. Off the main thread (``main()`` called from
+    a thread) no handler can be set and nothing changes.
+
+    Delivered as a Ctrl-C means: handed to the SIGINT handler in place. During a probe that is
+    ``batchfit.interrupts``' guard, which defers it to the probe's next safe point (never inside
+    a meter finalizer, where it would be lost, nor half-way through the restore); where Python's
+    own handler is in place, :class:`_Terminated` is raised at once, as Python raises Ctrl-C.
+    A probe stuck in the user's code where no safe point comes (a forward waiting on a queue,
+    with no tensor operation) would then never stop, as it would not on Ctrl-C; so a second
+    SIGTERM raises at once, wherever the probe stands (the restore may be cut short: the message
+    says so). Once a SIGTERM has come, later ones are ignored after the probe (``SIG_IGN``, which
+    Python keeps through its shutdown where it resets its own handlers): a supervisor repeating
+    SIGTERM cannot kill batchfit half-way through saying why it stopped, and the exit code stays
+    143.
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+        self._holding = False
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> _SigtermUnwinds:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        again, self.received = self.received, True
+        if self._holding:
+            return
+        if again:
+            raise _Terminated(forced=True)
+        on_interrupt = signal.getsignal(signal.SIGINT)
+        if callable(on_interrupt) and on_interrupt is not signal.default_int_handler:
+            on_interrupt(signal.SIGINT, frame)
+        else:
+            raise _Terminated()
+
+    def hold(self) -> None:
+        """From here on a SIGTERM is only recorded: the clean-up that follows runs to its end."""
+        self._holding = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._holding = True
+        if not self._installed:
+            return
+        if self.received:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with batchfit's error prefix: a subcommand's parser would print
+    ``batchfit probe: error: ...``; every batchfit error line starts ``batchfit: error:``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"batchfit: error: {message}\n")
 
 
 # Argument parsing -------------------------------------------------------------------------------
@@ -106,7 +210,7 @@ def _seconds(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="batchfit",
         description="Find the largest and the fastest batch size a PyTorch model trains with, by running real steps.",
     )
@@ -118,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="probe a model's batch size limits",
         description=(
             "Run real training steps at growing batch sizes until one runs out of memory, then find the "
-            "boundary. Exit codes: 0 ok, 1 error, 2 usage or bad target, 3 does not fit."
+            "boundary. Exit codes: 0 ok, 1 error, 2 usage or bad target, 3 does not fit, 130 Ctrl-C, "
+            "141 stdout closed, 143 SIGTERM."
         ),
         epilog=(
             "TARGET is 'package.module:factory' or 'path/to/file.py:factory'. The factory is called with no "
@@ -202,9 +307,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as exc:
         _error(str(exc))
         return EXIT_USAGE
+    except _Terminated:
+        _error("terminated by SIGTERM")
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
-        _error("interrupted (the model and optimizer were restored)")
-        return 130
+        # Not from inside a probe (_probe answers those): the target was loading, nothing to restore.
+        _error("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Our stdout's reader went away (a BrokenPipeError from the user's model is reported as an
+        # error inside _probe). Python's documented way out: point stdout at devnull, so the flush
+        # at exit does not raise again, and leave without a word.
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
 
 
 # probe --------------------------------------------------------------------------------------------
@@ -218,6 +333,7 @@ def _probe(args: argparse.Namespace) -> int:
             raise _UsageError(
                 f"--require-batch runs a gate, not a full probe: drop --{conflicting[0].replace('_', '-')}"
             )
+    _check_json_path(args.json)
     try:
         target = load_target(args.target)
     except TargetError as exc:
@@ -227,31 +343,28 @@ def _probe(args: argparse.Namespace) -> int:
         _report_exception(exc, args.traceback, cause=True)
         return EXIT_ERROR
 
-    if args.json not in (None, "-") and not Path(args.json).resolve().parent.is_dir():
-        raise _UsageError(f"cannot write --json {args.json!r}: its folder does not exist")
     human = sys.stderr if args.json == "-" else sys.stdout
     device, limit, header, expected_budget = _plan(args)
     view = make_view(human, quiet=args.quiet)
     kwargs = _find_kwargs(args, target, device, limit)
     calls = _Calls(view)
-    view.start(header, expected_budget)
-    try:
-        if args.require_batch is not None:
-            from batchfit.testing import check_fits
-
-            outcome: Any = check_fits(
-                target.model, target.sample, batch_size=args.require_batch, **calls.kwargs(), **kwargs
-            )
-        else:
-            from batchfit.finder import find_with
-            from batchfit.options import Options
-
-            outcome = find_with(target.model, target.sample, Options(**kwargs), **calls.kwargs())
-    except BaseException as exc:
-        view.stop()
-        return _probe_failed(exc, calls.started, args.traceback)
-    view.set_budget(outcome.budget_bytes)  # the budget the probe really had, for the final frame
-    view.stop()
+    failure: BaseException | None = None
+    with _SigtermUnwinds() as sigterm:
+        try:
+            try:
+                view.start(header, expected_budget)
+                outcome = _run_probe(args, target, kwargs, calls)
+                view.set_budget(outcome.budget_bytes)  # the budget the probe really had, for the final frame
+            except BaseException as exc:  # Ctrl-C and SIGTERM too: the view comes down either way
+                failure = exc
+        finally:
+            sigterm.hold()
+            view.stop()  # on a terminal this shows the cursor again, whatever ended the probe
+    if sigterm.received and (failure is None or type(failure) is KeyboardInterrupt):
+        # The Ctrl-C a SIGTERM was delivered as (or a SIGTERM that came as the probe returned).
+        failure = _Terminated()
+    if failure is not None:
+        return _probe_failed(failure, calls, args.traceback)
     if args.require_batch is not None:
         view.gate(outcome)
         code = EXIT_OK if outcome.fits else EXIT_DOES_NOT_FIT
@@ -263,16 +376,31 @@ def _probe(args: argparse.Namespace) -> int:
     return code
 
 
+def _run_probe(args: argparse.Namespace, target: Target, kwargs: dict[str, Any], calls: _Calls) -> Any:
+    """The gate (``--require-batch``) or the full search; its ``GateReport`` or ``Result``."""
+    if args.require_batch is not None:
+        from batchfit.testing import check_fits
+
+        return check_fits(target.model, target.sample, batch_size=args.require_batch, **calls.kwargs(), **kwargs)
+    from batchfit.finder import find_with
+    from batchfit.options import Options
+
+    return find_with(target.model, target.sample, Options(**kwargs), **calls.kwargs())
+
+
 class _Calls:
-    """Forwards ``find()``'s callbacks to the view and remembers whether a trial started, which
-    tells a rejected input (usage) from an error inside the user's model."""
+    """Forwards ``find()``'s callbacks to the view and remembers the trial in flight: whether
+    one started tells a rejected input (usage) from an error inside the user's model, and which
+    one it was says where the user's code called ``sys.exit()``."""
 
     def __init__(self, view: View) -> None:
         self.view = view
         self.started = False
+        self.current: tuple[int, str] | None = None  # (batch size, kind) of the last trial started
 
     def on_trial_start(self, batch_size: int, kind: str) -> None:
         self.started = True
+        self.current = (batch_size, kind)
         self.view.trial_started(batch_size, kind)
 
     def on_start(self, device: Any, budget_bytes: int | None) -> None:
@@ -340,15 +468,34 @@ def _find_kwargs(args: argparse.Namespace, target: Target, device: str, limit: s
     return kwargs
 
 
-def _probe_failed(exc: BaseException, started: bool, show_traceback: bool) -> int:
+def _probe_failed(exc: BaseException, calls: _Calls, show_traceback: bool) -> int:
+    """The exit code (and the one line) for whatever ended a probe that had started."""
     from batchfit.errors import NothingFitsError
+    from batchfit.targets import exit_call
+    from batchfit.view import OutputClosedError
 
+    if isinstance(exc, _Terminated):
+        if exc.forced:
+            _error("terminated by a second SIGTERM, at once: the model and optimizer may not have been restored")
+        else:
+            _error(f"terminated by SIGTERM ({RESTORED})")
+        return EXIT_TERMINATED
     if isinstance(exc, KeyboardInterrupt):
+        _error(f"interrupted ({RESTORED})")
+        return EXIT_INTERRUPTED
+    if isinstance(exc, OutputClosedError):  # our reader left: main() exits quietly
         raise exc
+    if isinstance(exc, SystemExit):  # the user's code, in a trial: an error, not batchfit's exit code
+        where = "during the probe"
+        if calls.current is not None:
+            batch_size, kind = calls.current
+            where = f"during a {kind} trial at batch size {batch_size}"
+        _report_exception(exc, show_traceback, cause=False, text=f"the target called {exit_call(exc)} {where}")
+        return EXIT_ERROR
     if isinstance(exc, NothingFitsError):
         _error(str(exc))
         return EXIT_DOES_NOT_FIT
-    if isinstance(exc, (TypeError, ValueError)) and not started:
+    if isinstance(exc, (TypeError, ValueError)) and not calls.started:
         # find() checks its input before the first trial: what it rejects there is the target's
         # sample or model, or an option (a device that is not there), not a failure of a run.
         _error(f"{_first_line(exc)}")
@@ -359,14 +506,15 @@ def _probe_failed(exc: BaseException, started: bool, show_traceback: bool) -> in
     return EXIT_ERROR
 
 
-def _report_exception(exc: BaseException, show_traceback: bool, *, cause: bool) -> None:
+def _report_exception(exc: BaseException, show_traceback: bool, *, cause: bool, text: str | None = None) -> None:
     """One line for the error (with batchfit's note on where it happened), the traceback only
     when asked: the user's own frames are in it."""
     shown = exc.__cause__ if cause and exc.__cause__ is not None else exc
     if show_traceback:
         traceback.print_exception(shown, file=sys.stderr)
     notes = [n.removeprefix("batchfit: ") for n in getattr(shown, "__notes__", ())]
-    text = str(exc) if cause else _first_line(exc)
+    if text is None:
+        text = str(exc) if cause else _first_line(exc)
     if notes:
         text += f" ({'; '.join(notes)})"
     if not show_traceback:
@@ -387,6 +535,7 @@ def _devices(args: argparse.Namespace) -> int:
     from batchfit.nvml import query_devices
     from batchfit.view import devices_lines
 
+    _check_json_path(args.json)
     report = query_devices()
     human = sys.stderr if args.json == "-" else sys.stdout
     for line in devices_lines(report):
@@ -397,6 +546,37 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 # helpers ------------------------------------------------------------------------------------------
+def _check_json_path(path: str | None) -> None:
+    """Refuse (exit 2) a ``--json PATH`` that cannot be written before anything runs: found out
+    after the probe, it would cost the whole probe. Permissions as ``os.access`` sees them (root
+    passes); what only the write can find out (a full disk) is still reported by ``_write_json``."""
+    if path is None or path == "-":
+        return
+    folder = os.path.dirname(path) or os.curdir
+    if os.path.isdir(path):
+        problem = "it is a folder"
+    elif not os.path.exists(folder):
+        problem = f"its folder {folder!r} does not exist"
+    elif not os.path.isdir(folder):
+        problem = f"{folder!r} is not a folder"
+    elif os.path.exists(path):
+        problem = "" if os.access(path, os.W_OK) else "the file is not writable"
+    else:
+        problem = "" if os.access(folder, os.W_OK | os.X_OK) else f"its folder {folder!r} is not writable"
+    if problem:
+        raise _UsageError(f"cannot write --json {path!r}: {problem}")
+
+
+def _stdout_to_devnull() -> None:
+    """After a broken pipe: what is still buffered for stdout goes nowhere, quietly, at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (replaced, closed): nothing left to flush into a pipe
+        pass
+
+
 def _write_json(path: str, text: str) -> None:
     if path == "-":
         sys.stdout.write(text + "\n")
@@ -409,4 +589,7 @@ def _write_json(path: str, text: str) -> None:
 
 
 def _error(message: str, stream: TextIO | None = None) -> None:
-    print(f"batchfit: error: {message}", file=stream or sys.stderr)
+    try:
+        print(f"batchfit: error: {message}", file=stream or sys.stderr)
+    except BrokenPipeError:  # stderr's reader is gone too (`2>&1 | head`): no one is left to tell
+        pass

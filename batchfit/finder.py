@@ -214,9 +214,16 @@ class Prober:
             )
 
     def _finish(self, device_usable: bool, exc: BaseException | None) -> None:
-        """Undo everything, then let a Ctrl-C that arrived meanwhile surface. On a failed device
-        nothing is asked of it: every call would raise and the raw device error would replace
-        the one that explains what happened."""
+        """Undo everything (no Ctrl-C can cut it short), then let a Ctrl-C that arrived meanwhile
+        surface. On a failed device nothing is asked of it: every call would raise and the raw
+        device error would replace the one that explains what happened."""
+        try:
+            with self._interrupts.critical():
+                self._undo(device_usable)
+        finally:
+            self._interrupts.__exit__(type(exc) if exc else None, exc, None)
+
+    def _undo(self, device_usable: bool) -> None:
         try:
             if self._stack is not None:
                 if device_usable:
@@ -227,15 +234,12 @@ class Prober:
         finally:
             self._stack = None
             self._workload = None
-            try:
-                if self._snapshot is not None:
-                    self._snapshot.restore(device_usable, restore_rng=self.options.restore_rng)
-                    self._snapshot = None
-                gc.collect()
-                if device_usable:
-                    self.backend.empty_cache(self.device)
-            finally:
-                self._interrupts.__exit__(type(exc) if exc else None, exc, None)
+            if self._snapshot is not None:
+                self._snapshot.restore(device_usable, restore_rng=self.options.restore_rng)
+                self._snapshot = None
+            gc.collect()
+            if device_usable:
+                self.backend.empty_cache(self.device)
 
     # trials ----------------------------------------------------------------------------------------
     def trial(self, batch_size: int, steps: int | None = None, kind: TrialKind = "search") -> Trial:

@@ -14,6 +14,11 @@ safe points: after each operation the CPU meter observes, between the phases and
 trial, between trials, and, at the latest, once the restore has finished. A second Ctrl-C during
 the restore is recorded the same way and surfaces after it.
 
+A second Ctrl-C *before* the first reached a safe point (user code stuck in Python with no tensor
+operation, e.g. waiting on a queue) raises at once, as a second press conventionally does. If it
+lands inside a finalizer and is dropped there, the recorded one still surfaces at the next safe
+point: it is not cleared until it has been raised from :meth:`InterruptGuard.check` or on exit.
+
 The guard only takes over where Python's default handler is in place and only in the main
 thread (signal handlers can only be set there, and only the main thread receives
 ``KeyboardInterrupt``). A program that installed its own SIGINT handler keeps it.
@@ -21,8 +26,10 @@ thread (signal handlers can only be set there, and only the main thread receives
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType, TracebackType
 
 
@@ -32,6 +39,7 @@ class InterruptGuard:
     def __init__(self) -> None:
         self.pending = False
         self._installed = False
+        self._critical = 0
 
     def __enter__(self) -> InterruptGuard:
         if threading.current_thread() is threading.main_thread() and (
@@ -42,7 +50,18 @@ class InterruptGuard:
         return self
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
+        if self.pending and not self._critical:
+            raise KeyboardInterrupt  # the second press: the first never reached a safe point
         self.pending = True
+
+    @contextlib.contextmanager
+    def critical(self) -> Iterator[None]:
+        """Code that must finish (the restore): every Ctrl-C inside is only recorded."""
+        self._critical += 1
+        try:
+            yield
+        finally:
+            self._critical -= 1
 
     def check(self) -> None:
         """Raise the ``KeyboardInterrupt`` that arrived since the last check, if one did."""

@@ -11,8 +11,10 @@ Two kinds of failure are kept apart because the CLI answers them with different 
   needs arguments, a value of the wrong shape). The user fixes the command line or the
   factory's return value. One line explains it.
 * :class:`TargetCallError`: the user's own code raised while importing the module or running
-  the factory. That is a bug in their code, not in how they called batchfit; the original
-  exception is kept (``__cause__``) so its traceback can be shown.
+  the factory, or called ``sys.exit()`` there (a script's ``if __name__`` guard forgotten, an
+  argument parser run at import). That is a bug in their code, not in how they called batchfit;
+  the original exception is kept (``__cause__``) so its traceback can be shown.
+  ``KeyboardInterrupt`` passes through untouched.
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ class Target:
         return {"sample": self.sample, **self.extras}
 
 
+def exit_call(exc: SystemExit) -> str:
+    """How the user's code exited, as they would have written it: ``sys.exit(3)``, ``sys.exit()``."""
+    return "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
+
+
 def split_spec(spec: str) -> tuple[str, str]:
     """``"a.b:c.d"`` -> ``("a.b", "c.d")``; the last colon splits, so ``C:\\x.py:f`` works."""
     where, sep, attr = spec.rpartition(":")
@@ -94,6 +101,8 @@ def _import(where: str, *, add_cwd_to_path: bool) -> Any:
         if exc.name is not None and (where == exc.name or where.startswith(exc.name + ".")):
             raise TargetError(f"cannot import {where!r}: no module named {exc.name!r}") from None
         raise TargetCallError(f"importing {where!r} failed: {first_line(exc)}") from exc
+    except SystemExit as exc:
+        raise TargetCallError(f"the target called {exit_call(exc)} while importing {where!r}") from exc
     except Exception as exc:
         raise TargetCallError(f"importing {where!r} failed: {first_line(exc)}") from exc
 
@@ -116,6 +125,9 @@ def _import_file(path: Path) -> Any:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        sys.modules.pop(name, None)
+        raise TargetCallError(f"the target called {exit_call(exc)} while running {str(path)!r}") from exc
     except Exception as exc:
         sys.modules.pop(name, None)
         raise TargetCallError(f"running {str(path)!r} failed: {first_line(exc)}") from exc
@@ -157,6 +169,8 @@ def _call_if_factory(obj: Any, spec: str) -> Any:
             )
     try:
         return obj()
+    except SystemExit as exc:
+        raise TargetCallError(f"the target called {exit_call(exc)} in {spec}") from exc
     except Exception as exc:
         raise TargetCallError(f"{spec} raised {first_line(exc)}") from exc
 

@@ -12,6 +12,10 @@ The finder never prints; it calls ``on_trial_start(batch_size, kind)`` before a 
 
 All three read the same formatted cells (:func:`trial_cells`, :func:`summary_rows`), so the
 numbers cannot differ between a terminal and a log.
+
+When the reader of a plain or quiet view goes away (``batchfit probe ... | head -1``), its next
+write raises :class:`OutputClosedError`, a ``BrokenPipeError`` of the view's own, so the CLI can
+tell it from one raised by the user's model (a data pipe) and stop quietly.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ if TYPE_CHECKING:  # the view only reads these; importing them must not pull tor
     from batchfit.testing import GateReport
 
 BAR_WIDTH = 20
+
+
+class OutputClosedError(BrokenPipeError):
+    """The stream a view writes to was closed by its reader (``| head``)."""
 
 
 # Formatting shared by every view ------------------------------------------------------------
@@ -228,8 +236,11 @@ class PlainView:
         self._header_printed = False
 
     def _line(self, text: str = "") -> None:
-        self._out.write(text + "\n")
-        self._out.flush()
+        try:
+            self._out.write(text + "\n")
+            self._out.flush()
+        except BrokenPipeError as exc:
+            raise OutputClosedError(exc.errno, exc.strerror) from None
 
     def start(self, header: Sequence[str], budget_bytes: int | None) -> None:
         self._budget = budget_bytes

@@ -9,10 +9,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -94,28 +98,154 @@ TARGETS = textwrap.dedent(
 
     def broken_model():
         return Broken(), torch.randn(2, 8)
+
+
+    class Pipe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+
+        def forward(self, x):
+            raise BrokenPipeError(32, "the model's data pipe broke")
+
+
+    def pipe_model():
+        return Pipe(), torch.randn(2, 8)
+
+
+    def meta_model():
+        return nn.Linear(8, 8, device="meta"), torch.randn(2, 8)
+
+
+    def meta_sample():
+        return nn.Linear(8, 8), torch.empty(2, 8, device="meta")
     '''
 )
 
-
-def run_cli(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m batchfit ARGS`` from the repository, installed or not.
-
-    One intra-op thread: on a 2-core machine that runs other work, OpenMP threads waiting on
-    each other make tiny steps orders of magnitude slower; the results do not depend on it.
+# Targets that hold a probe where a test wants it, told where by environment variables:
+# $BATCHFIT_TEST_STARTED is created when the target gets there (so the test waits for a file, not
+# for a time); $BATCHFIT_TEST_RELEASE, once it exists, lets a held forward go on. Every hold ends
+# by itself after two minutes, so a lost signal fails an assertion instead of hanging the suite.
+HOLDING_TARGETS = textwrap.dedent(
     """
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch
+    from torch import nn
+
+
+    def _hold(x=None):
+        Path(os.environ["BATCHFIT_TEST_STARTED"]).touch()
+        release = os.environ.get("BATCHFIT_TEST_RELEASE", "")
+        deadline = time.monotonic() + 120
+        while not (release and os.path.exists(release)) and time.monotonic() < deadline:
+            if x is not None:
+                x = x + 0  # a tensor operation: where the probe raises a deferred Ctrl-C
+            time.sleep(0.01)
+        return x
+
+
+    class Held(nn.Module):
+        def __init__(self, operations=True):
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+            self.operations = operations
+
+        def forward(self, x):
+            if self.operations:
+                x = _hold(x)
+            else:
+                _hold()  # stuck in Python: no tensor operation, so no safe point, until released
+            return self.layer(x)
+
+
+    class Exits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+
+        def forward(self, x):
+            sys.exit(4)
+
+
+    def held():
+        return Held(), torch.randn(2, 8)
+
+
+    def stuck():
+        return Held(operations=False), torch.randn(2, 8)
+
+
+    def exits_in_forward():
+        return Exits(), torch.randn(2, 8)
+
+
+    def exits_in_factory():
+        sys.exit()
+    """
+)
+
+
+def cli_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a CLI child: the repository importable, one intra-op thread (on a
+    2-core machine that runs other work, OpenMP threads waiting on each other make tiny steps
+    orders of magnitude slower; the results do not depend on it), colours left to the test."""
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra_env or {})
+    return env
+
+
+def run_cli(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m batchfit ARGS`` from the repository, installed or not."""
     return subprocess.run(
         [sys.executable, "-m", "batchfit", *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=cli_env(extra_env),
         timeout=300,
         check=False,
     )
+
+
+def start_cli(*args: str, extra_env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen[str]:
+    """``python -m batchfit ARGS`` started, not waited for: stdout and stderr piped unless given.
+
+    SIGINT is reset to its default in the child before Python starts, as a terminal's shell
+    leaves it: a test runner started as a background job ignores SIGINT, children inherit that,
+    and Python then installs no Ctrl-C handler.
+    """
+    options: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen}
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchfit", *args],
+        env=cli_env(extra_env),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        **options,
+    )
+
+
+def wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
+    """Until the target has created ``path`` (bounded, so a broken run fails rather than hangs)."""
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        assert proc.poll() is None, f"the CLI exited {proc.returncode} before {path.name} appeared"
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.02)
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
+    """Wait for the CLI (bounded); its exit code, stdout and stderr."""
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the CLI did not exit; stderr: {err}")
+    return proc.returncode, out or "", err or ""
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +253,20 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("targets") / "targets.py"
     path.write_text(TARGETS)
     return path
+
+
+@pytest.fixture(scope="module")
+def holding(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("holding") / "holding.py"
+    path.write_text(HOLDING_TARGETS)
+    return path
+
+
+@pytest.fixture
+def markers(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    """(started, release) marker paths, and the environment that tells a holding target of them."""
+    started, release = tmp_path / "started", tmp_path / "release"
+    return started, release, {"BATCHFIT_TEST_STARTED": str(started), "BATCHFIT_TEST_RELEASE": str(release)}
 
 
 def test_probe_builtin_example_writes_json_that_round_trips(tmp_path: Path) -> None:
@@ -237,6 +381,11 @@ BAD_TARGETS = [
     ("{targets}:unknown_key", 2, "unknown key(s) 'lr'"),
     ("{targets}:no_tensor", 2, "holds no tensor"),
     ("{missing}:wide", 2, "no such file"),
+    # Rejected by find() before the first trial: the target's input, a usage error.
+    ("{targets}:meta_model", 2, "on the meta device"),
+    ("{targets}:meta_sample", 2, "on the meta device"),
+    # The user's own BrokenPipeError is an error in the model, not a reader of stdout gone.
+    ("{targets}:pipe_model", 1, "BrokenPipeError: [Errno 32] the model's data pipe broke"),
 ]
 
 
@@ -278,7 +427,10 @@ def test_usage_error_exits_2() -> None:
     proc = run_cli("probe", "batchfit.examples:mlp", "--memory-limit", "lots")
 
     assert proc.returncode == 2
-    assert "argument --memory-limit: memory_limit 'lots' is not a size" in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    # argparse's usage, then the error with the prefix every batchfit error has (README).
+    assert lines[0].startswith("usage: batchfit probe ")
+    assert lines[-1].startswith("batchfit: error: argument --memory-limit: memory_limit 'lots' is not a size")
 
 
 @pytest.mark.parametrize(
@@ -291,6 +443,7 @@ def test_usage_error_exits_2() -> None:
         ["probe", "batchfit.examples:mlp", "--require-batch", "8", "--max-batch", "16"],
         ["probe", "batchfit.examples:mlp", "--device", "nope", "--memory-limit", "8MiB"],
         ["probe", "batchfit.examples:mlp", "--json", "/no/such/folder/out.json"],
+        ["devices", "--json", "/no/such/folder/out.json"],
     ],
 )
 def test_usage_errors_in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -333,6 +486,201 @@ def test_terminal_gets_the_live_view_and_no_color_drops_colours(targets: Path, n
     assert "max batch" in screen and "█" in screen
     colour = re.compile(r"\x1b\[[0-9;]*(?<![0-9])(3[0-9]|9[0-7])(;[0-9;]*)?m")
     assert bool(colour.search(screen)) is not no_color
+
+
+JSON_PATHS = {
+    "a folder": ("", "it is a folder"),
+    "a missing folder": ("missing/out.json", "does not exist"),
+    "a path under a file": ("file.txt/out.json", "is not a folder"),
+    "a read-only folder": ("locked/out.json", "is not writable"),
+}
+
+
+@pytest.mark.parametrize("case", JSON_PATHS)
+def test_unwritable_json_path_fails_before_the_target_is_loaded(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    relative, message = JSON_PATHS[case]
+    (tmp_path / "file.txt").write_text("")
+    if case == "a read-only folder":
+        if os.geteuid() == 0:
+            pytest.skip("root may write into a read-only folder")
+        (tmp_path / "locked").mkdir(mode=0o500)
+    loaded = tmp_path / "loaded"
+    target = tmp_path / "marked.py"
+    target.write_text(f"from pathlib import Path\nPath({str(loaded)!r}).touch()\nfrom batchfit.examples import mlp\n")
+    out = str(tmp_path / relative) if relative else str(tmp_path)
+
+    code = main(["probe", f"{target}:mlp", "--device", "cpu", "--max-batch", "4", "--verify-steps", "0", "--json", out])
+
+    assert code == 2
+    err = capsys.readouterr().err
+    _check_one_line(err, f"cannot write --json {out!r}: ")
+    assert message in err
+    assert not loaded.exists()  # refused before the target ran, not after a whole probe
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes and signals")
+def test_stdout_closed_by_its_reader_ends_quietly(holding: Path, markers: tuple[Path, Path, dict[str, str]]) -> None:
+    """`batchfit probe ... | head -1`: the reader takes one line and leaves; the probe stops at its
+    next line, with no traceback, exit 141 (128 + SIGPIPE)."""
+    started, release, env = markers
+    proc = start_cli(
+        "probe", f"{holding}:held", "--device", "cpu", "--max-batch", "8", "--verify-steps", "0", extra_env=env
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what head does after its line
+    release.touch()  # only now may the first trial finish and the CLI write its next line
+    code, _, err = finish(proc)
+
+    assert first.startswith("batchfit ") and "probing" in first
+    assert code == 141, err
+    assert err == ""  # nothing: no "Traceback", no "BrokenPipeError", no "Exception ignored"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_while_the_target_loads_says_only_interrupted(
+    tmp_path: Path, markers: tuple[Path, Path, dict[str, str]]
+) -> None:
+    started, _, env = markers
+    target = tmp_path / "slow_import.py"
+    target.write_text(
+        "import os, time\nfrom pathlib import Path\n\nPath(os.environ['BATCHFIT_TEST_STARTED']).touch()\n"
+        "time.sleep(120)\n\ndef build():\n    raise AssertionError('never reached')\n"
+    )
+    proc = start_cli("probe", f"{target}:build", "--device", "cpu", extra_env=env)
+    wait_for(started, proc)  # inside the target's import
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc)
+
+    assert code == 130
+    assert err.strip() == "batchfit: error: interrupted"  # no probe ran: nothing was restored
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize(
+    ("signum", "code", "message"),
+    [
+        (signal.SIGINT, 130, "interrupted (the model and optimizer were restored)"),
+        (signal.SIGTERM, 143, "terminated by SIGTERM (the model and optimizer were restored)"),
+    ],
+    ids=["SIGINT", "SIGTERM"],
+)
+def test_signal_during_a_probe_unwinds_and_restores(
+    holding: Path, markers: tuple[Path, Path, dict[str, str]], signum: int, code: int, message: str
+) -> None:
+    """Ctrl-C and SIGTERM in the middle of a trial end the same way: the probe unwinds (the
+    model restored, the view stopped: see the terminal test for the cursor), one line, 128 + N."""
+    started, _, env = markers
+    proc = start_cli(
+        "probe", f"{holding}:held", "--device", "cpu", "--max-batch", "8", "--verify-steps", "0", extra_env=env
+    )
+    wait_for(started, proc)  # inside the first trial's forward
+    proc.send_signal(signum)
+    returned, out, err = finish(proc)
+
+    assert returned == code, err
+    _check_one_line(err, message)
+    assert "max batch" not in out  # stopped, not finished
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_second_sigterm_stops_a_probe_stuck_in_the_users_code(
+    holding: Path, markers: tuple[Path, Path, dict[str, str]]
+) -> None:
+    """A forward stuck in Python with no tensor operation never reaches the probe's safe point,
+    where a SIGTERM (like a Ctrl-C) is raised; a second SIGTERM stops it at once, and says that
+    the restore may have been cut short."""
+    started, _, env = markers
+    proc = start_cli(
+        "probe", f"{holding}:stuck", "--device", "cpu", "--max-batch", "8", "--verify-steps", "0", extra_env=env
+    )
+    wait_for(started, proc)
+    for _ in range(120):  # again until it ends: two signals sent at once may arrive as one
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+    code, _, err = finish(proc)
+
+    assert code == 143, err
+    _check_one_line(err, "terminated by a second SIGTERM, at once: the model and optimizer may not have been restored")
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("{holding}:exits_in_forward", "the target called sys.exit(4) during a search trial at batch size 2"),
+        ("{holding}:exits_in_factory", "the target called sys.exit() in {holding}:exits_in_factory"),
+        ("{exits_file}:build", "the target called sys.exit(3) while running {exits_file_repr}"),
+        ("exits_at_import:build", "the target called sys.exit('no arguments given') while importing 'exits_at_import'"),
+    ],
+    ids=["forward", "factory", "file", "module"],
+)
+def test_sys_exit_in_the_target_is_an_error_in_the_target(
+    holding: Path, tmp_path: Path, target: str, message: str
+) -> None:
+    """A target's sys.exit(n) (a forgotten ``if __name__ == "__main__"``, argparse at import) is
+    not batchfit's answer: exit 1 and one line naming where, never exit n in silence."""
+    exits_file = tmp_path / "exits_file.py"
+    exits_file.write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit('no arguments given')\n")
+    names = {"holding": holding, "exits_file": exits_file, "exits_file_repr": repr(str(exits_file))}
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+
+    proc = run_cli(
+        "probe", target.format(**names), "--device", "cpu", "--max-batch", "8", "--verify-steps", "0", extra_env=env
+    )
+
+    assert proc.returncode == 1, proc.stderr
+    _check_one_line(proc.stderr, message.format(**names))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_sigterm_in_a_terminal_gives_the_cursor_back(holding: Path, markers: tuple[Path, Path, dict[str, str]]) -> None:
+    """The live view hides the cursor while it runs; SIGTERM unwinds through the same
+    ``view.stop()`` as Ctrl-C, which shows it again."""
+    import pty
+
+    started, _, env = markers
+    env.update(TERM="xterm-256color", COLUMNS="140")
+    leader, follower = pty.openpty()
+    proc = start_cli(
+        "probe", f"{holding}:held", "--device", "cpu", "--max-batch", "8", "--verify-steps", "0",
+        extra_env=env, stdin=follower, stdout=follower, stderr=follower,
+    )  # fmt: skip
+    os.close(follower)
+    chunks: list[bytes] = []
+
+    def read() -> None:  # drained all along, so the child never blocks on a full terminal
+        while True:
+            try:
+                chunk = os.read(leader, 1 << 16)
+            except OSError:  # the child closed the terminal
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_for(started, proc)
+        proc.send_signal(signal.SIGTERM)
+        code, _, _ = finish(proc)
+        reader.join(timeout=60)
+    finally:
+        os.close(leader)
+    screen = b"".join(chunks).decode("utf-8", "replace")
+
+    assert code == 143, screen
+    hidden, shown = screen.rfind("\x1b[?25l"), screen.rfind("\x1b[?25h")
+    assert hidden != -1  # the live view ran, with the cursor hidden
+    assert shown > hidden  # and gave it back
+    assert "batchfit: error: terminated by SIGTERM" in screen
 
 
 def test_devices_exits_0() -> None:

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,38 @@ def test_restore_rng_false_leaves_the_generators_to_the_process() -> None:
         thread.start()
         thread.join()
     assert results == {"True": True, "False": False}
+
+
+class Stuck(nn.Module):
+    """At ``at`` rows forward gets Ctrl-C, then waits in plain Python (no tensor operation, so no
+    safe point comes) and gets a second Ctrl-C; ``escaped`` says it waited to the end."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.at = at
+        self.escaped = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(20):
+                time.sleep(0.005)
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(200):  # a second press must end this at once
+                time.sleep(0.005)
+            self.escaped = True
+        return self.fc(x)
+
+
+@pytest.mark.skipif(
+    signal.getsignal(signal.SIGINT) is not signal.default_int_handler, reason="needs Python's default SIGINT handler"
+)
+def test_a_second_sigint_stops_code_that_never_reaches_a_safe_point() -> None:
+    torch.manual_seed(0)
+    model, sample = Stuck(at=8), torch.randn(2, 16)
+    before = state_of(model)
+    with pytest.raises(KeyboardInterrupt):
+        batchfit.find(model, sample, memory_limit="8MiB", max_batch=64)
+    assert not model.escaped
+    assert_same_state(before, state_of(model))
