@@ -1,6 +1,6 @@
 """batchfit: the largest batch your model trains with, and the fastest, measured by real steps.
 
-Public API: :func:`find`, :class:`Prober`, the result types and the errors.
+Public API: :func:`find`, :class:`Prober`, :class:`Options`, the result types and the errors.
 
 Names are imported lazily (PEP 562): batchfit is also a pytest plugin and a CLI, and neither
 ``pytest`` start-up nor ``batchfit devices`` / ``--help`` should pay for importing torch.
@@ -14,14 +14,18 @@ from typing import TYPE_CHECKING, Any
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
-    from batchfit.errors import BatchfitError, DeviceFailedError, NothingFitsError
+    from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
     from batchfit.finder import Prober, find
+    from batchfit.options import Options
     from batchfit.result import DeviceInfo, MemoryModel, PhaseLine, Result, Settings, Trial
 
 _EXPORTS = {
     "BatchfitError": "batchfit.errors",
     "DeviceFailedError": "batchfit.errors",
     "NothingFitsError": "batchfit.errors",
+    "LimitError": "batchfit.errors",
+    "NoOptimizerStepError": "batchfit.errors",
+    "Options": "batchfit.options",
     "Prober": "batchfit.finder",
     "find": "batchfit.finder",
     "DeviceInfo": "batchfit.result",
@@ -36,8 +40,11 @@ __all__ = [
     "BatchfitError",
     "DeviceFailedError",
     "DeviceInfo",
+    "LimitError",
     "MemoryModel",
+    "NoOptimizerStepError",
     "NothingFitsError",
+    "Options",
     "PhaseLine",
     "Prober",
     "Result",
