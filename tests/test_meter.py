@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -150,3 +151,25 @@ def test_memory_grown_in_place_counts_against_the_limit() -> None:
     # Two grown storages of 64 KiB per row fit 8 MiB only below 64 rows (the old meter said 4096).
     assert result.boundary_reached and result.max_batch < 64
     assert model.cache.numel() == 0  # and the buffer came back as it was
+
+
+def test_an_oom_from_the_meter_frees_the_failed_step_without_the_garbage_collector() -> None:
+    """The meter's OOM must not sit in a reference cycle with the frames it passes through (a
+    real allocator's, raised from C++, does not): then a retry loop that catches it, as
+    Accelerate's does, gets the failed step's memory back as soon as its ``except`` ends."""
+    meter = LiveTensorMeter(budget_bytes=1 << 20, total_bytes=None, baseline_bytes=0)
+
+    def step() -> None:
+        activations = torch.ones(64 * 1024)  # 256 KiB, live when the next op goes over the limit
+        (activations.repeat(8) * 2).sum()
+
+    gc.disable()
+    try:
+        with meter.tracking():
+            try:
+                step()
+            except torch.OutOfMemoryError:
+                pass
+            assert meter.allocated_bytes() == 0
+    finally:
+        gc.enable()

@@ -238,9 +238,16 @@ class _DispatchObserver(TorchDispatchMode):
         error = meter._over_limit(func, meter._observe(args, kwargs, out))
         if error is not None:
             # A real allocator never hands out the failing block: drop it before raising, so
-            # no frame of the traceback keeps it alive while the caller handles the error.
+            # no frame of the traceback keeps it alive while the caller handles the error. And
+            # drop the local name of the error too: this frame is in the error's traceback, so
+            # keeping it would make a reference cycle, and every tensor of the failed step would
+            # stay alive until the garbage collector's next pass (a real allocator's OOM, raised
+            # from C++, makes no such cycle; Accelerate's retry loop then ran out of memory again).
             del out
-            raise error
+            try:
+                raise error
+            finally:
+                del error
         meter.checkpoint()  # a deferred Ctrl-C surfaces here, between two operations
         return out
 
