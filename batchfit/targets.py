@@ -55,10 +55,6 @@ class Target:
     sample: Any
     extras: Mapping[str, Any] = field(default_factory=dict)
 
-    def find_kwargs(self) -> dict[str, Any]:
-        """``sample`` and the extras, ready to pass to ``find(model, **kwargs)``."""
-        return {"sample": self.sample, **self.extras}
-
 
 def exit_call(exc: SystemExit) -> str:
     """How the user's code exited, as they would have written it: ``sys.exit(3)``, ``sys.exit()``."""
