@@ -44,7 +44,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from batchfit.units import format_bytes, parse_memory_limit
+from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
@@ -161,12 +161,10 @@ def _memory_limit(value: str) -> str:
 
 
 def _reserve(value: str) -> str:
-    if value == "auto":
-        return value
     try:
-        parse_memory_limit(value, None)
+        parse_reserve(value)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{exc} (or 'auto')".replace("memory_limit ", "")) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 

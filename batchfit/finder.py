@@ -32,7 +32,7 @@ from batchfit.options import DEFAULT_MAX_BATCH, Options, positive_int
 from batchfit.result import DeviceInfo, MemoryModel, Result, Settings, Trial, TrialKind, Unit
 from batchfit.state import Snapshot, take
 from batchfit.trial import run_trial
-from batchfit.units import format_bytes, parse_memory_limit
+from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
 from batchfit.version import __version__
 from batchfit.workload import AMP_DTYPES, Workload, batch_size_of, optimizer_factory, tensor_leaves, to_device
 
@@ -121,10 +121,8 @@ class Prober:
         limit = parse_memory_limit(options.memory_limit, backend.limit_total_bytes(device))
         if options.reserve is None:
             return limit, "memory_limit", 0
-        if options.reserve == "auto":
-            reserve = backend.outside_allocator_bytes(device)
-        else:
-            reserve = parse_memory_limit(options.reserve, None)
+        parsed = parse_reserve(options.reserve)
+        reserve = backend.outside_allocator_bytes(device) if parsed == "auto" else int(parsed)
         if reserve >= limit:
             raise ValueError(
                 f"reserve {format_bytes(reserve)} is not below memory_limit {format_bytes(limit)}: nothing is left"
@@ -134,7 +132,7 @@ class Prober:
     # lifetime ------------------------------------------------------------------------------------
     def __enter__(self) -> Prober:
         # Ctrl-C is deferred to safe points from here until the restore has finished.
-        self._interrupts = InterruptGuard().__enter__()
+        self._interrupts.__enter__()
         try:
             self._snapshot = take(self._model, self._user_optimizer, self.backend, self.device)
             self._stack = contextlib.ExitStack()
@@ -255,12 +253,17 @@ class Prober:
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
         return run.trial
 
+    def _parameter_bytes(self) -> tuple[int, int]:
+        """Bytes of the model's parameters, and of those that train (and so get gradients)."""
+        params = list(self._model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in params)
+        return weights, sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
     def fixed_advice(self) -> str | None:
         """What to say when not even the first batch fits and the memory that does not depend
         on the batch (weights, gradients, the optimizer's state) already exceeds the budget."""
         budget = self.budget_bytes
-        weights = sum(p.numel() * p.element_size() for p in self._model.parameters())
-        trainable = sum(p.numel() * p.element_size() for p in self._model.parameters() if p.requires_grad)
+        weights, trainable = self._parameter_bytes()
         if self.mode != "train":
             parts, fixed = f"the weights alone need {format_bytes(weights)}", weights
         else:
@@ -284,9 +287,8 @@ class Prober:
 
     def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
         """The memory equation of ``trials``, in the unit the budget counts."""
-        weights = sum(p.numel() * p.element_size() for p in self._model.parameters())
-        grads = sum(p.numel() * p.element_size() for p in self._model.parameters() if p.requires_grad)
-        grads = grads if self.mode == "train" else 0
+        weights, trainable = self._parameter_bytes()
+        grads = trainable if self.mode == "train" else 0
         return MemoryModel.fit(trials, weights, grads, self.optimizer_state_bytes, unit=self.counts)
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from batchfit.search import Grid, Strategy
 from batchfit.strategies import make_strategy
-from batchfit.units import parse_memory_limit
+from batchfit.units import parse_memory_limit, parse_reserve
 
 if TYPE_CHECKING:
     import torch
@@ -84,11 +84,8 @@ class Options:
         _choice("amp", self.amp, (None, *AMPS))
         if self.memory_limit is not None:
             parse_memory_limit(self.memory_limit, 1)  # syntax and sign; fractions resolve on the device
-        if self.reserve is not None and self.reserve != "auto":
-            try:
-                parse_memory_limit(self.reserve, None)
-            except ValueError as exc:
-                raise ValueError(f"reserve: {exc} (or reserve='auto')".replace("memory_limit ", "")) from None
+        if self.reserve is not None:
+            parse_reserve(self.reserve)
         if not isinstance(self.restore_rng, bool):
             raise TypeError(f"restore_rng must be True or False, got {self.restore_rng!r}")
         positive_int("steps_per_trial", self.steps_per_trial)

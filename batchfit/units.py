@@ -26,58 +26,70 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_memory_limit(limit: int | float | str, total_bytes: int | None) -> int:
+def parse_memory_limit(limit: int | float | str, total_bytes: int | None, name: str = "memory_limit") -> int:
     """Turn a user's memory limit into bytes.
 
     Accepts an ``int`` number of bytes, a ``float`` fraction in (0, 1] of ``total_bytes``,
     or a string: ``"24GiB"``, ``"512 MB"``, ``"0.8"`` (a fraction), ``"1e9"`` is not accepted
     (say ``"1GB"``). Decimal units (GB) are powers of 1000, binary units (GiB) of 1024.
-    Raises ``ValueError`` naming the bad value, ``TypeError`` for other types.
+    Raises ``ValueError`` naming the bad value, ``TypeError`` for other types; messages call
+    the value ``name`` (the argument the user wrote).
     """
     if isinstance(limit, bool):
-        raise TypeError(f"memory_limit must be bytes, a size string or a fraction, not {limit!r}")
+        raise TypeError(f"{name} must be bytes, a size string or a fraction, not {limit!r}")
     if isinstance(limit, int):
         if limit <= 0:
-            raise ValueError(f"memory_limit must be a positive number of bytes, got {limit}")
+            raise ValueError(f"{name} must be a positive number of bytes, got {limit}")
         return limit
     if isinstance(limit, float):
-        return _fraction(limit, total_bytes, repr(limit))
+        return _fraction(limit, total_bytes, repr(limit), name)
     if isinstance(limit, str):
         match = _PATTERN.match(limit)
         if not match:
             raise ValueError(
-                f"memory_limit {limit!r} is not a size: use bytes (e.g. 8000000000), "
+                f"{name} {limit!r} is not a size: use bytes (e.g. 8000000000), "
                 "a size with a unit ('24GiB', '512MB') or a fraction ('0.8')"
             )
         number, unit = match.group(1), match.group(2).lower()
         if unit not in _UNITS:
             raise ValueError(
-                f"memory_limit {limit!r} has an unknown unit {match.group(2)!r}: "
+                f"{name} {limit!r} has an unknown unit {match.group(2)!r}: "
                 f"use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
             )
         value = float(number)
         if unit == "" and number.endswith("."):
             raise ValueError(
-                f"memory_limit {limit!r} is ambiguous: write a fraction with its digits ('0.8', '1.0' for all of "
+                f"{name} {limit!r} is ambiguous: write a fraction with its digits ('0.8', '1.0' for all of "
                 "the device) or a size with a unit ('1GB')"
             )
         if unit == "" and "." in number:
-            return _fraction(value, total_bytes, repr(limit))
+            return _fraction(value, total_bytes, repr(limit), name)
         nbytes = int(value * _UNITS[unit])
         if nbytes <= 0:
-            raise ValueError(f"memory_limit {limit!r} must be more than zero bytes")
+            raise ValueError(f"{name} {limit!r} must be more than zero bytes")
         return nbytes
     raise TypeError(
-        f"memory_limit must be bytes (int), a size string ('24GiB') or a fraction (float), not {type(limit).__name__}"
+        f"{name} must be bytes (int), a size string ('24GiB') or a fraction (float), not {type(limit).__name__}"
     )
 
 
-def _fraction(value: float, total_bytes: int | None, shown: str) -> int:
+def _fraction(value: float, total_bytes: int | None, shown: str, name: str) -> int:
     if not 0.0 < value <= 1.0:
-        raise ValueError(f"memory_limit fraction {shown} must be in (0, 1]")
+        raise ValueError(f"{name} fraction {shown} must be in (0, 1]")
     if total_bytes is None:
-        raise ValueError(f"memory_limit fraction {shown} needs a device whose total memory is known")
+        raise ValueError(f"{name} fraction {shown} needs a device whose total memory is known")
     return int(value * total_bytes)
+
+
+def parse_reserve(reserve: int | str) -> int | str:
+    """``reserve=``: bytes or a size (no fraction: there is no total it could be of), or
+    ``"auto"`` (measured on the device later). ``ValueError`` naming ``reserve`` otherwise."""
+    if reserve == "auto":
+        return reserve
+    try:
+        return parse_memory_limit(reserve, None, name="reserve")
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or 'auto' to measure it on the device") from None
 
 
 def format_bytes(nbytes: float | int | None) -> str:

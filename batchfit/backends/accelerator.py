@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from batchfit.backends.base import Backend, Meter
+from batchfit.backends.base import Backend, Meter, requested_bytes
 from batchfit.errors import LimitError
 from batchfit.result import DeviceInfo
 from batchfit.units import format_bytes
@@ -187,8 +187,6 @@ class AllocatorMeter(Meter):
         (reserved now plus that segment, which the cap refused), not the allocated one: what
         live tensors held when the step failed is the allocated bound.
         """
-        from batchfit.backends.base import requested_bytes
-
         segment = requested_bytes(message)
         reserved = None if segment is None else self.reserved_bytes() + segment
         return self.allocated_bytes(), reserved
