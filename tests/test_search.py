@@ -239,22 +239,59 @@ def mlp_phases(b: int) -> dict[str, int]:
     return {"forward": 7961764 + 13352 * n, "backward": 10599632 + 3112 * n, "step": 12696780 + 1064 * n}
 
 
+def sample_steps(attempts: tuple[S.Attempt, ...]) -> float:
+    """What a search cost in steps times samples: a fit at b runs one step on b samples, a
+    failure stops part-way (counted as 0.6 of a step), the first trial runs two steps."""
+    return sum((2 if index == 0 else 1 if a.fits else 0.6) * a.batch_size for index, a in enumerate(attempts))
+
+
 # per-phase peaks measured on this project's built-in examples (torch 2.13, CPU meter)
 @pytest.mark.parametrize(("name", "sizes"), [("cnn", cnn_phases), ("gpt", gpt_phases), ("mlp", mlp_phases)])
 @pytest.mark.parametrize("boundary", [20, 57, 150, 1000])
-def test_interpolate_on_measured_phase_lines(name: str, sizes, boundary: int) -> None:
-    """The step phase is the peak of small MLP batches (flat): the forward line still predicts."""
+@pytest.mark.parametrize("init", [1, 2])
+def test_interpolate_on_measured_phase_lines(name: str, sizes, boundary: int, init: int) -> None:
+    """The step phase is the peak of small MLP batches (flat): the forward line still predicts.
+    From the default init (2) the search is init, a small second point, the boundary and one
+    above it. From init=1 the GPT's single sequence sits above its line, the first aim
+    overshoots and the search costs more, but still less than the plain one."""
 
     def need(b: int) -> int:
         return max(sizes(b).values())
 
     budget = need(boundary)
-    grid = S.Grid(1, 32_768)
+    grid = S.Grid(init, 32_768)
     smart = S.search(memory_oracle(need, budget, phases=sizes), grid, Interpolating(), budget_bytes=budget)
     plain = S.search(memory_oracle(need, budget, phases=sizes), grid, S.Doubling())
     assert smart.largest_fit == plain.largest_fit == boundary
-    assert len(smart.attempts) <= 5
-    assert 2 * len(smart.attempts) <= len(plain.attempts)
+    assert 2 * len(smart.attempts) <= len(plain.attempts) + 3
+    assert sample_steps(smart.attempts) < sample_steps(plain.attempts)
+    if init == 2:
+        assert len(smart.attempts) <= 4
+        assert sample_steps(smart.attempts) <= 1.75 * boundary + 8
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fixed=st.integers(0, 10**9),
+    per=st.integers(1, 10**7),
+    boundary=st.integers(100, 30_000),
+    failure=st.sampled_from(["barely", "exact", "none"]),
+)
+def test_interpolate_spends_one_trial_near_an_affine_boundary(
+    fixed: int, per: int, boundary: int, failure: str
+) -> None:
+    """Trials cost sample-steps: on affine memory the only fit near the boundary is the boundary
+    itself, the only failure is one above it, and the point that gives the line its slope costs
+    at most an eighth of the boundary."""
+    grid = S.Grid(2, 1 << 16)
+    budget = fixed + per * boundary
+    report = S.search(
+        memory_oracle(lambda b: fixed + per * b, budget, failure), grid, Interpolating(), budget_bytes=budget
+    )
+    assert report.largest_fit == boundary
+    assert [a.batch_size for a in report.attempts if not a.fits] == [boundary + 1]
+    others = [a.batch_size for a in report.attempts if a.fits and a.batch_size not in (grid.init, boundary)]
+    assert sum(others) <= boundary // 8 + 2
 
 
 # Memory that does not explain the failures ------------------------------------------------------
