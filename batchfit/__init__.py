@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
     from batchfit.finder import Prober, find
     from batchfit.options import Options
-    from batchfit.result import DeviceInfo, MemoryModel, PhaseLine, Result, Settings, Trial
+    from batchfit.result import DeviceInfo, MemoryModel, PhaseLine, Result, Settings, Throughput, Trial
 
 _EXPORTS = {
     "BatchfitError": "batchfit.errors",
@@ -33,6 +33,7 @@ _EXPORTS = {
     "PhaseLine": "batchfit.result",
     "Result": "batchfit.result",
     "Settings": "batchfit.result",
+    "Throughput": "batchfit.result",
     "Trial": "batchfit.result",
 }
 
@@ -49,6 +50,7 @@ __all__ = [
     "Prober",
     "Result",
     "Settings",
+    "Throughput",
     "Trial",
     "__version__",
     "find",

@@ -267,10 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--multiple-of", type=_positive_int, default=1, metavar="N", help="only try multiples of N (default 1)"
     )
     probe.add_argument(
-        "--steps-per-trial", type=_positive_int, default=3, metavar="N", help="steps per batch size (default 3)"
+        "--steps-per-trial",
+        type=_positive_int,
+        metavar="N",
+        help="steps per search trial (default: 2 in the first, then 1: the optimizer state is kept between trials)",
     )
     probe.add_argument(
-        "--verify-steps", type=_count, metavar="N", help="steps that verify the safe batch (default 5; 0 skips)"
+        "--verify-steps",
+        type=_count,
+        metavar="N",
+        help="steps that verify the safe batch with a fresh optimizer, as a real run starts (default 3; 0 skips)",
     )
     probe.add_argument("--time-budget", type=_seconds, metavar="SECONDS", help="start no new search trial after this")
     probe.add_argument(

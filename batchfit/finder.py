@@ -29,7 +29,7 @@ from batchfit.errors import DeviceFailedError, NothingFitsError
 from batchfit.interrupts import InterruptGuard
 from batchfit.oom import annotate
 from batchfit.options import DEFAULT_MAX_BATCH, Options, positive_int
-from batchfit.result import DeviceInfo, MemoryModel, Result, Settings, Trial, TrialKind, Unit
+from batchfit.result import DeviceInfo, MemoryModel, Result, Settings, Throughput, Trial, TrialKind, Unit
 from batchfit.state import Snapshot, take
 from batchfit.trial import run_trial
 from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
@@ -68,7 +68,6 @@ class Prober:
             )
         _check_materialised(model, sample)
         self.options = options
-        self.steps_per_trial = options.steps_per_trial
         self.mode = options.mode
         self._sample_size = batch_size_of(sample) if sample is not None else None
         self._user_optimizer = options.optimizer if isinstance(options.optimizer, torch.optim.Optimizer) else None
@@ -87,6 +86,8 @@ class Prober:
         self.meter: Meter | None = None
         self.optimizer_state_bytes = 0
         self._grad_scale: float | None = None
+        #: The optimizer of the last trial, whose state is live (see ``trial.py``): handed on.
+        self._optimizer: torch.optim.Optimizer | None = None
         self._interrupts = InterruptGuard()
         self._workload: Workload | None = None
         self._snapshot: Snapshot | None = None
@@ -222,6 +223,7 @@ class Prober:
             self._interrupts.__exit__(type(exc) if exc else None, exc, None)
 
     def _undo(self, device_usable: bool) -> None:
+        self._optimizer = None
         try:
             if self._stack is not None:
                 if device_usable:
@@ -240,18 +242,43 @@ class Prober:
                 self.backend.empty_cache(self.device)
 
     # trials ----------------------------------------------------------------------------------------
-    def trial(self, batch_size: int, steps: int | None = None, kind: TrialKind = "search") -> Trial:
-        """Run one real trial at ``batch_size`` (``steps`` defaults to ``steps_per_trial``)."""
+    def trial(
+        self, batch_size: int, steps: int | None = None, kind: TrialKind = "search", fresh_optimizer: bool = False
+    ) -> Trial:
+        """Run one real trial at ``batch_size``.
+
+        The optimizer of the previous trial is kept, state and all, and used again (the state
+        does not depend on the batch size, and a real run holds it from its first step on), so
+        ``steps`` defaults to ``steps_per_trial`` or, without one, to the fewest steps that show
+        the peak with the optimizer state live: one once an earlier trial stepped, else two.
+        ``fresh_optimizer``: drop the kept one first and start as a real run does (step 1
+        allocates the state).
+        """
         if self._workload is None or self.meter is None:
             raise RuntimeError("Prober.trial() needs an active probe: use 'with Prober(...) as p:'")
         batch_size = positive_int("batch_size", batch_size)
-        steps = self.steps_per_trial if steps is None else positive_int("steps", steps)
+        if fresh_optimizer and self._optimizer is not None:
+            self._optimizer = None
+            self.meter.release()
+        if steps is None:
+            steps = self.options.steps_per_trial or self.verdict_steps
+        else:
+            steps = positive_int("steps", steps)
         self._interrupts.check()
-        run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale)
+        kept, self._optimizer = self._optimizer, None
+        run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept)
+        del kept
+        self._optimizer = run.optimizer
         self._interrupts.check()
         self._grad_scale = run.grad_scale
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
         return run.trial
+
+    @property
+    def verdict_steps(self) -> int:
+        """The fewest steps whose peak counts the optimizer state: 1 while an earlier trial's
+        optimizer is kept (and in inference), 2 with a fresh one (step 1 allocates the state)."""
+        return 1 if self.mode != "train" or self._optimizer is not None else 2
 
     def _parameter_bytes(self) -> tuple[int, int]:
         """Bytes of the model's parameters, and of those that train (and so get gradients)."""
@@ -328,8 +355,8 @@ def find(
     init_batch: int | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
     multiple_of: int = 1,
-    steps_per_trial: int = 3,
-    verify_steps: int = 5,
+    steps_per_trial: int | None = None,
+    verify_steps: int = 3,
     strategy: str | search_mod.Strategy = "interpolate",
     time_budget: float | None = None,
     restore_rng: bool = True,
@@ -373,8 +400,14 @@ def find(
             ("Expected more than 1 value per channel"); pass ``init_batch=1`` to include it.
         max_batch: the largest size tried.
         multiple_of: only multiples of this are tried (e.g. 8 for tensor cores).
-        steps_per_trial: steps per size; step 1 warms up, steps 2..N are timed.
-        verify_steps: steps run at the safe batch to check it (0 skips the check).
+        steps_per_trial: steps per search trial. Default: the fewest that give the memory
+            verdict. The optimizer (and its state) is kept from trial to trial, as a real run
+            keeps it, so the first trial runs two steps (step 1 allocates the state) and every
+            later one a single step whose peak has the state live. With N steps, step 1 warms
+            up and steps 2..N are timed.
+        verify_steps: steps run at the safe batch to check it, with a fresh optimizer as the
+            first steps of a real run (default 3: step 1 allocates the optimizer state, steps
+            2 and 3 run with it and are timed; 0 skips the check).
         strategy: ``"interpolate"`` (default: aims at the size where the measured memory lines
             meet the budget, bracketed so it stays exact) or ``"binary"`` (plain doubling and
             bisection), or a strategy object (see ``batchfit.search.Strategy``).
@@ -441,7 +474,10 @@ def find_with(
     def run(batch_size: int, kind: TrialKind, steps: int | None = None) -> Trial:
         if on_trial_start is not None:
             on_trial_start(batch_size, kind)
-        trial = prober.trial(batch_size, steps=steps, kind=kind)
+        # The verification runs as the first steps of a real run do: a fresh optimizer whose
+        # state step 1 allocates (with a single step it keeps the warm one, so the state counts).
+        fresh = kind == "verify" and (steps or 0) >= 2
+        trial = prober.trial(batch_size, steps=steps, kind=kind, fresh_optimizer=fresh)
         trials.append(trial)
         if callback is not None:
             callback(trial)
@@ -474,11 +510,12 @@ def find_with(
             ) from None
         memory = prober.memory_model(trials)
         safe, verified, safe_notes = _safe_batch(report, trials, memory, budget, options, unit, run)
+    throughput = Throughput.of(trials)
 
     return Result(
         max_batch=report.largest_fit,
         safe_batch=safe,
-        best_throughput_batch=_fastest(trials, report.largest_fit),
+        best_throughput_batch=throughput.best_batch if throughput else report.largest_fit,
         budget_bytes=budget,
         boundary_reached=report.boundary_reached,
         stop_reason=report.stop_reason,
@@ -492,9 +529,16 @@ def find_with(
         torch_version=torch.__version__,
         batchfit_version=__version__,
         notes=tuple(
-            [*prober.notes, *safe_notes, *_trial_notes(trials, report), *_equation_notes(memory, report, budget)]
+            [
+                *prober.notes,
+                *safe_notes,
+                *_trial_notes(trials, report),
+                *_equation_notes(memory, report, budget),
+                *_throughput_notes(throughput),
+            ]
         ),
         budget_counts=unit,
+        throughput=throughput,
     )
 
 
@@ -619,8 +663,23 @@ def _safe_batch(
     return fallback, False, notes
 
 
-def _fastest(trials: list[Trial], fallback: int) -> int:
-    timed = [t for t in trials if t.fits and t.samples_per_s is not None]
-    if not timed:
-        return fallback
-    return max(timed, key=lambda t: t.samples_per_s or 0.0).batch_size
+def _throughput_notes(throughput: Throughput | None) -> list[str]:
+    """Say how far the throughput answer can be trusted."""
+    if throughput is None or throughput.knee_batch == throughput.best_batch:
+        return []
+    notes = [
+        f"throughput: batch {throughput.knee_batch} reaches {throughput.knee_samples_per_s:,.1f} samples/s, within "
+        f"5% of the best measured ({throughput.best_samples_per_s:,.1f} at batch {throughput.best_batch}): "
+        "bigger batches hardly pay in speed"
+    ]
+    if throughput.within_noise:
+        notes.append(
+            f"throughput: the difference between batch {throughput.best_batch} and {throughput.knee_batch} is within "
+            f"the measurement's noise (repeated steps spread by {throughput.spread:.0%})"
+        )
+    if throughput.single_step_best:
+        notes.append(
+            f"throughput: the rate of batch {throughput.best_batch} comes from one timed step (a search trial), "
+            "which on a GPU also pays for the first use of that shape"
+        )
+    return notes

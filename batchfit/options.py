@@ -61,12 +61,12 @@ class Options:
     device: str | torch.device | None = None
     memory_limit: int | float | str | None = None
     reserve: int | str | None = None
-    steps_per_trial: int = 3
+    steps_per_trial: int | None = None
     headroom: float = 0.10
     init_batch: int | None = None
     max_batch: int = DEFAULT_MAX_BATCH
     multiple_of: int = 1
-    verify_steps: int = 5
+    verify_steps: int = 3
     strategy: str | Strategy = "interpolate"
     time_budget: float | None = None
     restore_rng: bool = True
@@ -88,7 +88,8 @@ class Options:
             parse_reserve(self.reserve)
         if not isinstance(self.restore_rng, bool):
             raise TypeError(f"restore_rng must be True or False, got {self.restore_rng!r}")
-        positive_int("steps_per_trial", self.steps_per_trial)
+        if self.steps_per_trial is not None:
+            positive_int("steps_per_trial", self.steps_per_trial)
         positive_int("verify_steps", self.verify_steps, minimum=0)
         headroom = self.headroom
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:

@@ -50,7 +50,9 @@ class Trial:
             device; on CUDA a memory limit counts these). Equal to ``peak_bytes`` on the CPU. For
             a failed CUDA trial: reserved bytes plus the segment the allocator was refused.
         phase_reserved_peaks: peak reserved memory per phase.
-        step_time_s: median wall time of the timed steps (steps 2..N), ``None`` if none ran.
+        step_time_s: median wall time of the timed steps (steps 2..N; a one-step trial times its
+            only step), ``None`` if none ran.
+        step_times_s: the wall time of every timed step, in order (their spread is the noise).
         samples_per_s: ``batch_size / step_time_s``.
         steps: steps that completed.
         leaked_bytes: memory still allocated after the trial was released (0 is healthy).
@@ -74,6 +76,7 @@ class Trial:
     reserved_peak_bytes: int | None = None
     phase_reserved_peaks: tuple[tuple[str, int], ...] = ()
     skipped_steps: int = 0
+    step_times_s: tuple[float, ...] = ()
 
     @property
     def peaks_by_phase(self) -> dict[str, int]:
@@ -290,14 +293,79 @@ class Settings:
     init_batch: int = 2
     max_batch: int = 32768
     multiple_of: int = 1
-    steps_per_trial: int = 3
-    verify_steps: int = 5
+    steps_per_trial: int | None = None
+    verify_steps: int = 3
     headroom: float = 0.10
     strategy: str = "interpolate"
     memory_limit_bytes: int | None = None
     limit_source: str = "device"
     time_budget_s: float | None = None
     reserve_bytes: int = 0
+
+
+#: The knee is the smallest timed size whose samples/s reach this fraction of the best.
+KNEE_FRACTION = 0.95
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What the timed steps say about speed, and how far to trust it.
+
+    Each size's rate is ``batch_size / median step time`` of its best-timed trial (the one with
+    the most timed steps: the verification at the safe batch times two steps after the step that
+    allocates the optimizer state; a one-step search trial times its only step, which on a GPU
+    also pays for the first use of that shape).
+
+    Attributes:
+        best_batch, best_samples_per_s: the size with the highest rate.
+        knee_batch, knee_samples_per_s: the smallest size within 5% of the best rate
+            (:data:`KNEE_FRACTION`): past it, bigger batches stop paying in throughput.
+        spread: the relative spread of repeated step times, ``(slowest - fastest) / median``,
+            the largest over the sizes timed more than once (``None``: no size was). Rates that
+            differ by less than this are not told apart by the measurement.
+        within_noise: the best rate exceeds the knee's by less than ``spread``: "best" is then
+            one measurement's luck as much as a real difference.
+        single_step_best: the best rate comes from a single timed step.
+    """
+
+    best_batch: int
+    best_samples_per_s: float
+    knee_batch: int
+    knee_samples_per_s: float
+    spread: float | None = None
+    within_noise: bool = False
+    single_step_best: bool = False
+
+    @classmethod
+    def of(cls, trials: Sequence[Trial]) -> Throughput | None:
+        """The throughput answer of ``trials`` (``None`` when no fitting trial was timed)."""
+        timed: dict[int, Trial] = {}
+        for trial in trials:
+            if not trial.fits or not trial.samples_per_s:
+                continue
+            known = timed.get(trial.batch_size)
+            if known is None or len(trial.step_times_s) > len(known.step_times_s):
+                timed[trial.batch_size] = trial
+        if not timed:
+            return None
+        rates = {size: trial.samples_per_s or 0.0 for size, trial in timed.items()}
+        best = max(rates, key=lambda size: rates[size])
+        knee = min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * rates[best])
+        spreads = [
+            (max(t.step_times_s) - min(t.step_times_s)) / t.step_time_s
+            for t in timed.values()
+            if len(t.step_times_s) >= 2 and t.step_time_s
+        ]
+        spread = max(spreads) if spreads else None
+        return cls(
+            best_batch=best,
+            best_samples_per_s=rates[best],
+            knee_batch=knee,
+            knee_samples_per_s=rates[knee],
+            spread=spread,
+            within_noise=spread is not None and knee != best and rates[best] - rates[knee] < spread * rates[knee],
+            single_step_best=len(timed[best].step_times_s) < 2,
+        )
 
 
 @dataclass(frozen=True)
@@ -309,7 +377,8 @@ class Result:
             ``boundary_reached``).
         safe_batch: a size whose predicted peak leaves ``settings.headroom`` of the budget free,
             checked with ``settings.verify_steps`` extra steps (``safe_verified``).
-        best_throughput_batch: the fitting size with the most samples/s.
+        best_throughput_batch: the fitting size with the most samples/s (see ``throughput``
+            for the knee and how much of the difference is noise).
         budget_bytes: the memory the probe was allowed to use.
         boundary_reached: a size failed right above ``max_batch``; ``False`` means the search
             hit ``max_batch`` or the time budget first.
@@ -340,6 +409,7 @@ class Result:
     batchfit_version: str
     notes: tuple[str, ...] = field(default=())
     budget_counts: Unit = "allocated"
+    throughput: Throughput | None = None
 
     @property
     def search_trials(self) -> tuple[Trial, ...]:
@@ -407,6 +477,8 @@ def render_text(result: Result) -> str:
         + ")",
         f"best throughput    {result.best_throughput_batch}",
     ]
+    if result.throughput is not None:
+        lines.append(f"throughput knee    {result.throughput.knee_batch}")
     if result.memory is not None:
         mem = result.memory
         lines.append(

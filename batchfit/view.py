@@ -159,6 +159,16 @@ def summary_rows(result: Result) -> list[tuple[str, str]]:
         ),
         ("best throughput", f"{result.best_throughput_batch}{rate}"),
     ]
+    throughput = result.throughput
+    if throughput is not None:
+        noise = "" if throughput.spread is None else f"; repeated steps spread {throughput.spread:.0%}"
+        rows.append(
+            (
+                "throughput knee",
+                f"{throughput.knee_batch}  ({throughput.knee_samples_per_s:,.1f} samples/s, "
+                f"within 5% of the best{noise})",
+            )
+        )
     if result.memory is not None:
         first, *rest = memory_equation(result.memory)
         rows.append(("memory", first.strip()))

@@ -115,6 +115,8 @@ class Row:
     wall_s: float | None = None
     sizes: list[int] = field(default_factory=list)
     fits: list[bool] = field(default_factory=list)
+    #: Steps each trial completed (peers: counted by hooks; a failed trial's last one died).
+    completed: list[int] = field(default_factory=list)
     note: str = ""
     skipped: str | None = None
     delta: int | None = None
@@ -144,6 +146,7 @@ class Tally:
     def fill(self, row: Row) -> Row:
         row.sizes = list(self.sizes)
         row.fits = [done >= self.steps for done in self.completed]
+        row.completed = list(self.completed)
         row.trials = len(self.sizes)
         row.ooms = row.fits.count(False)
         return row

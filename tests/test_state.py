@@ -107,7 +107,7 @@ def test_non_oom_error_names_the_batch_size() -> None:
     model, _, sample = _used_model()
     model.trap = (4, RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED"))
     with pytest.raises(RuntimeError, match="CUDNN_STATUS_EXECUTION_FAILED") as info:
-        batchfit.find(model, sample, memory_limit="64MiB")
+        batchfit.find(model, sample, memory_limit="64MiB", strategy="binary")
     notes: list[Any] = getattr(info.value, "__notes__", [])
     assert any("batch size 4" in note and "forward" in note for note in notes)
 

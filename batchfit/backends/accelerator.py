@@ -162,6 +162,10 @@ class AllocatorMeter(Meter):
     def reserved_bytes(self) -> int:
         return int(self.backend.memory.memory_reserved(self.device))
 
+    def _storage_bytes(self, storage: torch.UntypedStorage) -> int:
+        # The caching allocator hands out blocks in multiples of 512 bytes (kMinBlockSize).
+        return -(-storage.nbytes() // 512) * 512
+
     def begin_trial(self) -> None:
         super().begin_trial()
         self.backend.memory.reset_peak_memory_stats(self.device)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -75,6 +75,14 @@ class Meter:
     def reserved_bytes(self) -> int:
         """Memory the allocator holds from the device now (allocated plus its cache)."""
         return self.allocated_bytes()
+
+    def held_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
+        """What ``tensors`` add to :meth:`allocated_bytes` (each storage once)."""
+        storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}
+        return sum(self._storage_bytes(storage) for storage in storages.values())
+
+    def _storage_bytes(self, storage: torch.UntypedStorage) -> int:
+        return storage.nbytes()
 
     def begin_trial(self) -> None:
         self._phase_peaks = {}

@@ -177,6 +177,11 @@ class LiveTensorMeter(Meter):
         )
 
     # Meter interface ---------------------------------------------------------------------
+    def _storage_bytes(self, storage: torch.UntypedStorage) -> int:
+        # Only what this meter saw being created counts (a scalar made by torch.tensor() is not).
+        with self._lock:
+            return self._live.get(storage._cdata, 0)
+
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         try:
