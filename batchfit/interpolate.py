@@ -23,11 +23,13 @@ from batchfit.search import Attempt, Bracket, Doubling, Grid, affordable, clamp,
 
 __all__ = ["COLLINEAR", "DISTRUST", "HEDGE", "MISSES", "Interpolating"]
 
-#: How far below the predicted boundary an unverified prediction aims (a fraction of the
-#: distance from the largest fitting size). Lines fitted through the smallest sizes tend to
-#: under-estimate the slope (the peak of a tiny batch sits on a different phase or on a
-#: kink), so the prediction overshoots; a failure above the boundary teaches the model
-#: nothing, while a fit just below it gives a point that pins the line down.
+#: How far below the predicted boundary an unverified prediction aims once the model has
+#: missed (a fraction of the distance from the largest fitting size). Lines fitted through the
+#: smallest sizes can under-estimate the slope (the peak of a tiny batch sits on a different
+#: phase or on a kink), so the prediction overshoots; a failure above the boundary teaches the
+#: model nothing, while a fit just below it gives a point that pins the line down. Before any
+#: miss the strategy aims at the prediction itself: on the memory of real models the line is
+#: usually right, and the hedge then costs a trial near the boundary.
 HEDGE = Fraction(1, 10)
 
 #: A third point within this fraction of the line through the two largest ones makes the
@@ -73,18 +75,24 @@ class Interpolating:
 
     Proposals, in order:
 
-    * one fitting size and a budget: the proportional jump ``low * budget / peak(low)``, which
-      fits whenever the peak per sample does not grow with the batch (fixed bytes are >= 0);
-      a sure fit gives the second point a line needs, where doubling may fail and give none.
+    * one fitting size and a budget: an eighth (:data:`SECOND_POINT`, at least ``2 * low``) of
+      the proportional jump ``low * budget / peak(low)``, which fits whenever the peak per
+      sample does not grow with the batch (fixed bytes are >= 0): a sure fit gives the second
+      point a line needs, where doubling may fail and give none, and a small one costs little.
       If the jump is not above ``low``, double;
-    * a prediction above ``low``: ``p`` itself when a third point confirms the line, else
-      short of it by 10% (:data:`HEDGE`) of how uncertain it is (the distance it extrapolates,
-      or how far the last new point moved it, whichever is smaller);
+    * a prediction above ``low``: ``p`` itself while no trial has contradicted the model, or
+      when a third point confirms the line (a fit at the boundary and a failure one above is
+      the cheapest end a search can have); after a miss, short of it by 10% (:data:`HEDGE`)
+      of how uncertain it is (the distance it extrapolates, or how far the last new point moved
+      it, whichever is smaller);
     * a prediction at or below ``low`` (the model says ``low`` is the boundary): ``low + step``
       to confirm, then galloping up (10%, 20%, ... of the bracket) while such predictions keep
       being wrong;
-    * a prediction at or above a failed ``high`` (the model over-estimates): ``high - step``,
-      then galloping down while sizes keep failing; gallops never pass the bracket's midpoint;
+    * a prediction at or above a failed ``high`` (the model over-estimates): galloping down
+      from ``high`` by a fifth of the bracket, then more while sizes keep failing; gallops
+      never pass the bracket's midpoint;
+    * while the two largest fits measured the same total peak (a flat start), at most
+      :data:`FLAT_GROWTH` times ``low``;
     * no usable prediction: the plain proposal (double ``low``, or the midpoint; see
       :func:`_plain`).
 
@@ -102,7 +110,9 @@ class Interpolating:
     peaks unrelated to the boundary the property tests hold it to the plain strategy's count
     plus 8 (up to five misses, then the plain doubling restarted from ``low``).
 
-    With exact memory lines this finds the boundary in about four or five trials. Its worst
+    Trials are weighed by what they cost, sample-steps: a fit at ``b`` runs its step on ``b``
+    samples, a failure dies part-way through one. With exact memory lines this finds the
+    boundary in four trials whose only fit near the boundary is the boundary itself. Its worst
     case stays within :func:`max_trials`: a guess is only taken if, whichever way it comes out,
     the plain strategy could still finish within the bound from there
     (:func:`~batchfit.search.affordable`); otherwise the plain proposal is used.

@@ -355,8 +355,8 @@ def print_table(case: ComputeCase, rows: list[Row], truth_note: str, contention:
 
 
 def print_summary(cases: list[dict[str, Any]]) -> None:
-    print("\nSummary: batchfit's wall time as a fraction of each (goal: <= 0.50x Lightning, <= 1.00x Accelerate,")
-    print("<= 3.00x three plain steps, i.e. plain steps row >= 0.33x)")
+    print("\nSummary: batchfit's wall time as a multiple of each peer's (goal: <= 0.50x Lightning, <= 1.00x")
+    print("Accelerate, <= 3.00x three plain steps at the batch found)")
     header = f"{'case':<22}{'truth':>6}{'step at max':>12}{'bf s':>7}{'Lightning':>11}{'Accelerate':>11}{'3 plain':>9}"
     print(header)
     for case in cases:
