@@ -281,3 +281,19 @@ def test_out_of_memory_in_backward_under_autocast_leaves_nothing_behind() -> Non
     assert any(t.phase == "backward" for t in result.trials if not t.fits)
     assert all(t.leaked_bytes == 0 for t in result.trials)
     assert result.safe_verified
+
+
+def test_a_kept_optimizer_gives_the_peak_a_fresh_one_shows_in_its_second_step() -> None:
+    """The search keeps the optimizer between trials and runs one step: its peak must be the
+    steady peak that a fresh optimizer only reaches in step 2 (step 1 allocates the state)."""
+    model, sample = examples.gpt()
+    with batchfit.Prober(model, sample, memory_limit="256MiB") as prober:
+        first = prober.trial(4)  # fresh optimizer: two steps
+        warm = prober.trial(24)  # kept optimizer: one step
+        fresh = prober.trial(24, steps=2, fresh_optimizer=True)
+        fresh_one = prober.trial(24, steps=1, fresh_optimizer=True)
+    assert (first.steps, warm.steps, fresh.steps) == (2, 1, 2)
+    assert warm.peak_bytes == fresh.peak_bytes
+    assert fresh_one.peak_bytes is not None and warm.peak_bytes is not None
+    assert fresh_one.peak_bytes < warm.peak_bytes  # one fresh step misses the state: what the kept one avoids
+    assert all(t.leaked_bytes == 0 for t in (first, warm, fresh, fresh_one))

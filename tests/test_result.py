@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 
 import batchfit
 from batchfit import examples
-from batchfit.result import ON_LINE, SCHEMA, DeviceInfo, MemoryModel, Trial
+from batchfit.result import ON_LINE, SCHEMA, DeviceInfo, MemoryModel, Throughput, Trial
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +292,30 @@ def test_the_equation_of_a_real_run_is_exact_where_memory_grows_and_safe_below()
             measured = prober.trial(size).peak_in(unit)
             assert measured is not None and memory.predict(size) >= measured * (1 - ON_LINE), size
     assert result.safe_verified and result.trials[-1].peak_in(unit) <= 0.9 * result.budget_bytes
+
+
+# Throughput ---------------------------------------------------------------------------------------
+def _timed(batch: int, *times: float, kind: str = "search") -> Trial:
+    median = statistics.median(times)
+    return Trial(
+        batch_size=batch, fits=True, kind=kind, step_time_s=median, samples_per_s=batch / median, step_times_s=times
+    )
+
+
+def test_throughput_knee_is_the_smallest_size_within_five_percent_of_the_best() -> None:
+    trials = [_timed(8, 0.1), _timed(64, 0.5), _timed(128, 0.96), _timed(120, 0.9, 1.0, 0.95, kind="verify")]
+    throughput = Throughput.of(trials)
+    assert throughput is not None
+    assert throughput.best_batch == 128  # 133.3 samples/s
+    assert throughput.knee_batch == 64  # 128 samples/s >= 95% of 133.3; batch 8 has 80
+    assert throughput.spread == pytest.approx((1.0 - 0.9) / 0.95)
+    assert throughput.within_noise  # 128 vs 133.3: 4% apart, under the 10.5% spread
+    assert throughput.single_step_best
+
+
+def test_throughput_prefers_the_best_timed_trial_of_a_size_and_needs_one() -> None:
+    assert Throughput.of([Trial(batch_size=4, fits=False)]) is None
+    throughput = Throughput.of([_timed(50, 1.0), _timed(50, 0.5, 0.5, kind="verify")])
+    assert throughput is not None
+    assert throughput.best_samples_per_s == pytest.approx(100.0)
+    assert throughput.spread == 0.0 and not throughput.within_noise and not throughput.single_step_best
