@@ -39,7 +39,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
@@ -48,6 +48,7 @@ from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
+    from batchfit.launch import Launch
     from batchfit.targets import Target
     from batchfit.view import View
 
@@ -328,6 +329,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # probe --------------------------------------------------------------------------------------------
 def _probe(args: argparse.Namespace) -> int:
+    from batchfit.launch import from_environment
+
+    launch = from_environment()
+    if launch is None:
+        return _probe_here(args, None)
+    owned: list[bool] = []
+    try:
+        return _probe_here(args, launch, owned)
+    finally:
+        launch.finish(bool(owned and owned[0]))
+
+
+def _probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool] | None = None) -> int:
+    """One probe: of this process, or of this rank of a ``torchrun`` job (``launch``; ``owned``
+    gets whether this process started the process group)."""
     from batchfit.targets import TargetCallError, TargetError, load_target
     from batchfit.view import make_view
 
@@ -348,8 +364,25 @@ def _probe(args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
     human = sys.stderr if args.json == "-" else sys.stdout
-    device, limit, header, expected_budget = _plan(args)
-    view = make_view(human, quiet=args.quiet)
+    device, limit, header, expected_budget = _plan(args, launch)
+    leader = launch is None or launch.is_leader
+    if launch is not None:
+        try:
+            backend, started = launch.start(device)
+            if owned is not None:
+                owned.append(started)
+            model, wrapped = launch.wrap(target.model, device)
+        except Exception as exc:
+            _report_exception(exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {_first_line(exc)}")
+            return EXIT_ERROR
+        target = replace(target, model=model)
+        header.append(
+            f"torchrun: rank {launch.rank} of {launch.world_size} ({backend}); the model "
+            + ("was wrapped in DistributedDataParallel" if wrapped else "is a DistributedDataParallel")
+            + "; batch sizes are per rank"
+        )
+    # Only rank 0 speaks for the group; the others print only their own errors.
+    view = make_view(human if leader else open(os.devnull, "w"), quiet=args.quiet or not leader)
     kwargs = _find_kwargs(args, target, device, limit)
     calls = _Calls(view)
     failure: BaseException | None = None
@@ -368,14 +401,14 @@ def _probe(args: argparse.Namespace) -> int:
         # The Ctrl-C a SIGTERM was delivered as (or a SIGTERM that came as the probe returned).
         failure = _Terminated()
     if failure is not None:
-        return _probe_failed(failure, calls, args.traceback)
+        return _probe_failed(failure, calls, args.traceback, leader)
     if args.require_batch is not None:
         view.gate(outcome)
         code = EXIT_OK if outcome.fits else EXIT_DOES_NOT_FIT
     else:
         view.summary(outcome)
         code = EXIT_OK
-    if args.json:
+    if args.json and leader:
         _write_json(args.json, outcome.to_json())
     return code
 
@@ -414,12 +447,15 @@ class _Calls:
         return {"callback": self.view.trial_finished, "on_trial_start": self.on_trial_start, "on_start": self.on_start}
 
 
-def _plan(args: argparse.Namespace) -> tuple[str, str | None, list[str], int | None]:
+def _plan(args: argparse.Namespace, launch: Launch | None = None) -> tuple[str, str | None, list[str], int | None]:
     """The device, the memory limit, the header lines that say where the probe runs and under
-    which limit, and the budget as far as it is known before the probe starts."""
+    which limit, and the budget as far as it is known before the probe starts. Under
+    ``torchrun`` (``launch``) each rank takes the GPU of its local rank."""
     from batchfit.backends import default_device
 
     device = args.device or default_device()
+    if launch is not None:
+        device = launch.device_for(device)
     limit = args.memory_limit
     header = [f"batchfit {__version__}: probing {args.target} ({args.mode}) on {device}"]
     on_cpu = device.split(":")[0] == "cpu"
@@ -472,9 +508,13 @@ def _find_kwargs(args: argparse.Namespace, target: Target, device: str, limit: s
     return kwargs
 
 
-def _probe_failed(exc: BaseException, calls: _Calls, show_traceback: bool) -> int:
-    """The exit code (and the one line) for whatever ended a probe that had started."""
-    from batchfit.errors import NothingFitsError
+def _probe_failed(exc: BaseException, calls: _Calls, show_traceback: bool, leader: bool = True) -> int:
+    """The exit code (and the one line) for whatever ended a probe that had started. Under
+    ``torchrun`` another rank's failure is told by rank 0 (and by the failing rank) only."""
+    from batchfit.errors import NothingFitsError, RankFailedError
+
+    if isinstance(exc, RankFailedError) and not leader:
+        return EXIT_ERROR
     from batchfit.targets import exit_call
     from batchfit.view import OutputClosedError
 

@@ -68,3 +68,25 @@ class NoOptimizerStepError(BatchfitError):
     """The optimizer never stepped in a trial (with fp16, every step's gradients overflowed and
     the ``GradScaler`` skipped ``optimizer.step()``), so the optimizer state was never allocated
     and the trial's memory cannot be trusted."""
+
+
+class RankFailedError(BatchfitError):
+    """Another rank of a distributed probe raised an error that is not an out-of-memory.
+
+    Every rank raises this (the failing rank raises its own exception), so no rank is left
+    waiting. Attributes: ``rank`` (the rank that failed), ``batch_size`` (``None`` outside a
+    trial), ``phase``, ``error`` (the original exception's type and first line).
+    """
+
+    def __init__(self, rank: int, batch_size: int | None, phase: str, error: str) -> None:
+        self.rank = rank
+        self.batch_size = batch_size
+        self.phase = phase
+        self.error = error
+        where = f"at batch size {batch_size} during {phase}" if batch_size is not None else f"during {phase}"
+        super().__init__(f"rank {rank} failed {where}: {error}")
+
+
+class RanksTimeoutError(BatchfitError):
+    """The ranks of a distributed probe did not all reach the same meeting point in time: a rank
+    did not call ``find()``, is stuck in the user's code, or died."""

@@ -29,6 +29,7 @@ from batchfit.errors import DeviceFailedError, NothingFitsError
 from batchfit.interrupts import InterruptGuard
 from batchfit.oom import annotate
 from batchfit.options import DEFAULT_MAX_BATCH, Options, positive_int
+from batchfit.ranks import Solo, ranks_for
 from batchfit.result import DeviceInfo, MemoryModel, Result, Settings, Throughput, Trial, TrialKind, Unit
 from batchfit.state import Snapshot, take
 from batchfit.trial import run_trial
@@ -89,6 +90,10 @@ class Prober:
         #: The optimizer of the last trial, whose state is live (see ``trial.py``): handed on.
         self._optimizer: torch.optim.Optimizer | None = None
         self._interrupts = InterruptGuard()
+        #: The processes that probe together (``batchfit.ranks``): this one, or every rank.
+        self.ranks: Solo = ranks_for(options, model, self._interrupts)
+        # Across ranks a Ctrl-C is raised at the next meeting, on every rank at once.
+        self._interrupts.deferred = self.ranks.world_size > 1
         self._workload: Workload | None = None
         self._snapshot: Snapshot | None = None
         self._stack: contextlib.ExitStack | None = None
@@ -135,13 +140,43 @@ class Prober:
         # Ctrl-C is deferred to safe points from here until the restore has finished.
         self._interrupts.__enter__()
         try:
-            self._snapshot = take(self._model, self._user_optimizer, self.backend, self.device)
-            self._stack = contextlib.ExitStack()
-            self._prepare()
+            self.ranks.join(self._search_settings())
+            with self.ranks.meet("the probe's set-up"):
+                self._snapshot = take(self._model, self._user_optimizer, self.backend, self.device)
+                self._stack = contextlib.ExitStack()
+                self._prepare()
+            if self.ranks.world_size > 1:
+                self._agree_on_budget()
         except BaseException as exc:
             self._finish(device_usable=True, exc=exc)
             raise
         return self
+
+    def _search_settings(self) -> dict[str, Any]:
+        """What every rank must search with alike, or the ranks would take different paths."""
+        options, grid = self.options, self.options.grid()
+        return {
+            "init_batch": grid.init,
+            "max_batch": grid.maximum,
+            "multiple_of": grid.multiple_of,
+            "strategy": options.make_strategy().name,
+            "headroom": float(options.headroom),
+            "verify_steps": options.verify_steps,
+            "steps_per_trial": options.steps_per_trial,
+            "mode": options.mode,
+            "amp": options.amp,
+            "time_budget": options.time_budget,
+        }
+
+    def _agree_on_budget(self) -> None:
+        """The budget of the group: the smallest rank's (heterogeneous or partly occupied devices)."""
+        mine = self.budget_bytes
+        self.budget_bytes = self.ranks.smallest(mine)
+        if self.budget_bytes is not None and self.budget_bytes != mine:
+            self.notes.append(
+                f"the budget is {format_bytes(self.budget_bytes)}, the smallest rank's"
+                + (f" (this rank's is {format_bytes(mine)})" if mine is not None else "")
+            )
 
     def _prepare(self) -> None:
         model, device, options = self._model, self.device, self.options
@@ -224,6 +259,7 @@ class Prober:
 
     def _undo(self, device_usable: bool) -> None:
         self._optimizer = None
+        self.ranks.close()
         try:
             if self._stack is not None:
                 if device_usable:
@@ -266,13 +302,13 @@ class Prober:
             steps = positive_int("steps", steps)
         self._interrupts.check()
         kept, self._optimizer = self._optimizer, None
-        run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept)
+        run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept, self.ranks)
         del kept
         self._optimizer = run.optimizer
         self._interrupts.check()
         self._grad_scale = run.grad_scale
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
-        return run.trial
+        return self.ranks.combine(run.trial)
 
     @property
     def verdict_steps(self) -> int:
@@ -360,6 +396,8 @@ def find(
     strategy: str | search_mod.Strategy = "interpolate",
     time_budget: float | None = None,
     restore_rng: bool = True,
+    distributed: bool | None = None,
+    rank_timeout: float = 300.0,
     callback: TrialCallback | None = None,
     on_trial_start: StartCallback | None = None,
     on_start: ProbeStartCallback | None = None,
@@ -416,6 +454,14 @@ def find(
             generators are process-wide: a probe in a background thread that restores them
             replays numbers other threads drew meanwhile; pass ``False`` there (the probe's
             dropout then consumes random numbers as a training step would).
+        distributed: probe with every rank of the initialised default process group (torchrun,
+            DDP): every rank calls ``find()`` with the same arguments, the ranks agree on each
+            trial, and every rank gets the same result, per-rank batch sizes that fit on every
+            rank (see the README's "Many GPUs"). Default ``None``: when a default process group
+            of more than one rank is initialised. ``False``: this process alone.
+        rank_timeout: seconds a rank waits for the others at a meeting point (starting the
+            probe, the end of each phase of a step) before raising
+            :class:`~batchfit.errors.RanksTimeoutError` instead of hanging.
         callback: called with every finished :class:`Trial` (search and verification).
         on_trial_start: called with ``(batch_size, kind)`` before each trial.
         on_start: called once with ``(device_info, budget_bytes)`` when the probe is set up and
@@ -426,6 +472,9 @@ def find(
         NothingFitsError: even ``init_batch`` runs out of memory.
         LimitError: on CUDA, this process already holds more than ``memory_limit``.
         DeviceFailedError: the device failed for good (device-side assert, illegal address).
+        RankFailedError: across ranks, another rank raised an error that is not an
+            out-of-memory (it names the rank, the batch size and the error).
+        RanksTimeoutError: across ranks, not every rank reached a meeting point in time.
         TypeError, ValueError: bad arguments, with a message naming the problem.
         Any exception from the model that is not an out-of-memory, unchanged, with a note that
         names the batch size.
@@ -449,6 +498,8 @@ def find(
         strategy=strategy,
         time_budget=time_budget,
         restore_rng=restore_rng,
+        distributed=distributed,
+        rank_timeout=rank_timeout,
     )
     return find_with(model, sample, options, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
 
@@ -484,7 +535,9 @@ def find_with(
         return trial
 
     def out_of_time() -> bool:
-        return options.time_budget is not None and time.monotonic() - started > options.time_budget
+        # Every rank must stop at the same point: the first rank out of time stops them all.
+        late = options.time_budget is not None and time.monotonic() - started > options.time_budget
+        return prober.ranks.any(late) if options.time_budget is not None else False
 
     in_trial = [False]  # an exception raised while True came from a trial or a callback, not the search
 
@@ -531,6 +584,7 @@ def find_with(
         notes=tuple(
             [
                 *prober.notes,
+                *_ranks_notes(prober),
                 *safe_notes,
                 *_trial_notes(trials, report),
                 *_equation_notes(memory, report, budget),
@@ -539,7 +593,20 @@ def find_with(
         ),
         budget_counts=unit,
         throughput=throughput,
+        world_size=prober.ranks.world_size,
     )
+
+
+def _ranks_notes(prober: Prober) -> list[str]:
+    """Say what a batch size means when several ranks probed together."""
+    size = prober.ranks.world_size
+    if size == 1:
+        return []
+    return [
+        f"probed on {size} ranks together: batch sizes are per rank (the global batch is {size} x that), a size "
+        "fits only where it fitted on every rank, peaks are the largest rank's, samples/s are the whole group's "
+        "(the slowest rank's step)"
+    ]
 
 
 def _verdict(trial: Trial, unit: Unit) -> search_mod.Attempt:

@@ -38,6 +38,10 @@ class InterruptGuard:
 
     def __init__(self) -> None:
         self.pending = False
+        #: Set for a probe over several ranks: :meth:`check` never raises, and the ranks raise
+        #: together at their next meeting point (:meth:`take` hands the flag to it), so no rank
+        #: leaves while the others wait for it (``batchfit.ranks``).
+        self.deferred = False
         self._installed = False
         self._critical = 0
 
@@ -63,9 +67,15 @@ class InterruptGuard:
         finally:
             self._critical -= 1
 
+    def take(self) -> bool:
+        """Whether a Ctrl-C arrived since the last check, clearing it: the caller raises."""
+        pending, self.pending = self.pending, False
+        return pending
+
     def check(self) -> None:
-        """Raise the ``KeyboardInterrupt`` that arrived since the last check, if one did."""
-        if self.pending:
+        """Raise the ``KeyboardInterrupt`` that arrived since the last check, if one did
+        (unless :attr:`deferred`: then the ranks' next meeting point raises it)."""
+        if self.pending and not self.deferred:
             self.pending = False
             raise KeyboardInterrupt
 

@@ -48,7 +48,7 @@ class Options:
     The work: ``make_batch``, ``loss_fn``, ``step_fn``, ``optimizer``, ``amp``, ``mode``,
     ``device``, ``memory_limit``, ``reserve``, ``steps_per_trial``. The search: ``headroom``,
     ``init_batch``, ``max_batch``, ``multiple_of``, ``verify_steps``, ``strategy``,
-    ``time_budget``. The restore: ``restore_rng``. See :func:`batchfit.find` for what each one
+    ``time_budget``. The restore: ``restore_rng``. Many ranks: ``distributed``, ``rank_timeout``. See :func:`batchfit.find` for what each one
     means.
     """
 
@@ -70,6 +70,8 @@ class Options:
     strategy: str | Strategy = "interpolate"
     time_budget: float | None = None
     restore_rng: bool = True
+    distributed: bool | None = None
+    rank_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if self.make_batch is not None and not callable(self.make_batch):
@@ -88,6 +90,11 @@ class Options:
             parse_reserve(self.reserve)
         if not isinstance(self.restore_rng, bool):
             raise TypeError(f"restore_rng must be True or False, got {self.restore_rng!r}")
+        if self.distributed is not None and not isinstance(self.distributed, bool):
+            raise TypeError(f"distributed must be True, False or None, got {self.distributed!r}")
+        timeout = self.rank_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"rank_timeout must be a positive, finite number of seconds, got {timeout!r}")
         if self.steps_per_trial is not None:
             positive_int("steps_per_trial", self.steps_per_trial)
         positive_int("verify_steps", self.verify_steps, minimum=0)

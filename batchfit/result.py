@@ -53,7 +53,8 @@ class Trial:
         step_time_s: median wall time of the timed steps (steps 2..N; a one-step trial times its
             only step), ``None`` if none ran.
         step_times_s: the wall time of every timed step, in order (their spread is the noise).
-        samples_per_s: ``batch_size / step_time_s``.
+        samples_per_s: ``batch_size / step_time_s``; across ranks the whole group's,
+            ``world_size * batch_size / step_time_s`` with the slowest rank's step time.
         steps: steps that completed.
         leaked_bytes: memory still allocated after the trial was released (0 is healthy).
         message: first line of the out-of-memory error, for failed trials.
@@ -390,6 +391,8 @@ class Result:
         budget_counts: the memory the budget counts, ``"allocated"`` (live tensors; the CPU) or
             ``"reserved"`` (the allocator's segments; CUDA). The search aims, and the safe batch
             keeps its headroom, in this unit.
+        world_size: the ranks that probed together (``torchrun``, DDP); batch sizes are per
+            rank, peaks the largest rank's, throughput the whole group's. 1 for one process.
     """
 
     max_batch: int
@@ -410,6 +413,17 @@ class Result:
     notes: tuple[str, ...] = field(default=())
     budget_counts: Unit = "allocated"
     throughput: Throughput | None = None
+    world_size: int = 1
+
+    @property
+    def global_max_batch(self) -> int:
+        """``max_batch`` over every rank: ``world_size * max_batch``."""
+        return self.world_size * self.max_batch
+
+    @property
+    def global_safe_batch(self) -> int:
+        """``safe_batch`` over every rank: ``world_size * safe_batch``."""
+        return self.world_size * self.safe_batch
 
     @property
     def search_trials(self) -> tuple[Trial, ...]:
@@ -477,6 +491,11 @@ def render_text(result: Result) -> str:
         + ")",
         f"best throughput    {result.best_throughput_batch}",
     ]
+    if result.world_size > 1:
+        lines.append(
+            f"ranks              {result.world_size}: batch sizes per rank; global max batch {result.global_max_batch}, "
+            f"global safe batch {result.global_safe_batch}"
+        )
     if result.throughput is not None:
         lines.append(f"throughput knee    {result.throughput.knee_batch}")
     if result.memory is not None:

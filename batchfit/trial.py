@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from batchfit.backends.base import Meter
-from batchfit.errors import DeviceFailedError, NoOptimizerStepError
+from batchfit.errors import DeviceFailedError, NoOptimizerStepError, RankFailedError, RanksTimeoutError
 from batchfit.oom import annotate, first_line, is_oom, is_sticky_device_error
+from batchfit.ranks import PeerOutOfMemory, Solo
 from batchfit.result import Phase, Trial, TrialKind
 from batchfit.workload import Workload
 
@@ -78,6 +79,7 @@ def run_trial(
     kind: TrialKind = "search",
     grad_scale: float | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    ranks: Solo | None = None,
 ) -> TrialRun:
     """Run ``steps`` real steps at ``batch_size`` and return the record.
 
@@ -85,7 +87,11 @@ def run_trial(
     unchanged, with a note naming the batch size and phase. ``grad_scale``: the fp16 scale to
     start from (the previous trial's), ``None`` for the ``GradScaler`` default. ``optimizer``:
     one that already stepped in an earlier trial (its state is live), ``None`` for a fresh one.
+    ``ranks``: the processes that run the trial together; they meet after every phase
+    (``batchfit.ranks``), so an out-of-memory on one fails the trial on all. The record is
+    this rank's: :meth:`Solo.combine` makes the group's.
     """
+    ranks = ranks if ranks is not None else Solo()
     before = meter.allocated_bytes()
     meter.begin_trial()
     warm = optimizer is not None
@@ -93,9 +99,13 @@ def run_trial(
     times: list[float] = []
     failure: tuple[str, tuple[int | None, int | None]] | None = None
     # A probe started under torch.no_grad() or inference_mode() still trains for real.
-    with meter.tracking(), torch.inference_mode(False), torch.enable_grad():
+    with meter.tracking(), torch.inference_mode(False), torch.enable_grad(), ranks.deferred_sync(workload.model):
         try:
-            _run_steps(workload, meter, batch_size, steps, progress, times)
+            _run_steps(workload, meter, batch_size, steps, progress, times, ranks)
+        except PeerOutOfMemory as exc:  # another rank ran out of memory: this trial failed too
+            failure = (str(exc), (None, None))
+        except (RankFailedError, RanksTimeoutError):
+            raise  # about another rank, and says so
         except Exception as exc:  # KeyboardInterrupt passes untouched
             if is_oom(exc):
                 failure = (first_line(exc), meter.failure_bytes(str(exc)))
@@ -162,31 +172,34 @@ def _run_steps(
     steps: int,
     progress: _Progress,
     times: list[float],
+    ranks: Solo,
 ) -> None:
     """The steps themselves. Step 1 warms up (and allocates optimizer state); steps 2..N are
     timed, with the device synchronised at their start and end only. With a single step, that
-    step is timed."""
+    step is timed. Every phase ends in a meeting of the ranks (a no-op for one process)."""
     progress.phase = "batch"
-    with meter.phase("batch"):
-        batch = workload.build_batch(batch_size)
+    with ranks.meet("batch", batch_size):
+        with meter.phase("batch"):
+            batch = workload.build_batch(batch_size)
+        if workload.mode == "train" and progress.optimizer is None:
+            progress.optimizer = workload.new_optimizer(workload.trainable_parameters())
     if workload.mode != "train":
         for index in range(steps):
             meter.checkpoint()
             with _timed(meter, times, index > 0 or steps == 1):
                 progress.phase = "forward"
-                with meter.phase("forward"), torch.inference_mode():
+                with ranks.meet("forward", batch_size), meter.phase("forward"), torch.inference_mode():
                     output, _ = workload.forward(batch)
                     del output
             progress.steps += 1
         return
-    if progress.optimizer is None:
-        progress.optimizer = workload.new_optimizer(workload.trainable_parameters())
     optimizer = progress.optimizer
+    assert optimizer is not None
     stepped: list[int] = []  # one entry per optimizer.step() that really ran
     hook = optimizer.register_step_post_hook(lambda *_: stepped.append(1))
     scaler = workload.grad_scaler(progress.grad_scale)
     try:
-        _train_steps(workload, meter, batch, batch_size, steps, optimizer, stepped, scaler, progress, times)
+        _train_steps(workload, meter, batch, batch_size, steps, optimizer, stepped, scaler, progress, times, ranks)
     finally:
         hook.remove()
         if scaler is not None:  # read once (it synchronises), for the next trial to start from
@@ -205,13 +218,14 @@ def _train_steps(
     scaler: torch.amp.GradScaler | None,
     progress: _Progress,
     times: list[float],
+    ranks: Solo,
 ) -> None:
     """Training steps until ``steps`` of them really stepped the optimizer (see the module docs)."""
     while progress.steps < steps:
         timed = bool(stepped) or steps == 1
         with _timed(meter, times, timed) as record:
             ran_before = len(stepped)
-            _train_step(workload, meter, batch, optimizer, scaler, progress)
+            _train_step(workload, meter, batch, batch_size, optimizer, scaler, progress, ranks)
             record.keep = len(stepped) > ran_before
         if len(stepped) == ran_before:
             progress.skipped += 1
@@ -253,24 +267,29 @@ def _train_step(
     workload: Workload,
     meter: Meter,
     batch: object,
+    batch_size: int,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
     progress: _Progress,
+    ranks: Solo,
 ) -> None:
     # The output stays alive until the step ends, as in an ordinary training loop. Between the
-    # phases a Ctrl-C deferred by the probe surfaces (meter.checkpoint).
+    # phases a Ctrl-C deferred by the probe surfaces (meter.checkpoint), and the ranks meet.
+    # Under DDP, backward runs without its all-reduce (Solo.deferred_sync), and the gradients
+    # are all-reduced at the start of the step phase, once every rank's backward worked.
     progress.phase = "forward"
     meter.checkpoint()
-    with meter.phase("forward"):
+    with ranks.meet("forward", batch_size), meter.phase("forward"):
         output, loss = workload.forward(batch)
     assert loss is not None
     progress.phase = "backward"
     meter.checkpoint()
-    with meter.phase("backward"):
+    with ranks.meet("backward", batch_size), meter.phase("backward"):
         (scaler.scale(loss) if scaler is not None else loss).backward()
     progress.phase = "step"
     meter.checkpoint()
-    with meter.phase("step"):
+    with ranks.meet("step", batch_size), meter.phase("step"):
+        ranks.sync_gradients(workload.model)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()

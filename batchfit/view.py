@@ -159,6 +159,14 @@ def summary_rows(result: Result) -> list[tuple[str, str]]:
         ),
         ("best throughput", f"{result.best_throughput_batch}{rate}"),
     ]
+    if result.world_size > 1:
+        rows.append(
+            (
+                "ranks",
+                f"{result.world_size}: batch sizes are per rank; global max batch {result.global_max_batch}, "
+                f"safe {result.global_safe_batch}; samples/s of the whole group",
+            )
+        )
     throughput = result.throughput
     if throughput is not None:
         noise = "" if throughput.spread is None else f"; repeated steps spread {throughput.spread:.0%}"

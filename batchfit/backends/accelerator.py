@@ -31,6 +31,10 @@ from batchfit.result import DeviceInfo
 from batchfit.units import format_bytes
 
 
+#: The collective library of each device type's data (gloo serves only the CPU's).
+_PROCESS_GROUP_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
+
+
 class AcceleratorBackend(Backend):
     """A device type whose torch module has the caching-allocator API (``torch.cuda``, ``torch.xpu``)."""
 
@@ -99,6 +103,16 @@ class AcceleratorBackend(Backend):
         if not self.module.is_initialized():
             return None
         return self.module.get_rng_state_all()
+
+    @property
+    def process_group_backend(self) -> str:  # type: ignore[override]
+        return _PROCESS_GROUP_BACKENDS.get(self.type, "gloo")
+
+    def bind(self, device: torch.device) -> None:
+        self.module.set_device(device)
+
+    def ddp_device_ids(self, device: torch.device) -> list[int] | None:
+        return [device.index] if device.index is not None else None
 
     def set_rng_state(self, device: torch.device, state: Any) -> None:
         if state is not None:

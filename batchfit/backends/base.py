@@ -1,6 +1,6 @@
 """The device seam: what a probe needs from a device kind, and the meter every kind provides.
 
-A probe asks a device for six things, and nothing else in batchfit knows which device it is:
+A probe asks a device for seven things, and nothing else in batchfit knows which device it is:
 
 * validate a requested device (:meth:`Backend.validate`) and describe it (:meth:`Backend.describe`);
 * how much memory this process can reach there (:meth:`Backend.reachable_bytes`), and what a
@@ -10,7 +10,9 @@ A probe asks a device for six things, and nothing else in batchfit knows which d
 * a :class:`Meter` that measures a trial's peak per phase and enforces the limit;
 * cached memory to give back (:meth:`Backend.empty_cache`) and queued work to wait for
   (:meth:`Backend.synchronize`);
-* the device's random number generator state, so that it is restored exactly.
+* the device's random number generator state, so that it is restored exactly;
+* for a ``torchrun`` job: the process group backend, binding a rank to its device, and DDP's
+  ``device_ids``.
 
 (Whether an exception left a device unusable is read from the exception alone, in ``oom.py``.)
 
@@ -182,6 +184,17 @@ class Backend:
 
     def get_rng_state(self, device: torch.device) -> Any:
         """The device's random number generator state (``None``: nothing to restore)."""
+        return None
+
+    # Many ranks (``batchfit.launch``) ----------------------------------------------------------
+    #: The ``torch.distributed`` backend for the data of a job on this device kind.
+    process_group_backend: str = "gloo"
+
+    def bind(self, device: torch.device) -> None:
+        """Make ``device`` this process's current device of its kind (a rank takes its GPU)."""
+
+    def ddp_device_ids(self, device: torch.device) -> list[int] | None:
+        """``device_ids`` for ``DistributedDataParallel`` of a model on ``device``."""
         return None
 
     def set_rng_state(self, device: torch.device, state: Any) -> None:

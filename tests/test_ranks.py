@@ -1,0 +1,188 @@
+"""Many ranks: two real processes (gloo on the CPU) probing real models together.
+
+``tests/ranks_job.py`` runs every two-rank scenario in one spawned job (starting processes and
+importing torch is most of the cost); the tests here read what each rank wrote. Every
+subprocess runs under a timeout, so a hang fails the test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import batchfit
+from batchfit.examples import gpt
+from batchfit.launch import from_environment
+from batchfit.ranks import combine_trials
+from batchfit.result import Trial
+
+TESTS = Path(__file__).parent
+JOB_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What rank 0 and rank 1 saw in ``ranks_job.py``."""
+    out = tmp_path_factory.mktemp("ranks")
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "ranks_job.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, record in enumerate(records):
+        assert "crash" not in record, f"rank {rank}:\n{record['crash']}"
+    return records
+
+
+def test_different_limits_agree_on_the_smaller_single_process_answer(ranks: list[dict[str, Any]]) -> None:
+    together = [r["limits"]["together"] for r in ranks]
+    alone = [r["limits"]["alone"] for r in ranks]
+    assert together[0] == {**together[1], "seconds": together[0]["seconds"]}  # same answer, same trials
+    smaller = min(alone, key=lambda a: a["budget_bytes"])
+    assert alone[0]["max_batch"] > alone[1]["max_batch"]  # the limits really differ in what fits
+    assert together[0]["max_batch"] == smaller["max_batch"]
+    assert together[0]["safe_batch"] == smaller["safe_batch"]
+    assert together[0]["budget_bytes"] == smaller["budget_bytes"]
+    assert together[0]["world_size"] == 2
+    # The boundary failed on rank 1 only (rank 0's limit holds it): the group still calls it a failure.
+    failed = [batch for batch, fits, _, _ in together[0]["trials"] if not fits]
+    assert failed and all(batch <= alone[0]["max_batch"] for batch in failed)
+
+
+def test_every_rank_gets_its_model_and_optimizer_back_and_ddp_trains_after(ranks: list[dict[str, Any]]) -> None:
+    for scenario in ("limits", "phase_forward", "phase_backward", "phase_step", "error", "interrupt"):
+        for rank, record in enumerate(ranks):
+            assert record[scenario]["restored"] == [], f"{scenario} on rank {rank}: differs in {record[scenario]['restored']}"
+        # A real DDP step afterwards: it ran on both ranks, and DDP synchronised the gradients.
+        assert ranks[0][scenario]["checksum_after_step"] == ranks[1][scenario]["checksum_after_step"], scenario
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "step"])
+def test_an_oom_on_one_rank_fails_the_trial_on_both(ranks: list[dict[str, Any]], phase: str) -> None:
+    peaks = ranks[1]["phase_peaks"]
+    assert peaks["batch"] < peaks["forward"] < peaks["backward"] < peaks["step"]  # each phase can be hit alone
+    for rank in (0, 1):
+        trial = ranks[rank][f"phase_{phase}"]
+        assert trial["fits"] is False
+        assert trial["phase"] == phase
+        assert trial["message"].startswith("rank 1: OutOfMemoryError")
+
+
+def test_an_error_on_rank_1_raises_on_both_naming_it(ranks: list[dict[str, Any]]) -> None:
+    seen0, seen1 = ranks[0]["error"]["raised"], ranks[1]["error"]["raised"]
+    assert seen1["type"] == "ValueError" and seen1["message"] == "boom at batch 8"
+    assert seen0["type"] == "RankFailedError"
+    assert (seen0["rank"], seen0["batch_size"]) == (1, 8)
+    assert "rank 1" in seen0["message"] and "batch size 8" in seen0["message"]
+    assert "ValueError: boom at batch 8" in seen0["message"]
+
+
+def test_ctrl_c_on_one_rank_stops_both(ranks: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        record = ranks[rank]["interrupt"]
+        assert record["raised"]["type"] == "KeyboardInterrupt"
+        assert record["trials"] == ranks[0]["interrupt"]["trials"]  # both stopped at the same meeting
+    assert len(ranks[0]["interrupt"]["trials"]) == 1
+
+
+def test_a_rank_that_never_calls_find_is_an_error_within_the_timeout(ranks: list[dict[str, Any]]) -> None:
+    absent = ranks[0]["absent"]
+    assert absent["raised"]["type"] == "RanksTimeoutError"
+    assert "not every rank" in absent["raised"]["message"]
+    assert absent["seconds"] < 30  # the 3 s timeout, not gloo's 30 minutes
+
+
+def test_ranks_that_search_differently_are_refused(ranks: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        raised = ranks[rank]["settings"]["raised"]
+        assert raised["type"] == "ValueError" and "max_batch=" in raised["message"]
+
+
+def test_models_with_collectives_inside_forward_are_refused_not_hung(ranks: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        raised = ranks[rank]["sync_batchnorm"]["raised"]
+        assert raised["type"] == "NotImplementedError" and "SyncBatchNorm" in raised["message"]
+
+
+def test_torchrun_probe_writes_one_json_with_the_single_process_answer(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "batchfit", "probe", "batchfit.examples:gpt", "--memory-limit", "64MiB", "--json", str(out)],
+        capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    document = json.loads(out.read_text())
+    assert document["world_size"] == 2
+    assert done.stdout.count("probing batchfit.examples:gpt") == 1  # only rank 0 printed
+    assert "global max batch" in done.stdout
+    assert "wrapped in DistributedDataParallel" in done.stdout
+    model, sample = gpt()
+    alone = batchfit.find(model, sample, memory_limit="64MiB")
+    assert document["max_batch"] == alone.max_batch
+
+
+# One process --------------------------------------------------------------------------------------
+def _trial(**fields: Any) -> Trial:
+    return Trial(**{"batch_size": 8, "fits": True, "steps": 1, **fields})
+
+
+def test_combined_trial_takes_the_worst_rank() -> None:
+    fast = _trial(peak_bytes=100, phase_peaks=(("forward", 60), ("backward", 100)), step_time_s=0.1,
+                  samples_per_s=80.0, step_times_s=(0.1, 0.12))  # fmt: skip
+    slow = _trial(peak_bytes=90, phase_peaks=(("forward", 70), ("backward", 90)), step_time_s=0.2,
+                  samples_per_s=40.0, step_times_s=(0.2, 0.1))  # fmt: skip
+    both = combine_trials([fast, slow])
+    assert both.fits and both.peak_bytes == 100
+    assert both.phase_peaks == (("forward", 70), ("backward", 100))
+    assert both.step_time_s == 0.2 and both.step_times_s == (0.2, 0.12)
+    assert both.samples_per_s == pytest.approx(2 * 8 / 0.2)  # the group's rate, at the slowest rank's step
+
+
+def test_combined_trial_fails_where_one_rank_failed_and_keeps_the_largest_bound() -> None:
+    fitted = _trial(peak_bytes=500, phase_peaks=(("forward", 300), ("backward", 500)), step_time_s=0.1)
+    failed = _trial(fits=False, phase="backward", peak_bytes=420, phase_peaks=(("forward", 300),),
+                    message="OutOfMemoryError: no")  # fmt: skip
+    both = combine_trials([fitted, failed], out_of_memory=(1, "OutOfMemoryError: no"))
+    assert not both.fits and both.phase == "backward"
+    assert both.peak_bytes == 500  # rank 0 measured the whole size: at least that is needed
+    assert both.message == "rank 1: OutOfMemoryError: no"
+    assert both.samples_per_s is None and both.step_times_s == ()
+
+
+def test_distributed_true_needs_a_process_group() -> None:
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="init_process_group"):
+        batchfit.find(model, torch.randn(2, 4), distributed=True)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), True, "10"])
+def test_rank_timeout_must_be_positive_seconds(bad: Any) -> None:
+    with pytest.raises(ValueError, match="rank_timeout"):
+        batchfit.Options(rank_timeout=bad)
+
+
+def test_distributed_must_be_a_bool_or_none() -> None:
+    with pytest.raises(TypeError, match="distributed"):
+        batchfit.Options(distributed="yes")  # type: ignore[arg-type]
+
+
+def test_torchrun_environment_is_read_and_a_job_of_one_probes_alone() -> None:
+    launch = from_environment({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"})
+    assert launch is not None and (launch.rank, launch.local_rank, launch.world_size) == (3, 1, 4)
+    assert not launch.is_leader
+    assert launch.device_for("cuda") == "cuda:1" and launch.device_for("cuda:0") == "cuda:0"
+    assert launch.device_for("cpu") == "cpu"
+    assert from_environment({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}) is None
+    assert from_environment({}) is None
