@@ -23,6 +23,10 @@ Exit codes are the interface a CI pipeline reads, so they are fixed and document
 A target that calls ``sys.exit(n)`` (at import, in its factory, in the model) does not end
 batchfit with its code: that is an error in the target, reported as such, exit 1.
 
+Under ``torchrun`` every rank runs this command and exits with these codes; only rank 0 prints
+the view and writes ``--json`` (``batchfit.launch``), and another rank's failure is told by rank 0
+and by the rank that failed.
+
 Human output goes to stdout (to stderr when ``--json -`` puts the JSON on stdout). Every error
 goes to stderr in a line starting with ``batchfit: error:``: batchfit's own are that one line;
 a command line that argparse rejects prints the usage first (argparse's ``batchfit probe:
@@ -373,7 +377,9 @@ def _probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[boo
                 owned.append(started)
             model, wrapped = launch.wrap(target.model, device)
         except Exception as exc:
-            _report_exception(exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {_first_line(exc)}")
+            _report_exception(
+                exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {_first_line(exc)}"
+            )
             return EXIT_ERROR
         target = replace(target, model=model)
         header.append(

@@ -48,8 +48,8 @@ class Options:
     The work: ``make_batch``, ``loss_fn``, ``step_fn``, ``optimizer``, ``amp``, ``mode``,
     ``device``, ``memory_limit``, ``reserve``, ``steps_per_trial``. The search: ``headroom``,
     ``init_batch``, ``max_batch``, ``multiple_of``, ``verify_steps``, ``strategy``,
-    ``time_budget``. The restore: ``restore_rng``. Many ranks: ``distributed``, ``rank_timeout``. See :func:`batchfit.find` for what each one
-    means.
+    ``time_budget``. The restore: ``restore_rng``. Many ranks: ``distributed``,
+    ``rank_timeout``. See :func:`batchfit.find` for what each one means.
     """
 
     make_batch: Callable[[int], Any] | None = None
@@ -93,7 +93,12 @@ class Options:
         if self.distributed is not None and not isinstance(self.distributed, bool):
             raise TypeError(f"distributed must be True, False or None, got {self.distributed!r}")
         timeout = self.rank_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
             raise ValueError(f"rank_timeout must be a positive, finite number of seconds, got {timeout!r}")
         if self.steps_per_trial is not None:
             positive_int("steps_per_trial", self.steps_per_trial)

@@ -150,17 +150,16 @@ class Group(Solo):
         for rank, theirs in enumerate(everyone):
             differ = sorted(key for key in settings if theirs.get(key) != settings[key])
             if differ:
-                shown = ", ".join(f"{key}={settings[key]!r} on rank {self.rank}, {theirs.get(key)!r} on rank {rank}"
-                                  for key in differ)
-                raise ValueError(
-                    f"the ranks must search with the same settings, or they take different paths: {shown}"
+                shown = ", ".join(
+                    f"{key}={settings[key]!r} on rank {self.rank}, {theirs.get(key)!r} on rank {rank}" for key in differ
                 )
+                raise ValueError(f"the ranks must search with the same settings, or they take different paths: {shown}")
 
     @contextlib.contextmanager
     def meet(self, phase: str, batch_size: int | None = None) -> Iterator[None]:
         try:
             yield
-        except (PeerOutOfMemory, RankFailedError, RanksTimeoutError):
+        except (PeerOutOfMemory, RankFailedError, RanksTimeoutError, GeneratorExit):
             raise  # raised by a meeting: every rank already knows
         except BaseException as exc:
             status = FAILED
@@ -191,10 +190,10 @@ class Group(Solo):
         if worst == OK:
             return
         reports: list[Any] = [None] * self.world_size
-        self._collective(
-            where, lambda: self._dist.all_gather_object(reports, (said, message), group=self._group)
-        )
-        first = {code: next((r for r, (s, _) in enumerate(reports) if s == code), None) for code in (FAILED, INTERRUPTED)}
+        self._collective(where, lambda: self._dist.all_gather_object(reports, (said, message), group=self._group))
+        first = {
+            code: next((r for r, (s, _) in enumerate(reports) if s == code), None) for code in (FAILED, INTERRUPTED)
+        }
         if worst == FAILED:
             failed = first[FAILED]
             assert failed is not None
@@ -218,7 +217,9 @@ class Group(Solo):
 
     def smallest(self, value: int | None) -> int | None:
         values: list[Any] = [None] * self.world_size
-        self._collective("agreeing on the budget", lambda: self._dist.all_gather_object(values, value, group=self._group))
+        self._collective(
+            "agreeing on the budget", lambda: self._dist.all_gather_object(values, value, group=self._group)
+        )
         known = [v for v in values if v is not None]
         return min(known) if known else None
 
@@ -323,7 +324,9 @@ def combine_trials(trials: list[Trial], out_of_memory: tuple[int, str] | None = 
     return replace(
         first,
         peak_bytes=max((t.peak_bytes for t in trials if t.peak_bytes is not None), default=None),
-        reserved_peak_bytes=max((t.reserved_peak_bytes for t in trials if t.reserved_peak_bytes is not None), default=None),
+        reserved_peak_bytes=max(
+            (t.reserved_peak_bytes for t in trials if t.reserved_peak_bytes is not None), default=None
+        ),
         step_time_s=slowest,
         samples_per_s=len(trials) * first.batch_size / slowest if slowest else None,
         step_times_s=step_times,

@@ -493,8 +493,8 @@ def render_text(result: Result) -> str:
     ]
     if result.world_size > 1:
         lines.append(
-            f"ranks              {result.world_size}: batch sizes per rank; global max batch {result.global_max_batch}, "
-            f"global safe batch {result.global_safe_batch}"
+            f"ranks              {result.world_size}: batch sizes per rank; "
+            f"global max batch {result.global_max_batch}, global safe batch {result.global_safe_batch}"
         )
     if result.throughput is not None:
         lines.append(f"throughput knee    {result.throughput.knee_batch}")

@@ -200,9 +200,10 @@ def _first_failure_above(result: Result) -> str:
 
 
 def quiet_line(result: Result) -> str:
+    ranks = f" world_size={result.world_size}" if result.world_size > 1 else ""
     return (
         f"max_batch={result.max_batch} safe_batch={result.safe_batch} "
-        f"best_throughput_batch={result.best_throughput_batch} budget={format_bytes(result.budget_bytes)}"
+        f"best_throughput_batch={result.best_throughput_batch} budget={format_bytes(result.budget_bytes)}{ranks}"
     )
 
 

@@ -180,8 +180,12 @@ def scenario_error(rank: int) -> dict[str, Any]:
     try:
         batchfit.find(ddp, sample, optimizer=optimizer, strategy="binary", rank_timeout=TIMEOUT_S)
     except Exception as exc:  # what each rank raises is the point
-        raised = {"type": type(exc).__name__, "message": str(exc), "rank": getattr(exc, "rank", None),
-                  "batch_size": getattr(exc, "batch_size", None)}
+        raised = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "rank": getattr(exc, "rank", None),
+            "batch_size": getattr(exc, "batch_size", None),
+        }
     else:
         raised = None
     return {
@@ -253,9 +257,15 @@ def scenario_absent(rank: int) -> dict[str, Any]:
 
 def run_rank(rank: int, out: str) -> None:
     record: dict[str, Any] = {}
+    # Python's own Ctrl-C handler, as in a process started from a terminal (a child of a shell's
+    # background job inherits SIGINT ignored, and then nothing could interrupt the probe).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD,
+            "gloo",
+            init_method=f"file://{out}/store",
+            rank=rank,
+            world_size=WORLD,
             timeout=datetime.timedelta(seconds=60),
         )
         torch.set_num_threads(1)

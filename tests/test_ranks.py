@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,9 @@ def test_different_limits_agree_on_the_smaller_single_process_answer(ranks: list
 def test_every_rank_gets_its_model_and_optimizer_back_and_ddp_trains_after(ranks: list[dict[str, Any]]) -> None:
     for scenario in ("limits", "phase_forward", "phase_backward", "phase_step", "error", "interrupt"):
         for rank, record in enumerate(ranks):
-            assert record[scenario]["restored"] == [], f"{scenario} on rank {rank}: differs in {record[scenario]['restored']}"
+            assert record[scenario]["restored"] == [], (
+                f"{scenario} on rank {rank}: differs in {record[scenario]['restored']}"
+            )
         # A real DDP step afterwards: it ran on both ranks, and DDP synchronised the gradients.
         assert ranks[0][scenario]["checksum_after_step"] == ranks[1][scenario]["checksum_after_step"], scenario
 
@@ -131,6 +134,26 @@ def test_torchrun_probe_writes_one_json_with_the_single_process_answer(tmp_path:
     model, sample = gpt()
     alone = batchfit.find(model, sample, memory_limit="64MiB")
     assert document["max_batch"] == alone.max_batch
+
+
+def test_ctrl_c_on_torchrun_ends_every_rank_restored(tmp_path: Path) -> None:
+    """torchrun forwards SIGINT to every rank: each restores its model and exits 130."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "batchfit", "probe", "batchfit.examples:gpt", "--memory-limit", "400MiB", "--strategy", "binary"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    try:
+        assert launcher.stdout is not None
+        for line in launcher.stdout:  # rank 0's rows; interrupt once the first trial is in
+            if line.split()[:1] == ["1"]:
+                launcher.send_signal(signal.SIGINT)
+                break
+        _, stderr = launcher.communicate(timeout=JOB_TIMEOUT_S)
+    finally:
+        launcher.kill()
+    assert stderr.count("batchfit: error: interrupted (the model and optimizer were restored)") == 2, stderr[-3000:]
 
 
 # One process --------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from batchfit.errors import LimitError
 from batchfit.result import DeviceInfo
 from batchfit.units import format_bytes
 
-
 #: The collective library of each device type's data (gloo serves only the CPU's).
 _PROCESS_GROUP_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
 
