@@ -605,7 +605,8 @@ def _ranks_notes(prober: Prober) -> list[str]:
     return [
         f"probed on {size} ranks together: batch sizes are per rank (the global batch is {size} x that), a size "
         "fits only where it fitted on every rank, peaks are the largest rank's, samples/s are the whole group's "
-        "(the slowest rank's step)"
+        "(the slowest rank's step)",
+        *prober.ranks.notes(prober._run_model),
     ]
 
 

@@ -51,6 +51,7 @@ from batchfit.errors import RankFailedError, RanksTimeoutError
 from batchfit.interrupts import InterruptGuard
 from batchfit.oom import first_line, is_oom
 from batchfit.result import Trial
+from batchfit.units import format_bytes
 
 if TYPE_CHECKING:
     from batchfit.options import Options
@@ -111,6 +112,10 @@ class Solo:
 
     def sync_gradients(self, model: nn.Module) -> None:
         """The gradient all-reduce :meth:`deferred_sync` held back."""
+
+    def notes(self, model: nn.Module) -> list[str]:
+        """What a reader of the result should know about probing ``model`` on these ranks."""
+        return []
 
     def close(self) -> None:
         """Leave the group (no meeting)."""
@@ -275,6 +280,17 @@ class Group(Solo):
         size = self._dist.get_world_size(ddp.process_group)
         for grad in grads:
             grad.div_(size)
+
+    def notes(self, model: nn.Module) -> list[str]:
+        ddp = _ddp(model)
+        if ddp is None or not getattr(ddp, "gradient_as_bucket_view", False):
+            return []
+        grads = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
+        return [
+            "DDP(gradient_as_bucket_view=True): a probe step synchronises the gradients after backward, so they "
+            f"live outside DDP's buckets, up to one gradient copy ({format_bytes(grads)}) more than your training "
+            "steps hold: the batch sizes found are conservative by about that much"
+        ]
 
     def close(self) -> None:
         group, self._group = self._group, None

@@ -85,13 +85,16 @@ def _rank(rank: int, store: str, limit: str, out: str) -> None:
         "best_samples_per_s": result.throughput.best_samples_per_s if result.throughput else None,
     }
     memory = []
-    for batch in MEMORY_BATCHES:
-        peaks = {}
-        for label, together in (("synced", False), ("deferred", True)):
-            with batchfit.Prober(ddp, sample, distributed=together, rank_timeout=120) as prober:
-                trial = prober.trial(batch, steps=2)
-            peaks[label] = dict(trial.phase_peaks)
-        memory.append({"batch": batch, **peaks})
+    for bucket_view in (False, True):
+        model, sample = gpt()
+        wrapped = DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
+        for batch in MEMORY_BATCHES:
+            peaks = {}
+            for label, together in (("synced", False), ("deferred", True)):
+                with batchfit.Prober(wrapped, sample, distributed=together, rank_timeout=120) as prober:
+                    trial = prober.trial(batch, steps=2)
+                peaks[label] = dict(trial.phase_peaks)
+            memory.append({"batch": batch, "gradient_as_bucket_view": bucket_view, **peaks})
     record["memory"] = memory
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     cells.append(
                         f"{phase} {format_bytes(synced)} / {format_bytes(deferred)} ({deferred - synced:+,} B)"
                     )
-            print(f"{'':<14}batch {row['batch']:>3}: " + "; ".join(cells))
+            view = "bucket views" if row["gradient_as_bucket_view"] else "default DDP"
+            print(f"{'':<14}{view:<13} batch {row['batch']:>3}: " + "; ".join(cells))
     document = {
         "schema": "batchfit.ranks-benchmark/1",
         "date": _dt.datetime.now().isoformat(timespec="seconds"),

@@ -15,6 +15,7 @@ Scenarios, in order (the last one leaves the group unusable, so it is last):
   that phase; the state check and a real DDP step after each.
 * ``error``: rank 1's model raises ``ValueError`` at batch 8 only.
 * ``interrupt``: rank 0 sends itself SIGINT after the first trial.
+* ``bucket_view``: DDP with ``gradient_as_bucket_view=True`` gets a note on what that costs.
 * ``sync_batchnorm``: a model with collectives inside forward is refused, not probed.
 * ``settings``: the ranks disagree on ``max_batch``.
 * ``absent``: rank 1 never calls ``find()``.
@@ -222,6 +223,12 @@ def scenario_interrupt(rank: int) -> dict[str, Any]:
     }
 
 
+def scenario_bucket_view(rank: int) -> dict[str, Any]:
+    ddp = DistributedDataParallel(mlp(), gradient_as_bucket_view=True)
+    result = batchfit.find(ddp, torch.randn(4, 128), max_batch=64, verify_steps=0, rank_timeout=TIMEOUT_S)
+    return {"notes": list(result.notes), "max_batch": result.max_batch}
+
+
 def scenario_sync_batchnorm(rank: int) -> dict[str, Any]:
     # (DDP refuses SyncBatchNorm on the CPU, so the module goes unwrapped: the check is batchfit's.)
     model = nn.Sequential(nn.Linear(128, 64), nn.SyncBatchNorm(64), nn.Linear(64, 4))
@@ -276,6 +283,7 @@ def run_rank(rank: int, out: str) -> None:
             record[f"phase_{phase}"] = scenario_phase(rank, phase, peaks)
         record["error"] = scenario_error(rank)
         record["interrupt"] = scenario_interrupt(rank)
+        record["bucket_view"] = scenario_bucket_view(rank)
         record["sync_batchnorm"] = scenario_sync_batchnorm(rank)
         record["settings"] = scenario_settings(rank)
         record["absent"] = scenario_absent(rank)

@@ -55,6 +55,7 @@ def test_different_limits_agree_on_the_smaller_single_process_answer(ranks: list
     assert together[0]["safe_batch"] == smaller["safe_batch"]
     assert together[0]["budget_bytes"] == smaller["budget_bytes"]
     assert together[0]["world_size"] == 2
+    assert not any("gradient_as_bucket_view" in note for note in ranks[0]["limits"]["notes"])  # default DDP
     # The boundary failed on rank 1 only (rank 0's limit holds it): the group still calls it a failure.
     failed = [batch for batch, fits, _, _ in together[0]["trials"] if not fits]
     assert failed and all(batch <= alone[0]["max_batch"] for batch in failed)
@@ -103,6 +104,13 @@ def test_a_rank_that_never_calls_find_is_an_error_within_the_timeout(ranks: list
     assert absent["raised"]["type"] == "RanksTimeoutError"
     assert "not every rank" in absent["raised"]["message"]
     assert absent["seconds"] < 30  # the 3 s timeout, not gloo's 30 minutes
+
+
+def test_gradient_as_bucket_view_says_the_answer_is_conservative(ranks: list[dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        record = ranks[rank]["bucket_view"]
+        assert record["max_batch"] == 64  # nothing ran out of memory: the note is about the setting
+        assert any("gradient_as_bucket_view=True" in note for note in record["notes"])
 
 
 def test_ranks_that_search_differently_are_refused(ranks: list[dict[str, Any]]) -> None:
