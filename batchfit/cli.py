@@ -292,6 +292,31 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' for stdout)")
     probe.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
     probe.add_argument(
+        "--nproc-per-trial",
+        type=_int_at_least(2),
+        metavar="N",
+        help="run every trial as a fresh torchrun job of N ranks, for sharded models (FSDP, FSDP2): the TARGET's "
+        "factory runs on every rank after the process group is up, so it may shard the model; a rank that runs out "
+        "of memory ends its job instead of leaving the others waiting. Run without torchrun",
+    )
+    probe.add_argument(
+        "--trial-log",
+        metavar="PATH",
+        help="with --nproc-per-trial: append every job's verdicts to PATH (JSON lines); a rerun with the same "
+        "settings reuses them instead of running those jobs again",
+    )
+    probe.add_argument(
+        "--trial-timeout",
+        type=_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="with --nproc-per-trial: kill a job that gives no answer within this (default 600)",
+    )
+    # A rank's side of a --nproc-per-trial job (started by batchfit under torchrun, not by users).
+    probe.add_argument("--trial-batch", type=_positive_int, help=argparse.SUPPRESS)
+    probe.add_argument("--trial-steps", type=_positive_int, default=2, help=argparse.SUPPRESS)
+    probe.add_argument("--trial-dir", help=argparse.SUPPRESS)
+    probe.add_argument(
         "--require-batch",
         type=_positive_int,
         metavar="N",
@@ -336,6 +361,17 @@ def _probe(args: argparse.Namespace) -> int:
     from batchfit.launch import from_environment
 
     launch = from_environment()
+    if args.trial_batch is not None:
+        if launch is None or not args.trial_dir:
+            raise _UsageError("--trial-batch is the rank side of --nproc-per-trial: batchfit starts it under torchrun")
+        return _trial_worker(args, launch)
+    if args.nproc_per_trial is not None:
+        if launch is not None:
+            raise _UsageError("--nproc-per-trial starts a torchrun job per trial itself: run it without torchrun")
+        if args.require_batch is not None:
+            raise _UsageError("--nproc-per-trial runs a full probe: drop --require-batch")
+    elif args.trial_log is not None:
+        raise _UsageError("--trial-log goes with --nproc-per-trial")
     if launch is None:
         return _probe_here(args, None)
     owned: list[bool] = []
@@ -358,19 +394,21 @@ def _probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[boo
                 f"--require-batch runs a gate, not a full probe: drop --{conflicting[0].replace('_', '-')}"
             )
     _check_json_path(args.json)
-    try:
-        target = load_target(args.target)
-    except TargetError as exc:
-        _error(str(exc))
-        return EXIT_USAGE
-    except TargetCallError as exc:
-        _report_exception(exc, args.traceback, cause=True)
-        return EXIT_ERROR
+    target: Target | None = None
+    if args.nproc_per_trial is None:  # with it, only the ranks of each job load the target
+        try:
+            target = load_target(args.target)
+        except TargetError as exc:
+            _error(str(exc))
+            return EXIT_USAGE
+        except TargetCallError as exc:
+            _report_exception(exc, args.traceback, cause=True)
+            return EXIT_ERROR
 
     human = sys.stderr if args.json == "-" else sys.stdout
     device, limit, header, expected_budget = _plan(args, launch)
     leader = launch is None or launch.is_leader
-    if launch is not None:
+    if launch is not None and target is not None:
         try:
             backend, started = launch.start(device)
             if owned is not None:
@@ -386,6 +424,11 @@ def _probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[boo
             f"torchrun: rank {launch.rank} of {launch.world_size} ({backend}); the model "
             + ("was wrapped in DistributedDataParallel" if wrapped else "is a DistributedDataParallel")
             + "; batch sizes are per rank"
+        )
+    if args.nproc_per_trial is not None:
+        header.append(
+            f"every trial runs as a fresh torchrun job of {args.nproc_per_trial} ranks (--nproc-per-trial)"
+            + (f"; trial log {args.trial_log}" if args.trial_log else "")
         )
     # Only rank 0 speaks for the group; the others print only their own errors.
     view = make_view(human if leader else open(os.devnull, "w"), quiet=args.quiet or not leader)
@@ -419,8 +462,11 @@ def _probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[boo
     return code
 
 
-def _run_probe(args: argparse.Namespace, target: Target, kwargs: dict[str, Any], calls: _Calls) -> Any:
-    """The gate (``--require-batch``) or the full search; its ``GateReport`` or ``Result``."""
+def _run_probe(args: argparse.Namespace, target: Target | None, kwargs: dict[str, Any], calls: _Calls) -> Any:
+    """The gate (``--require-batch``) or the full search; its ``GateReport`` or ``Result``.
+    Without a target (``--nproc-per-trial``), a job per trial (``batchfit.relaunch``)."""
+    if target is None:
+        return _run_jobs(args, kwargs, calls)
     if args.require_batch is not None:
         from batchfit.testing import check_fits
 
@@ -429,6 +475,58 @@ def _run_probe(args: argparse.Namespace, target: Target, kwargs: dict[str, Any],
     from batchfit.options import Options
 
     return find_with(target.model, target.sample, Options(**kwargs), **calls.kwargs())
+
+
+def _run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], calls: _Calls) -> Any:
+    import time
+
+    import torch
+
+    from batchfit.finder import search_with
+    from batchfit.options import Options
+    from batchfit.relaunch import JobPerTrial
+
+    options = Options(**kwargs)
+    worker = [args.target, "--device", str(kwargs["device"]), "--mode", args.mode]
+    for flag, value in (("--memory-limit", kwargs["memory_limit"]), ("--reserve", args.reserve), ("--amp", args.amp)):
+        if value is not None:
+            worker += [flag, str(value)]
+    key = {
+        "target": args.target,
+        "nproc": args.nproc_per_trial,
+        "worker": worker[1:],
+        "torch": torch.__version__,
+        "batchfit": __version__,
+    }
+    log = Path(args.trial_log) if args.trial_log else None
+    prober = JobPerTrial(worker, args.nproc_per_trial, options, log=log, timeout_s=args.trial_timeout, key=key)
+    return search_with(prober, options, time.monotonic(), **calls.kwargs())
+
+
+def _trial_worker(args: argparse.Namespace, launch: Launch) -> int:
+    """One rank of a ``--nproc-per-trial`` job: join the group, *then* load the target (its factory
+    may shard the model), run one trial, write the verdict (``batchfit.relaunch``). Silent."""
+    from batchfit.options import Options
+    from batchfit.relaunch import run_worker_trial, write_verdict
+    from batchfit.targets import load_target
+
+    out = Path(args.trial_dir)
+    device, limit, _, _ = _plan(args, launch)
+    owned = False
+    try:
+        _, owned = launch.start(device)
+        target = load_target(args.target)
+        options = Options(**_find_kwargs(args, target, device, limit))
+    except BaseException as exc:  # noqa: BLE001 (the driver reads the verdict; this rank ends)
+        write_verdict(out, launch.rank, {"error": _first_line(exc), "phase": "loading the target"})
+        launch.finish(owned)
+        return EXIT_ERROR
+    try:
+        return run_worker_trial(
+            target.model, target.sample, options, args.trial_batch, args.trial_steps, out, launch.rank
+        )
+    finally:
+        launch.finish(owned)
 
 
 class _Calls:
@@ -493,10 +591,10 @@ def _shown_limit(limit: str) -> str:
         return f"{float(limit):.0%} of the device's memory"
 
 
-def _find_kwargs(args: argparse.Namespace, target: Target, device: str, limit: str | None) -> dict[str, Any]:
+def _find_kwargs(args: argparse.Namespace, target: Target | None, device: str, limit: str | None) -> dict[str, Any]:
     """``batchfit.options.Options`` keywords: the target's extras and the command line's options."""
     kwargs: dict[str, Any] = {
-        **target.extras,
+        **(target.extras if target is not None else {}),
         "device": device,
         "memory_limit": limit,
         "reserve": args.reserve,

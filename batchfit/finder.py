@@ -41,7 +41,7 @@ TrialCallback = Callable[[Trial], None]
 StartCallback = Callable[[int, str], None]
 ProbeStartCallback = Callable[[DeviceInfo, "int | None"], None]
 
-__all__ = ["DEFAULT_MAX_BATCH", "Prober", "find", "find_with"]
+__all__ = ["DEFAULT_MAX_BATCH", "Prober", "find", "find_with", "search_with"]
 
 
 class Prober:
@@ -310,6 +310,10 @@ class Prober:
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
         return self.ranks.combine(run.trial)
 
+    def ranks_notes(self) -> list[str]:
+        """What the ranks have to say about this model (``batchfit.ranks``)."""
+        return self.ranks.notes(self._run_model)
+
     @property
     def verdict_steps(self) -> int:
         """The fewest steps whose peak counts the optimizer state: 1 while an earlier trial's
@@ -518,8 +522,26 @@ def find_with(
     for name, fn in (("callback", callback), ("on_trial_start", on_trial_start), ("on_start", on_start)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
-    grid, chooser = options.grid(), options.make_strategy()
     prober = Prober(model, sample, options=options)
+    return search_with(prober, options, started, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
+
+
+def search_with(
+    prober: Any,
+    options: Options,
+    started: float,
+    *,
+    callback: TrialCallback | None = None,
+    on_trial_start: StartCallback | None = None,
+    on_start: ProbeStartCallback | None = None,
+) -> Result:
+    """The search, the safe batch and the :class:`Result`, over any ``prober`` that does what
+    :class:`Prober` does (a context manager with ``trial()``, ``budget_bytes``, ``counts``,
+    ``device_info``, ``notes``, ``ranks``, ``memory_model()``, ``fixed_advice()``,
+    ``ranks_notes()`` and the limit's ``limit_bytes`` / ``limit_source`` / ``reserve_bytes``):
+    :class:`Prober` here, a job per trial in ``batchfit.relaunch``. ``started``: the
+    ``time.monotonic()`` the answer's time counts from."""
+    grid, chooser = options.grid(), options.make_strategy()
     trials: list[Trial] = []
 
     def run(batch_size: int, kind: TrialKind, steps: int | None = None) -> Trial:
@@ -606,7 +628,7 @@ def _ranks_notes(prober: Prober) -> list[str]:
         f"probed on {size} ranks together: batch sizes are per rank (the global batch is {size} x that), a size "
         "fits only where it fitted on every rank, peaks are the largest rank's, samples/s are the whole group's "
         "(the slowest rank's step)",
-        *prober.ranks.notes(prober._run_model),
+        *prober.ranks_notes(),
     ]
 
 

@@ -26,10 +26,10 @@ buckets are allocated when the model is wrapped, so the deferred step holds the 
 one does (``benchmarks/ranks.py`` measures the difference). The only other collective in a DDP
 step, the buffer broadcast at the start of forward, runs after the batch phase was agreed.
 
-What is *not* made safe: collectives inside the model's own forward or backward (FSDP,
-``SyncBatchNorm``, tensor parallelism). A rank that fails before such a collective leaves its
-peers waiting in it; :func:`ranks_for` refuses those models with a clear error rather than risk
-the hang.
+What is *not* made safe in-process: collectives inside the model's own forward or backward
+(FSDP, ``SyncBatchNorm``, tensor parallelism). A rank that fails before such a collective leaves
+its peers waiting in it; :func:`ranks_for` refuses those models with a clear error rather than
+risk the hang. Sharded models are probed a job per trial instead (``batchfit.relaunch``).
 
 Combined across ranks (:meth:`Group.combine`): a trial fits only where it fits on every rank; its
 peaks are the maximum over ranks, its step time the slowest rank's, its samples/s that of the
@@ -367,8 +367,8 @@ def _ddp(model: nn.Module) -> Any:
 #: Modules whose forward or backward runs collectives of its own (see the module docs), and what
 #: to do instead.
 _COLLECTIVE_MODULES = {
-    "FullyShardedDataParallel": "probe the unsharded model under DistributedDataParallel if it fits a device",
-    "FSDPModule": "probe the unsharded model under DistributedDataParallel if it fits a device",
+    "FullyShardedDataParallel": "run 'batchfit probe TARGET --nproc-per-trial N' (a fresh job per trial)",
+    "FSDPModule": "run 'batchfit probe TARGET --nproc-per-trial N' (a fresh job per trial)",
     "SyncBatchNorm": "probe with torch.nn.BatchNorm layers in its place (they hold the same memory)",
 }
 

@@ -16,7 +16,8 @@ Scenarios, in order (the last one leaves the group unusable, so it is last):
 * ``error``: rank 1's model raises ``ValueError`` at batch 8 only.
 * ``interrupt``: rank 0 sends itself SIGINT after the first trial.
 * ``bucket_view``: DDP with ``gradient_as_bucket_view=True`` gets a note on what that costs.
-* ``sync_batchnorm``: a model with collectives inside forward is refused, not probed.
+* ``sync_batchnorm``, ``fsdp``: models with collectives inside forward are refused in-process,
+  not probed (FSDP goes through ``batchfit probe --nproc-per-trial``).
 * ``settings``: the ranks disagree on ``max_batch``.
 * ``absent``: rank 1 never calls ``find()``.
 """
@@ -239,6 +240,18 @@ def scenario_sync_batchnorm(rank: int) -> dict[str, Any]:
     return {"raised": None}
 
 
+def scenario_fsdp(rank: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp()
+    fully_shard(model)
+    try:
+        batchfit.find(model, torch.randn(4, 128), rank_timeout=TIMEOUT_S)
+    except NotImplementedError as exc:
+        return {"raised": {"type": type(exc).__name__, "message": str(exc)}}
+    return {"raised": None}
+
+
 def scenario_settings(rank: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(mlp())
     try:
@@ -285,6 +298,7 @@ def run_rank(rank: int, out: str) -> None:
         record["interrupt"] = scenario_interrupt(rank)
         record["bucket_view"] = scenario_bucket_view(rank)
         record["sync_batchnorm"] = scenario_sync_batchnorm(rank)
+        record["fsdp"] = scenario_fsdp(rank)
         record["settings"] = scenario_settings(rank)
         record["absent"] = scenario_absent(rank)
     except BaseException:

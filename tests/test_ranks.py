@@ -123,6 +123,9 @@ def test_models_with_collectives_inside_forward_are_refused_not_hung(ranks: list
     for rank in (0, 1):
         raised = ranks[rank]["sync_batchnorm"]["raised"]
         assert raised["type"] == "NotImplementedError" and "SyncBatchNorm" in raised["message"]
+        raised = ranks[rank]["fsdp"]["raised"]
+        assert raised["type"] == "NotImplementedError" and "FSDPModule" in raised["message"]
+        assert "--nproc-per-trial" in raised["message"]  # where to go instead
 
 
 def test_torchrun_probe_writes_one_json_with_the_single_process_answer(tmp_path: Path) -> None:
@@ -162,6 +165,33 @@ def test_ctrl_c_on_torchrun_ends_every_rank_restored(tmp_path: Path) -> None:
     finally:
         launcher.kill()
     assert stderr.count("batchfit: error: interrupted (the model and optimizer were restored)") == 2, stderr[-3000:]
+
+
+def test_fsdp_runs_a_job_per_trial_and_a_rank_that_ooms_alone_ends_it(tmp_path: Path) -> None:
+    """FSDP2 with rank 1 out of memory in forward while rank 0 walks into the next all-gather:
+    the driver decides on rank 1's verdict and kills the job (no hang, well inside the timeout);
+    a rerun with the same trial log runs no job at all."""
+    log, out = tmp_path / "trials.jsonl", tmp_path / "fsdp.json"
+    command = [
+        sys.executable, "-m", "batchfit", "probe", str(TESTS / "fsdp_target.py") + ":build", "--nproc-per-trial", "2",
+        "--memory-limit", "16MiB", "--init-batch", "64", "--multiple-of", "64", "--max-batch", "128",
+        "--verify-steps", "0", "--trial-timeout", "60", "--trial-log", str(log), "--json", str(out), "-q",
+    ]  # fmt: skip
+    first = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["max_batch"], result["world_size"], result["boundary_reached"]) == (64, 2, True)
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [entry["batch_size"] for entry in entries] == [64, 128]
+    assert set(entries[0]["ranks"]) == {"0", "1"}  # both answered: 64 fits everywhere
+    assert set(entries[1]["ranks"]) == {"1"}  # rank 0 was inside a collective when the job was killed
+    assert "rank 1: OutOfMemoryError" in result["trials"][1]["message"]
+    out.unlink()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(out.read_text())["max_batch"] == 64
+    assert len(log.read_text().splitlines()) == 2  # resumed from the log: no new job
+    assert any("reused from the trial log" in note for note in json.loads(out.read_text())["notes"])
 
 
 # One process --------------------------------------------------------------------------------------
