@@ -183,10 +183,8 @@ class Group(Solo):
         interrupted = self._interrupts.take()
         said = max(status, INTERRUPTED if interrupted else OK)
         # One all-reduce in the common case: [worst status, meeting number, -meeting number].
-        flags = torch.tensor([said, self._meetings, -self._meetings], dtype=torch.int64)
         where = _PHASES.get(phase, phase) + ("" if batch_size is None else f" at batch size {batch_size}")
-        self._collective(where, lambda: self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX, group=self._group))
-        worst, latest, earliest = (int(v) for v in flags.tolist())
+        worst, latest, earliest = self._maximum(where, [said, self._meetings, -self._meetings])
         if latest != -earliest:
             raise RuntimeError(
                 f"batchfit: the ranks are out of step at {where} (meetings {-earliest} to {latest}): a rank ran a "
@@ -216,9 +214,17 @@ class Group(Solo):
         raise PeerOutOfMemory(oom, reports[oom][1])
 
     def any(self, flag: bool) -> bool:
-        value = torch.tensor([int(flag)], dtype=torch.int64)
-        self._collective("a check", lambda: self._dist.all_reduce(value, op=self._dist.ReduceOp.MAX, group=self._group))
-        return bool(value.item())
+        return bool(self._maximum("a check", [int(flag)])[0])
+
+    def _maximum(self, where: str, values: list[int]) -> list[int]:
+        """The element-wise maximum of ``values`` over the ranks."""
+
+        def reduce() -> list[int]:
+            flags = torch.tensor(values, dtype=torch.int64)  # made here: unseen by the meter too
+            self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX, group=self._group)
+            return [int(v) for v in flags.tolist()]
+
+        return self._collective(where, reduce)
 
     def smallest(self, value: int | None) -> int | None:
         values: list[Any] = [None] * self.world_size
@@ -237,14 +243,14 @@ class Group(Solo):
         out_of_memory, self._out_of_memory = self._out_of_memory, None
         return combine_trials(trials, out_of_memory)
 
-    def _collective(self, where: str, call: Any) -> None:
+    def _collective(self, where: str, call: Any) -> Any:
         """Run a control collective unseen by any dispatch mode (the CPU meter must not count
         the control tensors), turning a timeout into an error that says where it happened."""
         from torch.utils._python_dispatch import _disable_current_modes
 
         try:
             with _disable_current_modes(), torch.inference_mode(False):
-                call()
+                return call()
         except RuntimeError as exc:
             raise RanksTimeoutError(
                 f"rank {self.rank}: not every rank answered within {self.timeout_s:g} s at {where}; a rank is stuck in "
