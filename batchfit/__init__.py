@@ -15,9 +15,12 @@ from batchfit.version import __version__
 
 if TYPE_CHECKING:
     from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
+    from batchfit.estimate import estimate
     from batchfit.finder import Prober, find
     from batchfit.options import Options
+    from batchfit.plan import Plan, plan
     from batchfit.result import DeviceInfo, MemoryModel, PhaseLine, Result, Settings, Throughput, Trial
+    from batchfit.whatif import WhatIf, what_if
 
 _EXPORTS = {
     "BatchfitError": "batchfit.errors",
@@ -28,6 +31,11 @@ _EXPORTS = {
     "Options": "batchfit.options",
     "Prober": "batchfit.finder",
     "find": "batchfit.finder",
+    "estimate": "batchfit.estimate",
+    "Plan": "batchfit.plan",
+    "plan": "batchfit.plan",
+    "WhatIf": "batchfit.whatif",
+    "what_if": "batchfit.whatif",
     "DeviceInfo": "batchfit.result",
     "MemoryModel": "batchfit.result",
     "PhaseLine": "batchfit.result",
@@ -47,13 +55,18 @@ __all__ = [
     "NothingFitsError",
     "Options",
     "PhaseLine",
+    "Plan",
     "Prober",
     "Result",
     "Settings",
     "Throughput",
     "Trial",
+    "WhatIf",
     "__version__",
+    "estimate",
     "find",
+    "plan",
+    "what_if",
 ]
 
 

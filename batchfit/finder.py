@@ -329,34 +329,36 @@ class Prober:
     def fixed_advice(self) -> str | None:
         """What to say when not even the first batch fits and the memory that does not depend
         on the batch (weights, gradients, the optimizer's state) already exceeds the budget."""
-        budget = self.budget_bytes
         weights, trainable = self._parameter_bytes()
-        if self.mode != "train":
-            parts, fixed = f"the weights alone need {format_bytes(weights)}", weights
-        else:
-            # AdamW (the default, and the Adam family) keeps two moments per trainable parameter.
-            adam = self.options.optimizer is None or isinstance(
-                self._user_optimizer, (torch.optim.Adam, torch.optim.AdamW)
-            )
-            state = 2 * trainable if adam else 0
-            fixed = weights + trainable + state
-            parts = (
-                f"the weights ({format_bytes(weights)}), their gradients ({format_bytes(trainable)})"
-                + (f" and AdamW's two moments ({format_bytes(state)})" if state else "")
-                + f" alone need {format_bytes(fixed)}"
-            )
-        if budget is None or fixed <= budget:
-            return None
-        return (
-            f"{parts[0].upper()}{parts[1:]}, more than the budget: lowering init_batch cannot help. Raise "
-            "memory_limit, use a smaller model, or an optimizer with less state (SGD, or 8-bit/factored moments)."
-        )
+        return fixed_memory_advice(weights, trainable, self.mode, self.options.optimizer, self.budget_bytes)
 
     def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
         """The memory equation of ``trials``, in the unit the budget counts."""
         weights, trainable = self._parameter_bytes()
         grads = trainable if self.mode == "train" else 0
         return MemoryModel.fit(trials, weights, grads, self.optimizer_state_bytes, unit=self.counts)
+
+
+def fixed_memory_advice(weights: int, trainable: int, mode: str, optimizer: Any, budget: int | None) -> str | None:
+    """:meth:`Prober.fixed_advice` from the parameter bytes (shared with ``batchfit.estimate``)."""
+    if mode != "train":
+        parts, fixed = f"the weights alone need {format_bytes(weights)}", weights
+    else:
+        # AdamW (the default, and the Adam family) keeps two moments per trainable parameter.
+        adam = optimizer is None or isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        state = 2 * trainable if adam else 0
+        fixed = weights + trainable + state
+        parts = (
+            f"the weights ({format_bytes(weights)}), their gradients ({format_bytes(trainable)})"
+            + (f" and AdamW's two moments ({format_bytes(state)})" if state else "")
+            + f" alone need {format_bytes(fixed)}"
+        )
+    if budget is None or fixed <= budget:
+        return None
+    return (
+        f"{parts[0].upper()}{parts[1:]}, more than the budget: lowering init_batch cannot help. Raise "
+        "memory_limit, use a smaller model, or an optimizer with less state (SGD, or 8-bit/factored moments)."
+    )
 
 
 def _check_materialised(model: nn.Module, sample: Any) -> None:
@@ -638,6 +640,12 @@ def _verdict(trial: Trial, unit: Unit) -> search_mod.Attempt:
 
 
 def _settings(options: Options, prober: Prober, strategy: str) -> Settings:
+    return _settings_of(options, prober.limit_bytes, prober.limit_source, prober.reserve_bytes, strategy)
+
+
+def _settings_of(
+    options: Options, limit_bytes: int | None, limit_source: str, reserve_bytes: int, strategy: str
+) -> Settings:
     grid = options.grid()
     return Settings(
         mode=options.mode,
@@ -649,10 +657,10 @@ def _settings(options: Options, prober: Prober, strategy: str) -> Settings:
         verify_steps=options.verify_steps,
         headroom=float(options.headroom),
         strategy=strategy,
-        memory_limit_bytes=prober.limit_bytes,
-        limit_source=prober.limit_source,
+        memory_limit_bytes=limit_bytes,
+        limit_source=limit_source,
         time_budget_s=None if options.time_budget is None else float(options.time_budget),
-        reserve_bytes=prober.reserve_bytes,
+        reserve_bytes=reserve_bytes,
     )
 
 

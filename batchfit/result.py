@@ -393,6 +393,8 @@ class Result:
             keeps its headroom, in this unit.
         world_size: the ranks that probed together (``torchrun``, DDP); batch sizes are per
             rank, peaks the largest rank's, throughput the whole group's. 1 for one process.
+        estimated: the answer of :func:`batchfit.estimate` (fake tensors, no device), not of
+            real steps; ``assumptions`` says what it rests on.
     """
 
     max_batch: int
@@ -414,6 +416,8 @@ class Result:
     budget_counts: Unit = "allocated"
     throughput: Throughput | None = None
     world_size: int = 1
+    estimated: bool = False
+    assumptions: tuple[str, ...] = field(default=())
 
     @property
     def global_max_batch(self) -> int:
@@ -479,6 +483,11 @@ def render_text(result: Result) -> str:
     """A plain-text summary: headline numbers, the memory equation, one row per trial."""
     device = result.device
     lines = [
+        *(
+            ["ESTIMATE: no step ran on a device (batchfit.estimate); see the assumptions below"]
+            if result.estimated
+            else []
+        ),
         f"batchfit {result.batchfit_version} on {device.name or device.type}"
         f" (torch {result.torch_version}, {result.settings.mode}"
         f"{', amp ' + result.settings.amp if result.settings.amp else ''})",
@@ -519,6 +528,8 @@ def render_text(result: Result) -> str:
         )
     for note in result.notes:
         lines.append(f"note: {note}")
+    for assumption in result.assumptions:
+        lines.append(f"assumes: {assumption}")
     return "\n".join(lines)
 
 

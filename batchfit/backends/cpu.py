@@ -229,6 +229,9 @@ class LiveTensorMeter(Meter):
         return super().failure_bytes(message)
 
 
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
 class _DispatchObserver(TorchDispatchMode):
     """Hands every dispatched operation's outputs to a :class:`LiveTensorMeter`."""
 
@@ -240,6 +243,10 @@ class _DispatchObserver(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         meter = self._meter
+        if func is _LIFT_FRESH:
+            # torch.tensor(...) hands its new tensor to lift_fresh, which returns it as is: not an
+            # allocation the step made (under FakeTensorMode it returns a fake copy: no more one).
+            return out
         error = meter._over_limit(func, meter._observe(args, kwargs, out))
         if error is not None:
             # A real allocator never hands out the failing block: drop it before raising, so
