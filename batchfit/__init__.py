@@ -15,10 +15,10 @@ from batchfit.version import __version__
 
 if TYPE_CHECKING:
     from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
-    from batchfit.estimate import estimate
+    from batchfit.estimation import estimate
     from batchfit.finder import Prober, find
     from batchfit.options import Options
-    from batchfit.plan import Plan, plan
+    from batchfit.planning import Plan, plan
     from batchfit.result import DeviceInfo, MemoryModel, PhaseLine, Result, Settings, Throughput, Trial
     from batchfit.whatif import WhatIf, what_if
 
@@ -31,9 +31,9 @@ _EXPORTS = {
     "Options": "batchfit.options",
     "Prober": "batchfit.finder",
     "find": "batchfit.finder",
-    "estimate": "batchfit.estimate",
-    "Plan": "batchfit.plan",
-    "plan": "batchfit.plan",
+    "estimate": "batchfit.estimation",
+    "Plan": "batchfit.planning",
+    "plan": "batchfit.planning",
     "WhatIf": "batchfit.whatif",
     "what_if": "batchfit.whatif",
     "DeviceInfo": "batchfit.result",

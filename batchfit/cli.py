@@ -173,6 +173,16 @@ def _reserve(value: str) -> str:
     return value
 
 
+def _size(value: str) -> str:
+    try:
+        parse_reserve(value)  # a size or bytes, no fraction
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value.strip().lower() == "auto":
+        raise argparse.ArgumentTypeError("a size is needed here, such as 80GiB")
+    return value
+
+
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse ``type`` for integers >= ``minimum`` (1 for sizes, 0 for step counts)."""
 
@@ -323,8 +333,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="CI gate: exit 3 unless batch N fits within the limit; runs one trial at N, and a search below N "
         "only if it fails",
     )
+    probe.add_argument(
+        "--target-batch",
+        type=_positive_int,
+        metavar="N",
+        help="also print the plan for a global batch of N: micro-batch x gradient-accumulation steps (x ranks)",
+    )
     probe.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
     probe.set_defaults(handler=_probe)
+
+    estimate = commands.add_parser(
+        "estimate",
+        help="estimate the batch limits for a memory size, without the device (fake tensors, seconds)",
+        description=(
+            "Run the probe's search on fake tensors: the same steps, counted as the device would count them, "
+            "with no device and no memory used. Exit codes: 0 ok, 1 error, 2 usage or bad target, 3 nothing fits."
+        ),
+    )
+    estimate.add_argument("target", metavar="TARGET", help="package.module:attr or path/to/file.py:attr")
+    estimate.add_argument(
+        "--memory", required=True, type=_size, metavar="SIZE", help="the device's memory: 80GiB, 24GB"
+    )
+    estimate.add_argument(
+        "--device",
+        metavar="cuda|cpu",
+        help="what to estimate for: cuda (the caching allocator modelled; default) or cpu (live tensor bytes)",
+    )
+    estimate.add_argument(
+        "--reserve",
+        type=_size,
+        metavar="SIZE",
+        help="memory outside the allocator, taken off --memory (default on cuda: 512MiB for the context)",
+    )
+    estimate.add_argument("--amp", choices=("bf16", "fp16"), help="under autocast")
+    estimate.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
+    estimate.add_argument("--headroom", type=_fraction, default=0.10, help="fraction the safe batch leaves free")
+    estimate.add_argument("--max-batch", type=_positive_int, metavar="N", help="largest batch size to try")
+    estimate.add_argument("--multiple-of", type=_positive_int, default=1, metavar="N", help="only multiples of N")
+    estimate.add_argument(
+        "--what-if",
+        action="append",
+        metavar="OPTION",
+        help="also estimate under OPTION (repeatable): amp=bf16, amp=fp16, checkpointing, optimizer=sgd, "
+        "optimizer=adamw, optimizer=adafactor",
+    )
+    estimate.add_argument(
+        "--target-batch", type=_positive_int, metavar="N", help="also print the plan for global batch N"
+    )
+    estimate.add_argument("--json", metavar="PATH", help="write the estimate as JSON to PATH ('-' for stdout)")
+    estimate.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
+    estimate.set_defaults(handler=_estimate)
 
     devices = commands.add_parser("devices", help="list NVIDIA GPUs: memory, utilisation, processes (via NVML)")
     devices.add_argument("--json", metavar="PATH", help="write the device list as JSON to PATH ('-' for stdout)")
@@ -457,6 +515,8 @@ def _probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[boo
     else:
         view.summary(outcome)
         code = EXIT_OK
+        if args.target_batch is not None and leader:
+            print(_plan_line(outcome, args.target_batch), file=human)
     if args.json and leader:
         _write_json(args.json, outcome.to_json())
     return code
@@ -475,6 +535,85 @@ def _run_probe(args: argparse.Namespace, target: Target | None, kwargs: dict[str
     from batchfit.options import Options
 
     return find_with(target.model, target.sample, Options(**kwargs), **calls.kwargs())
+
+
+def _plan_line(result: Any, target_batch: int) -> str:
+    """The plan for ``--target-batch``, or why there is none (a target the ranks cannot share)."""
+    from batchfit.planning import plan_for
+
+    try:
+        return f"plan             {plan_for(result, target_batch)}"
+    except ValueError as exc:
+        return f"plan             none: {exc}"
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from batchfit.backends.simulated import DEFAULT_ESTIMATE_TARGET, estimate_target
+    from batchfit.errors import NothingFitsError
+    from batchfit.estimation import estimate
+    from batchfit.targets import TargetCallError, TargetError, load_target
+    from batchfit.view import summary_rows
+    from batchfit.whatif import OPTIONS, what_if
+
+    for option in args.what_if or ():
+        if option not in OPTIONS:
+            raise _UsageError(f"unknown --what-if {option!r}: choose from {', '.join(OPTIONS)}")
+    args.device = args.device or DEFAULT_ESTIMATE_TARGET
+    try:
+        estimate_target(args.device)
+    except ValueError as exc:
+        raise _UsageError(f"--device: {exc}") from None
+    _check_json_path(args.json)
+    human = sys.stderr if args.json == "-" else sys.stdout
+    try:
+        target = load_target(args.target)
+    except TargetError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except TargetCallError as exc:
+        _report_exception(exc, args.traceback, cause=True)
+        return EXIT_ERROR
+    kwargs: dict[str, Any] = {
+        **{k: v for k, v in target.extras.items() if k in ("optimizer", "loss_fn", "step_fn", "make_batch")},
+        "memory": args.memory,
+        "device": args.device,
+        "reserve": args.reserve,
+        "amp": args.amp,
+        "mode": args.mode,
+        "headroom": args.headroom,
+        "multiple_of": args.multiple_of,
+    }
+    if args.max_batch is not None:
+        kwargs["max_batch"] = args.max_batch
+    print(
+        f"batchfit {__version__}: estimating {args.target} ({args.mode}) for {args.device} with {args.memory}: "
+        "fake tensors, no device and no memory used",
+        file=human,
+    )
+    try:
+        result = estimate(target.model, target.sample, **kwargs)
+        table = what_if(target.model, target.sample, options=args.what_if, **kwargs) if args.what_if else None
+    except NothingFitsError as exc:
+        _error(str(exc))
+        return EXIT_DOES_NOT_FIT
+    except (TypeError, ValueError) as exc:
+        _error(_first_line(exc))
+        return EXIT_USAGE
+    except Exception as exc:
+        _report_exception(exc, args.traceback, cause=False)
+        return EXIT_ERROR
+    width = max(len(label) for label, _ in summary_rows(result))
+    for label, value in summary_rows(result):
+        print(f"{label:<{width}}  {value}", file=human)
+    for assumption in result.assumptions:
+        print(f"{'assumes':<{width}}  {assumption}", file=human)
+    if args.target_batch is not None:
+        print(_plan_line(result, args.target_batch), file=human)
+    if table is not None:
+        print(table, file=human)
+    if args.json:
+        _write_json(args.json, result.to_json())
+    return EXIT_OK
 
 
 def _run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], calls: _Calls) -> Any:

@@ -25,6 +25,7 @@ from torch.nn.parameter import is_lazy
 
 from batchfit import search as search_mod
 from batchfit.backends import Meter, backend_for, resolve_device
+from batchfit.compiled import compile_notes, compile_seconds, compiled_info
 from batchfit.errors import DeviceFailedError, NothingFitsError
 from batchfit.interrupts import InterruptGuard
 from batchfit.oom import annotate
@@ -81,6 +82,10 @@ class Prober:
         self.notes: list[str] = []
         #: What the trials call: the model itself, or the eager module inside a compiled one.
         self._run_model = self._runnable(model)
+        #: ``torch.compile`` settings of the model (``batchfit.compiled``), and whether trials run it compiled.
+        self.compiled = compiled_info(model)
+        self._runs_compiled = self.compiled is not None and self._run_model is model
+        self._compile_started = compile_seconds() if self.compiled is not None else 0.0
         self._raw_sample = sample
         self.limit_bytes, self.limit_source, self.reserve_bytes = self._resolve_limit()
         self.budget_bytes: int | None = None
@@ -199,6 +204,7 @@ class Prober:
             step_fn=options.step_fn,
             new_optimizer=self._new_optimizer,
             amp=options.amp,
+            dynamic_batch=self._runs_compiled,
         )
         if self.mode == "train" and not self._workload.trainable_parameters() and options.step_fn is None:
             raise ValueError(
@@ -300,6 +306,8 @@ class Prober:
             steps = self.options.steps_per_trial or self.verdict_steps
         else:
             steps = positive_int("steps", steps)
+        if self._runs_compiled:
+            steps = max(steps, 2)  # step 1 at a new shape may compile: the timed step must not
         self._interrupts.check()
         kept, self._optimizer = self._optimizer, None
         run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept, self.ranks)
@@ -313,6 +321,12 @@ class Prober:
     def ranks_notes(self) -> list[str]:
         """What the ranks have to say about this model (``batchfit.ranks``)."""
         return self.ranks.notes(self._run_model)
+
+    def compile_notes(self, trials: list[Trial]) -> list[str]:
+        """What to say about a ``torch.compile``'d model (``batchfit.compiled``)."""
+        seconds = compile_seconds() - self._compile_started if self.compiled is not None else 0.0
+        sizes = len({t.batch_size for t in trials})
+        return compile_notes(self.compiled, sizes, self._runs_compiled, seconds)
 
     @property
     def verdict_steps(self) -> int:
@@ -340,7 +354,7 @@ class Prober:
 
 
 def fixed_memory_advice(weights: int, trainable: int, mode: str, optimizer: Any, budget: int | None) -> str | None:
-    """:meth:`Prober.fixed_advice` from the parameter bytes (shared with ``batchfit.estimate``)."""
+    """:meth:`Prober.fixed_advice` from the parameter bytes (shared with ``batchfit.estimation``)."""
     if mode != "train":
         parts, fixed = f"the weights alone need {format_bytes(weights)}", weights
     else:
@@ -540,7 +554,7 @@ def search_with(
     """The search, the safe batch and the :class:`Result`, over any ``prober`` that does what
     :class:`Prober` does (a context manager with ``trial()``, ``budget_bytes``, ``counts``,
     ``device_info``, ``notes``, ``ranks``, ``memory_model()``, ``fixed_advice()``,
-    ``ranks_notes()`` and the limit's ``limit_bytes`` / ``limit_source`` / ``reserve_bytes``):
+    ``ranks_notes()``, ``compile_notes()`` and the limit's ``limit_bytes`` / ``limit_source`` / ``reserve_bytes``):
     :class:`Prober` here, a job per trial in ``batchfit.relaunch``. ``started``: the
     ``time.monotonic()`` the answer's time counts from."""
     grid, chooser = options.grid(), options.make_strategy()
@@ -608,6 +622,7 @@ def search_with(
         notes=tuple(
             [
                 *prober.notes,
+                *prober.compile_notes(trials),
                 *_ranks_notes(prober),
                 *safe_notes,
                 *_trial_notes(trials, report),

@@ -236,6 +236,9 @@ class JobPerTrial:
     def fixed_advice(self) -> str | None:
         return self._facts.get("fixed_advice")
 
+    def compile_notes(self, trials: list[Trial]) -> list[str]:
+        return []  # each job's rank says nothing back about compilation
+
     def ranks_notes(self) -> list[str]:
         return [
             f"every trial ran as a fresh job of {self.ranks.world_size} ranks ({self.jobs} job(s) started): the "

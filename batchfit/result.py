@@ -496,9 +496,9 @@ def render_text(result: Result) -> str:
         f"max batch          {result.max_batch}"
         + ("" if result.boundary_reached else f"  (boundary not reached: {result.stop_reason})"),
         f"safe batch         {result.safe_batch}  ({result.settings.headroom:.0%} headroom, "
-        + ("verified" if result.safe_verified else "NOT verified")
+        + (("checked on fake steps" if result.estimated else "verified") if result.safe_verified else "NOT verified")
         + ")",
-        f"best throughput    {result.best_throughput_batch}",
+        f"best throughput    {'not measured (estimate)' if result.estimated else result.best_throughput_batch}",
     ]
     if result.world_size > 1:
         lines.append(

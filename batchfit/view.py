@@ -150,14 +150,18 @@ def summary_rows(result: Result) -> list[tuple[str, str]]:
         else f"  (boundary not reached: {result.stop_reason})"
     )
     rate = f"  ({best.samples_per_s:,.1f} samples/s)" if best and best.samples_per_s else ""
+    checked = "checked on fake steps" if result.estimated else f"verified over {settings.verify_steps} steps"
     rows = [
         ("max batch", f"{result.max_batch}{max_note}"),
         (
             "safe batch",
             f"{result.safe_batch}  (leaves {settings.headroom:.0%} headroom; "
-            + (f"verified over {settings.verify_steps} steps)" if result.safe_verified else "NOT verified)"),
+            + (f"{checked})" if result.safe_verified else "NOT verified)"),
         ),
-        ("best throughput", f"{result.best_throughput_batch}{rate}"),
+        (
+            "best throughput",
+            "not measured: an estimate times nothing" if result.estimated else f"{result.best_throughput_batch}{rate}",
+        ),
     ]
     if result.world_size > 1:
         rows.append(

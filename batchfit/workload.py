@@ -195,16 +195,23 @@ class Workload:
     step_fn: StepFn | None
     new_optimizer: OptimizerFactory
     amp: str | None
+    #: Mark dim 0 of every batch dynamic for ``torch.compile`` (``batchfit.compiled``).
+    dynamic_batch: bool = False
 
     def build_batch(self, batch_size: int) -> Any:
         """A batch of ``batch_size`` on the probe's device."""
         if self.make_batch is None:
             assert self.sample_size is not None
-            return tile(self.sample, batch_size, self.sample_size)
-        batch = to_device(self.make_batch(batch_size), self.device)
-        got = batch_size_of(batch, f"make_batch({batch_size})")
-        if got != batch_size:
-            raise ValueError(f"make_batch({batch_size}) returned a batch of size {got}")
+            batch = tile(self.sample, batch_size, self.sample_size)
+        else:
+            batch = to_device(self.make_batch(batch_size), self.device)
+            got = batch_size_of(batch, f"make_batch({batch_size})")
+            if got != batch_size:
+                raise ValueError(f"make_batch({batch_size}) returned a batch of size {got}")
+        if self.dynamic_batch:
+            from batchfit.compiled import mark_batch_dynamic
+
+            mark_batch_dynamic(batch)
         return batch
 
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -1,4 +1,4 @@
-"""``batchfit.plan``: a target global batch as ranks x micro-batch x accumulation steps.
+"""``batchfit.plan()`` (``batchfit.planning``): a target global batch as ranks x micro-batch x accumulation steps.
 
 The rule tests start from a real probe's result (a tiny MLP under a 2 MiB CPU limit) and swap in
 hand-made trials, safe batches and rank counts with ``dataclasses.replace``, so every rule is pinned
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import batchfit
-from batchfit.plan import Plan, plan, plan_for
+from batchfit.planning import Plan, plan, plan_for
 from batchfit.result import Result, Trial
 
 

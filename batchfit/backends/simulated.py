@@ -1,4 +1,4 @@
-"""A meter that models CUDA memory from a trace on fake CPU tensors (for ``batchfit.estimate``).
+"""A meter that models CUDA memory from a trace on fake CPU tensors (for ``batchfit.estimation``).
 
 It is the live-tensor meter (``batchfit.backends.cpu``), which sees every storage a step creates
 and frees, with each creation and release also handed to a model of PyTorch's CUDA caching
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -125,3 +126,57 @@ class SimulatedCudaMeter(LiveTensorMeter):
         # Between trials a probe empties the cache (``Backend.empty_cache``): so does the model.
         with self._lock:
             self.allocator.empty_cache()
+
+
+# What an estimate is for ------------------------------------------------------------------------
+#: What the CUDA context takes outside the caching allocator when nobody says (an assumption).
+CUDA_CONTEXT_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class EstimateTarget:
+    """A device kind an estimate can be for: the unit its budget counts, the meter that counts
+    a fake trace as that device would, what lives outside its allocator by default, and the
+    assumptions the result must list."""
+
+    name: str
+    counts: Unit
+    outside_allocator_bytes: int
+    assumptions: tuple[str, ...]
+    amp_assumption: str | None
+
+    def make_meter(self, budget_bytes: int, tensors: Iterable[torch.Tensor]) -> LiveTensorMeter:
+        if self.counts == "reserved":
+            return SimulatedCudaMeter(budget_bytes, tensors)
+        return LiveTensorMeter(budget_bytes, None, tensors=tensors)
+
+
+ESTIMATE_TARGETS: dict[str, EstimateTarget] = {
+    "cpu": EstimateTarget("cpu", "allocated", 0, (), None),
+    "cuda": EstimateTarget(
+        "cuda",
+        "reserved",
+        CUDA_CONTEXT_BYTES,
+        (
+            "CUDA memory is modelled, not measured: the caching allocator's rounding (512 B) and segments "
+            "(2 MiB for requests up to 1 MiB, 20 MiB up to 10 MiB, larger ones rounded to 2 MiB), the budget "
+            "counting reserved bytes",
+            f"cuBLAS workspaces: {CUBLAS_HANDLES} x {format_bytes(CUBLAS_WORKSPACE_BYTES)} (forward and backward "
+            "threads, sm90 sizes) held by the allocator",
+            "the step's operators and their saved tensors are the CPU's (kernels that keep other tensors on "
+            "CUDA, such as fused attention's, are not modelled)",
+        ),
+        "the CPU's autocast casting rules, which cast fewer operators than CUDA's",
+    ),
+}
+#: What ``batchfit estimate`` estimates for when nobody says: the device people rent.
+DEFAULT_ESTIMATE_TARGET = "cuda"
+
+
+def estimate_target(name: str) -> EstimateTarget:
+    """The target called ``name``; ``ValueError`` naming the known ones."""
+    try:
+        return ESTIMATE_TARGETS[name]
+    except (KeyError, TypeError):
+        known = ", ".join(repr(k) for k in ESTIMATE_TARGETS)
+        raise ValueError(f"device must be one of {known} for an estimate, got {name!r}") from None

@@ -13,15 +13,16 @@ How the parts fit:
   :func:`~batchfit.finder.search_with`. It swaps fake parameters and buffers into the model's slots
   (tied weights stay tied) and puts the originals back afterwards: the user's tensors are never
   read, copied or moved, so a model on the ``meta`` device works too.
-* The target device decides the meter. ``"cpu"``: the live-tensor meter and its limit.
-  ``"cuda"``: the same trace fed to a model of the CUDA caching allocator
+* The target device decides the meter (``batchfit.backends.simulated.ESTIMATE_TARGETS``). The
+  CPU: the live-tensor meter and its limit. CUDA: the same trace fed to a model of its caching allocator
   (``batchfit.allocator_model``: 512-byte rounding, 2 MiB / 20 MiB segments, cached blocks), the
   budget counting reserved bytes as a real CUDA probe does, with the fixed costs that live beside
   the model (the cuBLAS workspaces, the CUDA context) as stated assumptions. The trace itself runs
   on the CPU: fake CUDA tensors cannot run autograd on a CPU-only build of torch.
 * Models that do data-dependent work (``.item()``, ``nonzero``, masks checked on their values) stop
-  a fake trace. Then real CPU steps at three small sizes under the live meter give the memory
-  lines, and the answer is read off them, marked as extrapolated: never a crash, never a silent
+  a fake trace. Then a real probe runs on the CPU under the live meter, capped at
+  :data:`FALLBACK_CAP` of live tensors: within the cap it is the answer; above it the answer is
+  read off the real trials' memory lines, marked as extrapolated: never a crash, never a silent
   guess.
 
 Nothing here is timed: a fake step's wall time means nothing, so an estimate has no throughput.
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from batchfit.backends.cpu import LiveTensorMeter
+from batchfit.backends.simulated import ESTIMATE_TARGETS, EstimateTarget, estimate_target
 from batchfit.errors import NothingFitsError
 from batchfit.oom import first_line
 from batchfit.options import DEFAULT_MAX_BATCH, Options, positive_int
@@ -52,10 +54,10 @@ from batchfit.workload import Workload, batch_size_of, optimizer_factory, tensor
 __all__ = ["TARGETS", "FakeProbe", "Untraceable", "estimate"]
 
 #: The devices an estimate can be for.
-TARGETS = ("cpu", "cuda")
+TARGETS = tuple(ESTIMATE_TARGETS)
 
-#: Sizes of the real steps a model that cannot be traced on fake tensors falls back to.
-FALLBACK_SIZES = (2, 4, 8)
+#: Live tensor bytes the real CPU steps of the fallback may use (see :func:`_extrapolate`).
+FALLBACK_CAP = 256 * 2**20
 
 
 class Untraceable(Exception):
@@ -129,11 +131,14 @@ class _FakeWorkload(Workload):
 class FakeProbe:
     """Trials on fake tensors for :func:`~batchfit.finder.search_with` (see the module docs)."""
 
-    def __init__(self, model: nn.Module, sample: Any, options: Options, target: str, budget_bytes: int) -> None:
+    def __init__(
+        self, model: nn.Module, sample: Any, options: Options, target: EstimateTarget, budget_bytes: int
+    ) -> None:
         self.options = options
         self.mode = options.mode
         self.target = target
         self.ranks = Solo()
+        self._compiled = model
         self._model = getattr(model, "_orig_mod", model)  # a compiled model is traced eagerly
         self._sample = sample
         self._sample_size = batch_size_of(sample) if sample is not None else None
@@ -141,8 +146,8 @@ class FakeProbe:
         self.limit_bytes: int | None = budget_bytes
         self.limit_source = "memory"
         self.reserve_bytes = 0
-        self.counts: Unit = "reserved" if target == "cuda" else "allocated"
-        self.device_info = DeviceInfo(type=target, name=f"estimate for {target}", total_bytes=None)
+        self.counts: Unit = target.counts
+        self.device_info = DeviceInfo(type=target.name, name=f"estimate for {target.name}", total_bytes=None)
         self.notes: list[str] = []
         self.optimizer_state_bytes = 0
         self.meter: LiveTensorMeter | None = None
@@ -160,6 +165,10 @@ class FakeProbe:
             stack.callback(torch.random.set_rng_state, rng)
             self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
             stack.enter_context(_Swap(self._model, self._fake_mode))
+            # As a probe does: train() for training, eval() for inference, the flags put back after.
+            flags = [(module, module.training) for module in self._model.modules()]
+            stack.callback(lambda: [setattr(module, "training", flag) for module, flag in flags])
+            self._model.train(self.mode == "train")
             with self._fake_mode:
                 sample = _fake_sample(self._sample) if self._sample is not None else None
             self._workload = _FakeWorkload(
@@ -174,8 +183,10 @@ class FakeProbe:
                 new_optimizer=optimizer_factory(self.options.optimizer),
                 amp=self.options.amp,
             )
+            budget = self.budget_bytes
+            assert budget is not None
             held = [*self._model.parameters(), *self._model.buffers()] + [t for _, t in tensor_leaves(sample, "s")]
-            self.meter = _meter_for(self.target, self.budget_bytes, held)
+            self.meter = self.target.make_meter(budget, held)
             stack.enter_context(self.meter.active())
         except BaseException:
             stack.close()
@@ -208,7 +219,7 @@ class FakeProbe:
             with self._fake_mode:
                 run = run_trial(self._workload, self.meter, batch_size, steps, kind, None, kept)
         except _fake_errors() as exc:
-            raise Untraceable(f"{type(exc).__name__}: {first_line(exc)}") from exc
+            raise Untraceable(first_line(exc)) from exc
         del kept
         self._optimizer = run.optimizer
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
@@ -229,19 +240,23 @@ class FakeProbe:
     def ranks_notes(self) -> list[str]:
         return []
 
+    def compile_notes(self, trials: list[Trial]) -> list[str]:
+        from batchfit.compiled import compiled_info
+
+        info = compiled_info(self._compiled)
+        if info is None:
+            return []
+        return [
+            "the torch.compile'd model was traced as its eager module (fake tensors cannot run compiled code); "
+            "compiled code can use less memory (fused kernels keep fewer intermediates)"
+            + ("; it was compiled with dynamic=False, which recompiles per batch size" if info.dynamic is False else "")
+        ]
+
 
 def _parameter_bytes(model: nn.Module) -> tuple[int, int]:
     params = list(dict.fromkeys(model.parameters()))
     weights = sum(p.numel() * p.element_size() for p in params)
     return weights, sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-
-
-def _meter_for(target: str, budget_bytes: int, held: list[torch.Tensor]) -> LiveTensorMeter:
-    if target == "cuda":
-        from batchfit.backends.simulated import SimulatedCudaMeter
-
-        return SimulatedCudaMeter(budget_bytes, held)
-    return LiveTensorMeter(budget_bytes, None, tensors=held)
 
 
 def estimate(
@@ -272,9 +287,9 @@ def estimate(
 
     Args:
         memory: the device's memory: bytes or a size (``"80GiB"``, ``"24GB"``).
-        device: ``"cpu"`` (the live-tensor meter's count, equal to what ``find()`` measures on the
-            CPU under ``memory_limit=memory``) or ``"cuda"`` (the caching allocator's reserved
-            bytes, modelled; see the assumptions in the result).
+        device: what to estimate for (:data:`TARGETS`): the CPU (the live-tensor meter's count,
+            equal to what ``find()`` measures there under ``memory_limit=memory``; the default)
+            or CUDA (the caching allocator's reserved bytes, modelled; see the assumptions).
         reserve: taken off ``memory`` for what lives outside the allocator. Default: nothing on
             the CPU; on CUDA 512 MiB for the CUDA context (an assumption, stated).
         The rest: as :func:`batchfit.find`.
@@ -285,14 +300,15 @@ def estimate(
         A model that cannot be traced on fake tensors is not an error: see the module docs.
     """
     started = time.monotonic()
-    if device not in TARGETS:
-        raise ValueError(f"device must be one of {', '.join(map(repr, TARGETS))} for an estimate, got {device!r}")
+    target = estimate_target(device)
     if isinstance(memory, float) or not isinstance(memory, (int, str)):
         raise TypeError(f"memory must be bytes or a size such as '80GiB', got {type(memory).__name__} {memory!r}")
     total = parse_memory_limit(memory, None)
-    assumptions = _assumptions(device, amp)
+    assumptions = _assumptions(target, amp)
     if reserve is None:
-        kept_aside = CUDA_CONTEXT_BYTES if device == "cuda" else 0
+        kept_aside = target.outside_allocator_bytes
+    elif reserve in (0, "0"):
+        kept_aside = 0  # nothing outside the allocator: the whole memory is the budget
     else:
         parsed = parse_reserve(reserve)
         if parsed == "auto":
@@ -323,14 +339,11 @@ def estimate(
     from batchfit.finder import search_with
 
     try:
-        probe = FakeProbe(model, sample, options, device, budget)
+        probe = FakeProbe(model, sample, options, target, budget)
         result = search_with(probe, options, started, callback=callback)
     except Untraceable as untraceable:
-        result = _extrapolate(model, sample, options, budget, untraceable, started)
-        assumptions.append(
-            f"extrapolated from real CPU steps at batch {', '.join(map(str, FALLBACK_SIZES))}: the model does "
-            f"data-dependent work that fake tensors cannot trace ({untraceable})"
-        )
+        result, said = _extrapolate(model, sample, options, budget, untraceable, started)
+        assumptions.append(said)
     return replace(
         result,
         device=replace(result.device, name=f"estimate for {device}", total_bytes=total),
@@ -340,26 +353,11 @@ def estimate(
     )
 
 
-#: What the CUDA context takes outside the caching allocator when nobody says (an assumption).
-CUDA_CONTEXT_BYTES = 512 * 2**20
-
-
-def _assumptions(device: str, amp: str | None) -> list[str]:
+def _assumptions(target: EstimateTarget, amp: str | None) -> list[str]:
     said = ["traced on fake tensors: no step ran, no memory was used; nothing is timed, so no throughput"]
-    if device == "cuda":
-        from batchfit.backends.simulated import CUBLAS_HANDLES, CUBLAS_WORKSPACE_BYTES
-
-        said += [
-            "CUDA memory is modelled, not measured: the caching allocator's rounding (512 B) and segments "
-            "(2 MiB for requests up to 1 MiB, 20 MiB up to 10 MiB, larger ones rounded to 2 MiB), the budget "
-            "counting reserved bytes",
-            f"cuBLAS workspaces: {CUBLAS_HANDLES} x {format_bytes(CUBLAS_WORKSPACE_BYTES)} (forward and backward "
-            "threads, sm90 sizes) held by the allocator",
-            "the step's operators and their saved tensors are the CPU's (kernels that keep other tensors on "
-            "CUDA, such as fused attention's, are not modelled)",
-        ]
-        if amp is not None:
-            said.append(f"amp {amp}: the CPU's autocast casting rules, which cast fewer operators than CUDA's")
+    said += target.assumptions
+    if amp is not None and target.amp_assumption:
+        said.append(f"amp {amp}: {target.amp_assumption}")
     return said
 
 
@@ -372,54 +370,54 @@ def _check_input(model: nn.Module, sample: Any, options: Options) -> None:
 
 def _extrapolate(
     model: nn.Module, sample: Any, options: Options, budget: int, why: Untraceable, started: float
-) -> Result:
-    """Real CPU steps at :data:`FALLBACK_SIZES` (no limit), their memory lines, the answer read
-    off them: the fallback for models fake tensors cannot trace."""
-    from batchfit.finder import Prober
+) -> tuple[Result, str]:
+    """The fallback for models fake tensors cannot trace: a real probe on the CPU under
+    ``min(budget, FALLBACK_CAP)`` of live tensors. Under the cap that *is* the answer (for the
+    CPU); above it, the answer is read off the memory lines of the real trials, which reach sizes
+    where the per-sample bytes show (a few small sizes would see only the fixed costs). Returns
+    the result and the assumption that says which it was."""
+    from batchfit.finder import find_with
 
     if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
         raise ValueError(
             f"the model does data-dependent work that fake tensors cannot trace ({why}), and its weights are on the "
             "meta device, so no real step can run instead: build it with real weights on the CPU"
         ) from None
-    real = replace(options, memory_limit=None, steps_per_trial=2, verify_steps=0)
-    trials: list[Trial] = []
-    with Prober(model, sample, options=real) as prober:
-        for size in FALLBACK_SIZES:
-            trials.append(prober.trial(size, steps=2, fresh_optimizer=True))
-        memory = prober.memory_model(trials)
-        device_info = prober.device_info
-    grid = options.grid()
+    cap = min(budget, FALLBACK_CAP)
+    real = find_with(model, sample, replace(options, memory_limit=cap, distributed=False))
+    trials = tuple(replace(t, step_time_s=None, samples_per_s=None, step_times_s=()) for t in real.trials)
+    untimed = replace(real, trials=trials, throughput=None)
+    if cap == budget:
+        return untimed, (
+            f"ran real CPU steps under the live-tensor meter instead: the model does data-dependent work that fake "
+            f"tensors cannot trace ({why})"
+        )
+    memory = real.memory
     if memory is None:
-        raise NothingFitsError(FALLBACK_SIZES[0], None, budget, None, "no two sizes ran to fit memory lines")
-    largest = grid.floor(memory.largest_batch_within(budget, ceiling=grid.top))
-    if largest < grid.init:
-        raise NothingFitsError(grid.init, memory.predict(grid.init), budget, None, None, None)
+        raise NothingFitsError(real.max_batch, None, budget, None, "fewer than two sizes fitted to fit memory lines")
+    grid = options.grid()
+    largest = max(real.max_batch, grid.floor(memory.largest_batch_within(budget, ceiling=grid.top)))
     safe = max(grid.init, grid.floor(memory.largest_batch_within(budget * (1 - options.headroom), ceiling=largest)))
-    from batchfit.finder import _settings_of
-
-    return Result(
+    sizes = sorted({t.batch_size for t in real.trials if t.fits})
+    result = replace(
+        untimed,
         max_batch=largest,
         safe_batch=safe,
         best_throughput_batch=largest,
         budget_bytes=budget,
         boundary_reached=False,
         stop_reason="stopped",
-        non_monotone=False,
         safe_verified=False,
-        trials=tuple(replace(t, step_time_s=None, samples_per_s=None, step_times_s=()) for t in trials),
-        memory=memory,
-        device=device_info,
-        settings=_settings_of(options, budget, "memory", 0, "extrapolate"),
-        elapsed_s=time.monotonic() - started,
-        torch_version=torch.__version__,
-        batchfit_version=_version(),
         notes=(
+            *real.notes,
             f"max and safe batch are read off the memory line {format_bytes(memory.fixed_bytes)} + "
-            f"{format_bytes(memory.per_sample_bytes)} x batch fitted to real CPU steps at "
-            f"{', '.join(map(str, FALLBACK_SIZES))}: no size near them ran",
+            f"{format_bytes(memory.per_sample_bytes)} x batch fitted to real CPU steps up to batch {sizes[-1]} "
+            f"(under {format_bytes(cap)}): no size near the answer ran",
         ),
-        budget_counts="allocated",
+    )
+    return result, (
+        f"extrapolated from real CPU steps at batch {', '.join(map(str, sizes))} (live tensors up to "
+        f"{format_bytes(cap)}): the model does data-dependent work that fake tensors cannot trace ({why})"
     )
 
 

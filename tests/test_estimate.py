@@ -1,0 +1,436 @@
+"""estimate(): find()'s answer traced on fake tensors, checked against find() on real models."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import batchfit
+from batchfit import examples
+
+MiB = 2**20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """Real steps (find(), the fallback) on one thread: memory does not depend on it, and on a
+    2-core machine shared with other jobs two spinning threads per step are many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# Models ------------------------------------------------------------------------------------------
+def _hf_sample() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _tiny_gpt2() -> tuple[nn.Module, Any]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
+    return transformers.GPT2LMHeadModel(config), _hf_sample()
+
+
+def _tiny_llama() -> tuple[nn.Module, Any]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+        max_position_embeddings=128,
+    )
+    return transformers.LlamaForCausalLM(config), _hf_sample()
+
+
+def _tiny_bert() -> tuple[nn.Module, Any]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        num_labels=2,
+    )
+    ids = _hf_sample()["input_ids"]
+    sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1])}
+    return transformers.BertForSequenceClassification(config), sample
+
+
+def _tiny_bert_padded() -> tuple[nn.Module, Any]:
+    # A padded position: transformers keeps the attention mask on real tensors too (with an all-ones
+    # mask it drops it after checking the values, which a fake trace cannot do; see below).
+    model, sample = _tiny_bert()
+    sample["attention_mask"][:, -1] = 0
+    return model, sample
+
+
+# name: (factory, memory). The HF models are built from a config: nothing is downloaded.
+EXACT: dict[str, tuple[Callable[[], tuple[nn.Module, Any]], str]] = {
+    "mlp": (examples.mlp, "32MiB"),
+    "cnn": (examples.cnn, "64MiB"),
+    "gpt": (examples.gpt, "64MiB"),
+    "hf-gpt2": (_tiny_gpt2, "128MiB"),
+    "hf-llama": (_tiny_llama, "128MiB"),
+    "hf-bert-padded": (_tiny_bert_padded, "64MiB"),
+}
+
+
+@functools.cache
+def _find_and_estimate(name: str) -> tuple[batchfit.Result, batchfit.Result]:
+    """find() and estimate() of one model at one memory size (cached: several tests read them)."""
+    factory, memory = {**EXACT, "hf-bert": (_tiny_bert, "64MiB")}[name]
+    model, sample = factory()
+    found = batchfit.find(model, sample, memory_limit=memory)
+    model, sample = factory()
+    return found, batchfit.estimate(model, sample, memory=memory)
+
+
+def _memory_record(trial: batchfit.Trial) -> tuple[Any, ...]:
+    """Everything a trial says about memory and outcome (not its timing)."""
+    return (
+        trial.batch_size,
+        trial.kind,
+        trial.fits,
+        trial.phase,
+        trial.steps,
+        trial.peak_bytes,
+        trial.phase_peaks,
+        trial.reserved_peak_bytes,
+        trial.phase_reserved_peaks,
+        trial.leaked_bytes,
+    )
+
+
+class ItemGate(nn.Module):
+    """Takes a branch on an activation's value (``.item()``): fake tensors have no value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(256, 512)
+        self.drop = nn.Dropout(0.1)
+        self.out = nn.Linear(512, 10)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.inp(x))
+        if h.sum().item() > 0:
+            h = torch.relu(h)
+        return self.out(h)
+
+
+class MaskSelect(nn.Module):
+    """Selects the positive activations (``x[x > 0]``): an output shape that depends on values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(256, 512)
+        self.out = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(h).sum() + h[h > 0].sum()
+
+
+DATA_DEPENDENT = {
+    "item": (ItemGate, "DataDependentOutputException"),
+    "nonzero": (MaskSelect, "DynamicOutputShapeException"),
+}
+
+
+# 1. On the CPU the estimate is find()'s measurement, byte for byte ---------------------------------
+@pytest.mark.parametrize("name", list(EXACT))
+def test_cpu_estimate_equals_find_byte_for_byte(name: str) -> None:
+    found, estimated = _find_and_estimate(name)
+    assert found.boundary_reached and found.max_batch > 4, f"{name}: pick a memory size with a real boundary"
+
+    assert estimated.max_batch == found.max_batch
+    assert estimated.safe_batch == found.safe_batch
+    assert estimated.budget_bytes == found.budget_bytes
+    assert estimated.boundary_reached and estimated.stop_reason == found.stop_reason
+    assert [_memory_record(t) for t in estimated.trials] == [_memory_record(t) for t in found.trials]
+    assert estimated.memory == found.memory
+
+
+def test_a_model_left_in_eval_mode_is_estimated_as_it_trains() -> None:
+    """find() trains with train() on (dropout and all); so does the estimate, and the flags come back."""
+    model, sample = examples.gpt()
+    model.eval()
+    estimate = batchfit.estimate(model, sample, memory="64MiB")
+    assert not model.training and not any(m.training for m in model.modules())
+    real = batchfit.find(model, sample, memory_limit="64MiB")
+    assert [(t.batch_size, t.peak_bytes) for t in estimate.trials] == [
+        (t.batch_size, t.peak_bytes) for t in real.trials
+    ]
+
+
+def test_bert_estimate_is_within_one_percent_of_find() -> None:
+    # With an all-ones attention mask the real step drops the mask after looking at its values;
+    # the fake trace cannot look and keeps it (a bool batch x 128 x 128: 16 KiB a sample), so the
+    # estimate is a little above find() (+0.57% at the boundary), on the safe side.
+    found, estimated = _find_and_estimate("hf-bert")
+    assert found.boundary_reached
+    assert estimated.max_batch == found.max_batch
+    assert [(t.batch_size, t.kind, t.fits) for t in estimated.trials] == [
+        (t.batch_size, t.kind, t.fits) for t in found.trials
+    ]
+    for real, fake in zip(found.trials, estimated.trials):
+        assert real.peak_bytes is not None and fake.peak_bytes is not None
+        assert real.peak_bytes <= fake.peak_bytes <= 1.01 * real.peak_bytes, (real.batch_size, real.kind)
+
+
+# 2. The result says it is an estimate -------------------------------------------------------------
+def test_the_result_says_it_is_an_estimate() -> None:
+    found, estimated = _find_and_estimate("gpt")
+    assert estimated.estimated is True and found.estimated is False
+    assert estimated.assumptions and not found.assumptions
+    assert "ESTIMATE" in str(estimated).splitlines()[0]
+    assert "ESTIMATE" not in str(found)
+    assert all(f"assumes: {line}" in str(estimated) for line in estimated.assumptions)
+    assert all(t.samples_per_s is None and t.step_time_s is None and t.step_times_s == () for t in estimated.trials)
+    assert estimated.throughput is None and found.throughput is not None
+    assert estimated.device.name == "estimate for cpu"
+    assert estimated.device.total_bytes == 64 * MiB
+
+    again = batchfit.Result.from_json(estimated.to_json())
+    assert again.estimated is True and again.assumptions == estimated.assumptions
+
+
+# 3. The model is left as it was -------------------------------------------------------------------
+def _prepared(name: str) -> tuple[nn.Module, Any]:
+    if name == "fallback":  # real CPU steps (the fallback): dropout draws random numbers
+        torch.manual_seed(0)
+        model: nn.Module = ItemGate()
+        sample: Any = torch.randn(4, 256)
+    else:
+        model, sample = {"gpt": examples.gpt, "cnn": examples.cnn}[name]()
+    # Gradients from an earlier step, a frozen parameter and mixed train/eval flags: all must stay.
+    first = next(model.parameters())
+    first.requires_grad_(False)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.randn_like(param)
+    model.train()
+    list(model.children())[-1].eval()
+    return model, sample
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn", "fallback"])
+def test_the_model_is_left_untouched(name: str) -> None:
+    model, sample = _prepared(name)
+    slots = dict(model.state_dict(keep_vars=True))
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    grad_values = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    flags = {n: m.training for n, m in model.named_modules()}
+    requires = {n: p.requires_grad for n, p in model.named_parameters()}
+    values = copy.deepcopy(model)
+    torch.manual_seed(1234)
+    rng = torch.random.get_rng_state()
+
+    result = batchfit.estimate(model, sample, memory="16MiB", max_batch=256)
+
+    assert result.max_batch >= 2
+    assert any("ran real CPU steps" in line for line in result.assumptions) == (name == "fallback")
+    assert torch.equal(torch.random.get_rng_state(), rng), "the CPU RNG state changed"
+    after = dict(model.state_dict(keep_vars=True))
+    assert after.keys() == slots.keys()
+    for key, tensor in slots.items():
+        assert after[key] is tensor, f"{key} was replaced"
+    for key, tensor in values.state_dict(keep_vars=True).items():
+        assert torch.equal(after[key], tensor), f"{key} changed"
+        assert after[key].device == tensor.device and after[key].dtype == tensor.dtype
+    for param_name, param in model.named_parameters():
+        if name != "fallback":  # real steps (find's Prober) put back a copy of each gradient
+            assert param.grad is grads[param_name], f"the gradient of {param_name} was replaced"
+        assert (param.grad is None) == (grads[param_name] is None)
+        if param.grad is not None:
+            assert torch.equal(param.grad, grad_values[param_name]), f"the gradient of {param_name} changed"
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == requires
+    assert {n: m.training for n, m in model.named_modules()} == flags
+    if name == "gpt":
+        assert model.head.weight is model.token.weight, "the tied weight came apart"
+
+
+# 4. A model on the meta device --------------------------------------------------------------------
+def test_a_meta_model_estimates_as_its_real_twin() -> None:
+    real, sample = examples.gpt()
+    with torch.device("meta"):
+        meta = examples.GPT(vocab_size=512, seq_len=64, d_model=128, n_layers=2, n_heads=4)
+    on_meta = batchfit.estimate(meta, sample, memory="64MiB")
+    with_weights = batchfit.estimate(real, sample, memory="64MiB")
+
+    assert on_meta.max_batch == with_weights.max_batch == _find_and_estimate("gpt")[0].max_batch
+    assert on_meta.safe_batch == with_weights.safe_batch
+    assert [_memory_record(t) for t in on_meta.trials] == [_memory_record(t) for t in with_weights.trials]
+    assert all(t.device.type == "meta" for t in [*meta.parameters(), *meta.buffers()])
+    assert meta.head.weight is meta.token.weight
+
+
+def test_a_large_meta_model_is_estimated_without_its_weights() -> None:
+    with torch.device("meta"):
+        model = examples.GPT(vocab_size=32000, seq_len=256, d_model=1024, n_layers=8, n_heads=16)
+    params = sum(p.numel() for p in model.parameters())  # the tied embedding and head counted once
+    assert params > 100_000_000
+    ids = torch.randint(0, 32000, (2, 256), generator=torch.Generator().manual_seed(0))
+
+    result = batchfit.estimate(model, {"input_ids": ids, "labels": ids.clone()}, memory="64GiB")
+
+    assert result.max_batch >= 1 and result.boundary_reached
+    assert result.memory is not None
+    assert result.memory.weights_bytes == 4 * params
+    assert result.memory.gradient_bytes == 4 * params
+    # Weights, gradients and AdamW's two moments are in every peak; the boundary's peak fits.
+    assert all(t.peak_bytes >= 4 * 4 * params for t in result.trials if t.fits and t.kind == "search")
+    assert result.trial(result.max_batch).peak_bytes <= 64 * 2**30 < result.trial(result.max_batch + 1).peak_bytes
+    assert all(t.device.type == "meta" for t in model.parameters())
+
+
+# 5. Data-dependent models fall back to real steps, and say so -------------------------------------
+@pytest.mark.parametrize("kind", list(DATA_DEPENDENT))
+def test_a_data_dependent_model_under_the_fallback_cap_gets_finds_own_answer(kind: str) -> None:
+    cls, error = DATA_DEPENDENT[kind]
+    torch.manual_seed(0)
+    model, sample = cls(), torch.randn(4, 256)
+    result = batchfit.estimate(model, sample, memory="32MiB")
+    real = batchfit.find(model, sample, memory_limit="32MiB")
+
+    assert result.estimated is True
+    said = [line for line in result.assumptions if "ran real CPU steps" in line]
+    assert len(said) == 1 and error in said[0] and error + ": " + error not in said[0]
+    assert (result.max_batch, result.safe_batch) == (real.max_batch, real.safe_batch)
+    assert all(t.step_time_s is None for t in result.trials) and result.throughput is None
+
+
+@pytest.mark.parametrize("kind", list(DATA_DEPENDENT))
+def test_a_data_dependent_model_above_the_cap_is_extrapolated_from_real_steps(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real steps up to the cap, the memory line read off them, and said so: checked against a
+    real probe at the full budget."""
+    import batchfit.estimation
+
+    cls, error = DATA_DEPENDENT[kind]
+    torch.manual_seed(0)
+    model, sample = cls(), torch.randn(4, 256)
+    monkeypatch.setattr(batchfit.estimation, "FALLBACK_CAP", 12 * MiB)
+    result = batchfit.estimate(model, sample, memory="48MiB")
+    real = batchfit.find(model, sample, memory_limit="48MiB")
+
+    said = [line for line in result.assumptions if "extrapolated" in line]
+    assert len(said) == 1 and error in said[0]
+    assert not result.boundary_reached and not result.safe_verified
+    assert max(t.peak_bytes or 0 for t in result.trials if t.fits) <= 12 * MiB  # no real step above the cap
+    memory, budget = result.memory, result.budget_bytes
+    assert memory is not None and budget == 48 * MiB
+    assert memory.predict(result.max_batch) <= budget < memory.predict(result.max_batch + 1)
+    assert result.safe_batch <= result.max_batch
+    # Read off sizes that show the per-sample bytes, the line lands near the real boundary.
+    assert abs(result.max_batch - real.max_batch) <= 0.05 * real.max_batch
+
+
+@pytest.mark.parametrize("kind", list(DATA_DEPENDENT))
+def test_a_data_dependent_model_on_meta_is_refused(kind: str) -> None:
+    cls, _ = DATA_DEPENDENT[kind]
+    with torch.device("meta"):
+        model = cls()
+    with pytest.raises(ValueError, match="meta"):
+        batchfit.estimate(model, torch.randn(4, 256), memory="32MiB")
+
+
+# 6. Estimates for CUDA: the caching allocator, modelled --------------------------------------------
+def _check_reserved_trials(result: batchfit.Result) -> None:
+    budget = result.budget_bytes
+    assert budget is not None
+    assert result.budget_counts == "reserved"
+    assert result.memory is not None and result.memory.unit == "reserved"
+    fitted = [t for t in result.trials if t.fits]
+    assert fitted and any(not t.fits for t in result.trials)
+    for trial in fitted:
+        assert trial.reserved_peak_bytes is not None and trial.peak_bytes is not None
+        assert trial.peak_bytes <= trial.reserved_peak_bytes <= budget
+        # Segments are whole multiples of 2 MiB; the two cuBLAS workspaces (2 x 33 MiB) are held.
+        assert trial.reserved_peak_bytes % (2 * MiB) == 0
+        assert trial.peak_bytes >= 66 * MiB + result.memory.weights_bytes
+    assert all(t.reserved_peak_bytes > budget for t in result.trials if not t.fits)
+    assert any("cuBLAS" in line for line in result.assumptions)
+
+
+def test_a_cuda_estimate_counts_reserved_bytes_beside_the_context() -> None:
+    model, sample = examples.gpt()
+    result = batchfit.estimate(model, sample, memory="768MiB", device="cuda")
+    assert result.budget_bytes == 768 * MiB - 512 * MiB
+    assert any("512.00 MiB" in line and "outside the allocator" in line for line in result.assumptions)
+    assert result.device.name == "estimate for cuda" and result.device.total_bytes == 768 * MiB
+    assert result.boundary_reached
+    _check_reserved_trials(result)
+
+
+def test_a_cuda_estimate_fits_no_more_than_the_cpu_one() -> None:
+    model, sample = examples.gpt()
+    cuda = batchfit.estimate(model, sample, memory="256MiB", device="cuda", reserve=0)
+    cpu = batchfit.estimate(model, sample, memory="256MiB")
+    assert cuda.budget_bytes == 256 * MiB
+    assert not any("512.00 MiB" in line for line in cuda.assumptions)
+    _check_reserved_trials(cuda)
+    assert cpu.budget_counts == "allocated" and cpu.boundary_reached
+    assert 1 <= cuda.max_batch <= cpu.max_batch
+
+
+# 7. Bad input -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        pytest.param({"memory": "1GiB", "device": "tpu"}, ValueError, "device", id="device-tpu"),
+        pytest.param({"memory": 0.5}, TypeError, "memory", id="memory-float"),
+        pytest.param({"memory": True}, TypeError, "memory", id="memory-bool"),
+        pytest.param({"memory": "-1GiB"}, ValueError, "not a size", id="memory-negative"),
+        pytest.param({"memory": "lots"}, ValueError, "not a size", id="memory-garbage"),
+        pytest.param({"memory": "8 parsecs"}, ValueError, "unknown unit", id="memory-unit"),
+        pytest.param({"memory": 0}, ValueError, "positive", id="memory-zero"),
+        pytest.param({"memory": "1GiB", "reserve": "auto"}, ValueError, "auto", id="reserve-auto"),
+        pytest.param({"memory": "1GiB", "reserve": "lots"}, ValueError, "reserve", id="reserve-garbage"),
+        pytest.param({"memory": "256MiB", "device": "cuda"}, ValueError, "leaves nothing", id="context-too-big"),
+        pytest.param({"memory": "1GiB", "sample": None}, TypeError, "sample", id="no-sample"),
+        pytest.param(
+            {"memory": "1GiB", "make_batch": lambda size: torch.randn(size, 256)}, TypeError, "sample", id="both"
+        ),
+        pytest.param({"memory": "1GiB", "model": "not a model"}, TypeError, "Module", id="not-a-module"),
+    ],
+)
+def test_bad_input_is_refused(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    model, sample = examples.mlp()
+    arguments: dict[str, Any] = {"model": model, "sample": sample, **kwargs}
+    with pytest.raises(error, match=match):
+        batchfit.estimate(arguments.pop("model"), arguments.pop("sample"), **arguments)
+
+
+# 8. Nothing fits ----------------------------------------------------------------------------------
+def test_nothing_fits_below_the_weights_with_finds_advice() -> None:
+    model, sample = examples.mlp()
+    with pytest.raises(batchfit.NothingFitsError) as real:
+        batchfit.find(model, sample, memory_limit="1MiB")
+    with pytest.raises(batchfit.NothingFitsError, match="weights") as fake:
+        batchfit.estimate(model, sample, memory="1MiB")
+    assert fake.value.advice is not None and "weights" in fake.value.advice
+    assert fake.value.advice == real.value.advice
+    assert str(fake.value) == str(real.value)
+    assert (fake.value.batch_size, fake.value.budget_bytes, fake.value.needed_bytes) == (
+        real.value.batch_size,
+        1 * MiB,
+        real.value.needed_bytes,
+    )
