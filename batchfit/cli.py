@@ -442,7 +442,6 @@ def _probe(args: argparse.Namespace) -> int:
 def _probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool] | None = None) -> int:
     """One probe: of this process, or of this rank of a ``torchrun`` job (``launch``; ``owned``
     gets whether this process started the process group)."""
-    from batchfit.targets import TargetCallError, TargetError, load_target
     from batchfit.view import make_view
 
     if args.require_batch is not None:
@@ -454,14 +453,10 @@ def _probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[boo
     _check_json_path(args.json)
     target: Target | None = None
     if args.nproc_per_trial is None:  # with it, only the ranks of each job load the target
-        try:
-            target = load_target(args.target)
-        except TargetError as exc:
-            _error(str(exc))
-            return EXIT_USAGE
-        except TargetCallError as exc:
-            _report_exception(exc, args.traceback, cause=True)
-            return EXIT_ERROR
+        loaded = _load(args)
+        if isinstance(loaded, int):
+            return loaded
+        target = loaded
 
     human = sys.stderr if args.json == "-" else sys.stdout
     device, limit, header, expected_budget = _plan(args, launch)
@@ -537,6 +532,20 @@ def _run_probe(args: argparse.Namespace, target: Target | None, kwargs: dict[str
     return find_with(target.model, target.sample, Options(**kwargs), **calls.kwargs())
 
 
+def _load(args: argparse.Namespace) -> Target | int:
+    """The target, or the exit code of why it could not be loaded (said on stderr)."""
+    from batchfit.targets import TargetCallError, TargetError, load_target
+
+    try:
+        return load_target(args.target)
+    except TargetError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except TargetCallError as exc:
+        _report_exception(exc, args.traceback, cause=True)
+        return EXIT_ERROR
+
+
 def _plan_line(result: Any, target_batch: int) -> str:
     """The plan for ``--target-batch``, or why there is none (a target the ranks cannot share)."""
     from batchfit.planning import plan_for
@@ -551,7 +560,6 @@ def _estimate(args: argparse.Namespace) -> int:
     from batchfit.backends.simulated import DEFAULT_ESTIMATE_TARGET, estimate_target
     from batchfit.errors import NothingFitsError
     from batchfit.estimation import estimate
-    from batchfit.targets import TargetCallError, TargetError, load_target
     from batchfit.view import summary_rows
     from batchfit.whatif import OPTIONS, what_if
 
@@ -565,14 +573,9 @@ def _estimate(args: argparse.Namespace) -> int:
         raise _UsageError(f"--device: {exc}") from None
     _check_json_path(args.json)
     human = sys.stderr if args.json == "-" else sys.stdout
-    try:
-        target = load_target(args.target)
-    except TargetError as exc:
-        _error(str(exc))
-        return EXIT_USAGE
-    except TargetCallError as exc:
-        _report_exception(exc, args.traceback, cause=True)
-        return EXIT_ERROR
+    target = _load(args)
+    if isinstance(target, int):
+        return target
     kwargs: dict[str, Any] = {
         **{k: v for k, v in target.extras.items() if k in ("optimizer", "loss_fn", "step_fn", "make_batch")},
         "memory": args.memory,

@@ -234,17 +234,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def _measured_rates(trials: tuple[Trial, ...]) -> dict[int, float]:
-    """samples/s per size, from each size's best-timed fitting trial (the most timed steps; the
-    first on a tie), as :meth:`~batchfit.result.Throughput.of` counts them: a one-step search
-    trial's rate is noisier than the verification's, so it must not outvote it."""
-    timed: dict[int, Trial] = {}
-    for trial in trials:
-        if not trial.fits or not trial.samples_per_s:
-            continue
-        known = timed.get(trial.batch_size)
-        if known is None or len(trial.step_times_s) > len(known.step_times_s):
-            timed[trial.batch_size] = trial
-    return {size: trial.samples_per_s or 0.0 for size, trial in timed.items()}
+    """samples/s per size, from each size's best-timed fitting trial, as
+    :meth:`~batchfit.result.Throughput.of` counts them (:func:`~batchfit.result.best_timed`)."""
+    from batchfit.result import best_timed
+
+    return {size: trial.samples_per_s or 0.0 for size, trial in best_timed(trials).items()}
 
 
 def _choose(per_rank: int, safe: int, candidates: list[int], rates: dict[int, float]) -> tuple[int, str]:

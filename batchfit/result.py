@@ -308,6 +308,20 @@ class Settings:
 KNEE_FRACTION = 0.95
 
 
+def best_timed(trials: Sequence[Trial]) -> dict[int, Trial]:
+    """Each size's best-timed fitting trial: the one with the most timed steps (the first on a
+    tie). A one-step search trial's rate is noisier than the verification's, so it must not
+    outvote it."""
+    timed: dict[int, Trial] = {}
+    for trial in trials:
+        if not trial.fits or not trial.samples_per_s:
+            continue
+        known = timed.get(trial.batch_size)
+        if known is None or len(trial.step_times_s) > len(known.step_times_s):
+            timed[trial.batch_size] = trial
+    return timed
+
+
 @dataclass(frozen=True)
 class Throughput:
     """What the timed steps say about speed, and how far to trust it.
@@ -340,13 +354,7 @@ class Throughput:
     @classmethod
     def of(cls, trials: Sequence[Trial]) -> Throughput | None:
         """The throughput answer of ``trials`` (``None`` when no fitting trial was timed)."""
-        timed: dict[int, Trial] = {}
-        for trial in trials:
-            if not trial.fits or not trial.samples_per_s:
-                continue
-            known = timed.get(trial.batch_size)
-            if known is None or len(trial.step_times_s) > len(known.step_times_s):
-                timed[trial.batch_size] = trial
+        timed = best_timed(trials)
         if not timed:
             return None
         rates = {size: trial.samples_per_s or 0.0 for size, trial in timed.items()}
