@@ -42,6 +42,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -392,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script and of ``python -m batchfit``; returns the exit code."""
+    # torch warns "Failed to initialize NumPy" at import when NumPy is missing (it is optional):
+    # the first thing a new user sees must be batchfit's own output.
+    warnings.filterwarnings("ignore", message=r".*Failed to initialize NumPy", category=UserWarning)
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on a usage error, as argparse does
     try:
@@ -533,9 +537,16 @@ def _run_probe(args: argparse.Namespace, target: Target | None, kwargs: dict[str
 
 
 def _load(args: argparse.Namespace) -> Target | int:
-    """The target, or the exit code of why it could not be loaded (said on stderr)."""
+    """The target, or the exit code of why it could not be loaded (said on stderr). Importing a
+    model and building it can take seconds: a terminal is told meanwhile, on a line that goes
+    away when the target is in."""
     from batchfit.targets import TargetCallError, TargetError, load_target
 
+    stream = sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
+    waiting = _is_terminal(stream) and not getattr(args, "quiet", False)
+    if waiting:
+        stream.write(f"batchfit: loading {args.target} (importing it, building the model)...")
+        stream.flush()
     try:
         return load_target(args.target)
     except TargetError as exc:
@@ -544,6 +555,17 @@ def _load(args: argparse.Namespace) -> Target | int:
     except TargetCallError as exc:
         _report_exception(exc, args.traceback, cause=True)
         return EXIT_ERROR
+    finally:
+        if waiting:
+            stream.write("\r\x1b[2K")  # the loading line goes; the probe's header takes its place
+            stream.flush()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
 
 
 def _plan_line(result: Any, target_batch: int) -> str:

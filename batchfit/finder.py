@@ -14,7 +14,7 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -36,7 +36,15 @@ from batchfit.state import Snapshot, take
 from batchfit.trial import run_trial
 from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
 from batchfit.version import __version__
-from batchfit.workload import AMP_DTYPES, Workload, batch_size_of, optimizer_factory, tensor_leaves, to_device
+from batchfit.workload import (
+    AMP_DTYPES,
+    Workload,
+    batch_size_of,
+    optimizer_factory,
+    split_pair,
+    tensor_leaves,
+    to_device,
+)
 
 TrialCallback = Callable[[Trial], None]
 StartCallback = Callable[[int, str], None]
@@ -61,6 +69,9 @@ class Prober:
         options = Options(**kwargs) if options is None else replace(options, **kwargs)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        #: Things the probe's set-up wants the result to say (a clipped budget, ...).
+        self.notes: list[str] = []
+        sample = self._first_batch(sample)
         if (sample is None) == (options.make_batch is None):
             raise TypeError(
                 "pass exactly one of sample= (one batch; its first dimension is the batch) "
@@ -69,6 +80,8 @@ class Prober:
                 else "pass either sample or make_batch, not both"
             )
         _check_materialised(model, sample)
+        if options.criterion is not None and sample is not None:
+            split_pair(sample)  # (inputs, targets) or a clear error now, not in a trial
         self.options = options
         self.mode = options.mode
         self._sample_size = batch_size_of(sample) if sample is not None else None
@@ -78,8 +91,7 @@ class Prober:
         self.backend = backend_for(self.device)
         self.device_info: DeviceInfo = self.backend.describe(self.device)
         self._model = model
-        #: Things the probe's set-up wants the result to say (a clipped budget, ...).
-        self.notes: list[str] = []
+        self.notes += _loss_notes(model, sample, options)
         #: What the trials call: the model itself, or the eager module inside a compiled one.
         self._run_model = self._runnable(model)
         #: ``torch.compile`` settings of the model (``batchfit.compiled``), and whether trials run it compiled.
@@ -102,6 +114,24 @@ class Prober:
         self._workload: Workload | None = None
         self._snapshot: Snapshot | None = None
         self._stack: contextlib.ExitStack | None = None
+
+    def _first_batch(self, sample: Any) -> Any:
+        """The sample itself, or the first batch of a ``DataLoader`` (or of any other iterable of
+        batches that is not itself a batch), as users hold their data; said in a note."""
+        from torch.utils.data import DataLoader
+
+        is_batch = isinstance(sample, (torch.Tensor, Mapping, tuple, list)) or sample is None
+        if is_batch or not (isinstance(sample, DataLoader) or hasattr(sample, "__iter__")):
+            return sample
+        try:
+            first = next(iter(sample))
+        except StopIteration:
+            raise ValueError(f"the sample {type(sample).__name__} yielded no batch: it is empty") from None
+        self.notes.append(
+            f"sample: the first batch of the {type(sample).__name__} (batch size {batch_size_of(first)}), "
+            "repeated along dim 0 to build every size"
+        )
+        return first
 
     def _runnable(self, model: nn.Module) -> nn.Module:
         """A ``torch.compile``d model runs eagerly where the backend's meter cannot run compiled
@@ -205,6 +235,7 @@ class Prober:
             new_optimizer=self._new_optimizer,
             amp=options.amp,
             dynamic_batch=self._runs_compiled,
+            criterion=options.criterion,
         )
         if self.mode == "train" and not self._workload.trainable_parameters() and options.step_fn is None:
             raise ValueError(
@@ -375,6 +406,23 @@ def fixed_memory_advice(weights: int, trainable: int, mode: str, optimizer: Any,
     )
 
 
+def _loss_notes(model: nn.Module, sample: Any, options: Options) -> list[str]:
+    """A Hugging Face head model given no ``labels`` returns logits and no loss, and the default
+    loss (``logits.mean()``) skips what the real loss holds (a cross-entropy over a 50k vocabulary
+    is the biggest tensor of a small GPT-2's step): the batch found is then too large. Say so."""
+    if options.mode != "train" or options.loss_fn or options.step_fn or options.criterion:
+        return []
+    hugging_face = any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
+    if not hugging_face or not isinstance(sample, Mapping) or "labels" in sample:
+        return []
+    return [
+        "the sample has no 'labels', so the Hugging Face model returns logits and no loss, and batchfit used "
+        "logits.mean() as the loss: a real loss (cross-entropy over the classes or the vocabulary) holds more "
+        "memory, so the batch sizes found are too large. Put labels in the sample (a causal LM takes labels = "
+        "input_ids) or pass loss_fn="
+    ]
+
+
 def _check_materialised(model: nn.Module, sample: Any) -> None:
     """Refuse, with the reason, what no trial could run: tensors without data (the ``meta``
     device) and lazy modules whose shapes are not known yet."""
@@ -401,6 +449,7 @@ def find(
     make_batch: Callable[[int], Any] | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     step_fn: Callable[[nn.Module, Any], Any] | None = None,
+    criterion: Callable[[Any, Any], torch.Tensor] | None = None,
     optimizer: Any = None,
     amp: str | None = None,
     mode: str = "train",
@@ -421,6 +470,7 @@ def find(
     callback: TrialCallback | None = None,
     on_trial_start: StartCallback | None = None,
     on_start: ProbeStartCallback | None = None,
+    progress: bool = False,
 ) -> Result:
     """Find the largest batch that trains, a safe batch with headroom, and the fastest batch.
 
@@ -487,6 +537,12 @@ def find(
         on_start: called once with ``(device_info, budget_bytes)`` when the probe is set up and
             before the first trial, so a front end can draw memory against the budget from the
             start (on CUDA without a limit the budget is only known then).
+        progress: show the command line's view on stderr while it runs (a live table on a
+            terminal, plain lines elsewhere) and its summary at the end; the callbacks above
+            still run. Default: nothing is printed.
+        criterion: for ``(inputs, targets)`` batches (``find(resnet, (x, y), criterion=
+            nn.CrossEntropyLoss())``): the model is called with the inputs and the loss is
+            ``criterion(output, targets)``.
 
     Raises:
         NothingFitsError: even ``init_batch`` runs out of memory.
@@ -503,6 +559,7 @@ def find(
         make_batch=make_batch,
         loss_fn=loss_fn,
         step_fn=step_fn,
+        criterion=criterion,
         optimizer=optimizer,
         amp=amp,  # type: ignore[arg-type]
         mode=mode,  # type: ignore[arg-type]
@@ -521,7 +578,14 @@ def find(
         distributed=distributed,
         rank_timeout=rank_timeout,
     )
-    return find_with(model, sample, options, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
+    if not progress:
+        return find_with(model, sample, options, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
+    from batchfit.view import Progress
+
+    with Progress(type(model).__name__, callback, on_trial_start, on_start) as shown:
+        result = find_with(model, sample, options, **shown.callbacks())
+        shown.summary(result)
+    return result
 
 
 def find_with(

@@ -45,7 +45,7 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> int:
 class Options:
     """What to run and how to search. Field names and defaults are :func:`batchfit.find`'s.
 
-    The work: ``make_batch``, ``loss_fn``, ``step_fn``, ``optimizer``, ``amp``, ``mode``,
+    The work: ``make_batch``, ``loss_fn``, ``step_fn``, ``criterion``, ``optimizer``, ``amp``, ``mode``,
     ``device``, ``memory_limit``, ``reserve``, ``steps_per_trial``. The search: ``headroom``,
     ``init_batch``, ``max_batch``, ``multiple_of``, ``verify_steps``, ``strategy``,
     ``time_budget``. The restore: ``restore_rng``. Many ranks: ``distributed``,
@@ -55,6 +55,7 @@ class Options:
     make_batch: Callable[[int], Any] | None = None
     loss_fn: Callable[[Any, Any], Any] | None = None
     step_fn: Callable[[Any, Any], Any] | None = None
+    criterion: Callable[[Any, Any], Any] | None = None
     optimizer: Any = None
     amp: Amp | None = None
     mode: Mode = "train"
@@ -76,12 +77,15 @@ class Options:
     def __post_init__(self) -> None:
         if self.make_batch is not None and not callable(self.make_batch):
             raise TypeError(f"make_batch must be callable, got {type(self.make_batch).__name__}")
-        for name in ("loss_fn", "step_fn"):
+        for name in ("loss_fn", "step_fn", "criterion"):
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
-        if self.loss_fn is not None and self.step_fn is not None:
-            raise ValueError("pass loss_fn or step_fn, not both (step_fn computes the loss itself)")
+        given = [name for name in ("loss_fn", "step_fn", "criterion") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"pass one of loss_fn, step_fn and criterion, not {' and '.join(given)} (each defines the loss)"
+            )
         _choice("mode", self.mode, MODES)
         _choice("amp", self.amp, (None, *AMPS))
         if self.memory_limit is not None:

@@ -487,6 +487,10 @@ class Result:
         return render_text(self)
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 def render_text(result: Result) -> str:
     """A plain-text summary: headline numbers, the memory equation, one row per trial."""
     device = result.device
@@ -525,15 +529,15 @@ def render_text(result: Result) -> str:
         )
     lines.append(f"trials             {len(result.trials)} in {result.elapsed_s:.1f} s")
     lines.append("")
-    lines.append(f"{'batch':>8}  {'kind':<6}  {'outcome':<14}  {'peak':>11}  {'step':>10}  {'samples/s':>11}")
+    lines.append(f"{'batch':>8}  {'kind':<6}  {'outcome':<14}  {'peak':>12}  {'step':>10}  {'samples/s':>11}")
     for trial in result.trials:
         outcome = "fits" if trial.fits else f"OOM ({trial.phase})"
-        step = f"{trial.step_time_s * 1e3:.1f} ms" if trial.step_time_s is not None else "-"
-        rate = f"{trial.samples_per_s:,.0f}" if trial.samples_per_s is not None else "-"
-        lines.append(
-            f"{trial.batch_size:>8}  {trial.kind:<6}  {outcome:<14}  "
-            f"{format_bytes(trial.peak_in(result.budget_counts)):>11}  {step:>10}  {rate:>11}"
-        )
+        step = "-" if trial.step_time_s is None else _duration(trial.step_time_s)
+        rate = f"{trial.samples_per_s:,.1f}" if trial.samples_per_s is not None else "-"
+        peak = format_bytes(trial.peak_in(result.budget_counts))
+        if not trial.fits and trial.peak_in(result.budget_counts) is not None:
+            peak = ">=" + peak  # what was held when it failed: a lower bound of what the size needs
+        lines.append(f"{trial.batch_size:>8}  {trial.kind:<6}  {outcome:<14}  {peak:>12}  {step:>10}  {rate:>11}")
     for note in result.notes:
         lines.append(f"note: {note}")
     for assumption in result.assumptions:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from batchfit.units import format_bytes
 
@@ -342,8 +342,9 @@ class LiveView:
             get_renderable=self._render,
             refresh_per_second=8,
             transient=False,
-            redirect_stdout=False,
-            redirect_stderr=False,
+            # What the model prints (warnings included) goes above the table, not onto the spinner line.
+            redirect_stdout=True,
+            redirect_stderr=True,
             vertical_overflow="visible",
         )
 
@@ -393,14 +394,16 @@ class LiveView:
 
         with self._lock:
             trials, in_flight, budget = self._trials, self._in_flight, self._budget
-        table = Table(box=None, pad_edge=False, header_style="bold")
+        # Below WIDE_COLUMNS the bar goes and the share stays, so every cell reads whole at 80.
+        wide = self.console.width >= WIDE_COLUMNS
+        table = Table(box=None, pad_edge=False, header_style="bold", collapse_padding=True)
         for name, justify in (
             ("#", "right"),
             ("batch", "right"),
             ("kind", "left"),
             ("outcome", "left"),
             ("peak", "right"),
-            ("of budget", "left"),
+            ("of budget" if wide else "budget", "left" if wide else "right"),
             ("step", "right"),
             ("samples/s", "right"),
         ):
@@ -408,13 +411,12 @@ class LiveView:
         for i, trial in enumerate(trials, start=1):
             cells = trial_cells(i, trial, budget)
             outcome = Text(cells.outcome, style="green" if cells.fits else "red")
-            table.add_row(
-                cells.index, cells.batch, cells.kind, outcome, cells.peak, _rich_bar(cells), cells.step, cells.rate
-            )
+            share = _rich_bar(cells) if wide else cells.share
+            table.add_row(cells.index, cells.batch, cells.kind, outcome, cells.peak, share, cells.step, cells.rate)
         if in_flight is None:
             return table
         batch, kind, started = in_flight
-        label = f"trial {len(trials) + 1}: batch {batch} ({kind}) running, {time.monotonic() - started:.1f} s"
+        label = f"trial {len(trials) + 1}: batch {batch} ({kind}), {time.monotonic() - started:.1f} s"
         return Group(table, Spinner("dots", text=Text(label, style="cyan")))
 
     @staticmethod
@@ -427,6 +429,64 @@ class LiveView:
         for label, value in rows:
             grid.add_row(label, value)
         return grid
+
+
+#: Terminal width from which the live table shows a bar of the budget beside each peak.
+WIDE_COLUMNS = 100
+
+
+class Progress:
+    """``find(progress=True)``: the command line's view on stderr, fed by find()'s callbacks (the
+    user's own still run after it). Used as a context manager, so the live display always comes
+    down, whatever ends the probe."""
+
+    def __init__(
+        self,
+        what: str,
+        callback: Callable[[Trial], None] | None,
+        on_trial_start: Callable[[int, str], None] | None,
+        on_start: Callable[[Any, int | None], None] | None,
+    ) -> None:
+        import sys
+
+        self.view = make_view(sys.stderr)
+        self._what = what
+        self._user = (callback, on_trial_start, on_start)
+        self._started = False
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._started:
+            self.view.stop()
+
+    def callbacks(self) -> dict[str, Any]:
+        callback, on_trial_start, on_start = self._user
+
+        def started(device: Any, budget: int | None) -> None:
+            self.view.start([f"batchfit: probing {self._what} on {device.name or device.type}"], budget)
+            self._started = True
+            if on_start is not None:
+                on_start(device, budget)
+
+        def trial_started(batch_size: int, kind: str) -> None:
+            self.view.trial_started(batch_size, kind)
+            if on_trial_start is not None:
+                on_trial_start(batch_size, kind)
+
+        def finished(trial: Trial) -> None:
+            self.view.trial_finished(trial)
+            if callback is not None:
+                callback(trial)
+
+        return {"callback": finished, "on_trial_start": trial_started, "on_start": started}
+
+    def summary(self, result: Result) -> None:
+        if self._started:
+            self.view.stop()
+            self._started = False
+        self.view.summary(result)
 
 
 def _rich_bar(cells: TrialCells):  # type: ignore[no-untyped-def]

@@ -108,6 +108,34 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
+def split_pair(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a batch for ``criterion=``; a clear error for anything else."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(
+        f"criterion= takes (inputs, targets) batches: a tuple or list of two, got {type(batch).__name__}"
+        + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
+def call_model_explained(model: nn.Module, batch: Any) -> Any:
+    """:func:`call_model`, with a hint when a tuple sample was spread over too many arguments:
+    ``find(resnet, (x, y))`` calls ``resnet(x, y)``, which is the classic first mistake."""
+    try:
+        return call_model(model, batch)
+    except TypeError as exc:
+        if isinstance(batch, (tuple, list)) and "positional argument" in str(exc):
+            from batchfit.oom import annotate
+
+            annotate(
+                exc,
+                f"batchfit: the sample is a {type(batch).__name__} of {len(batch)}, so the model was called as "
+                f"model(*sample). For (inputs, targets) data pass criterion=, e.g. torch.nn.CrossEntropyLoss(): "
+                "batchfit then calls model(inputs) and criterion(output, targets)",
+            )
+        raise
+
+
 def default_loss(output: Any) -> torch.Tensor:
     """A scalar to backpropagate from whatever the model returned.
 
@@ -197,6 +225,8 @@ class Workload:
     amp: str | None
     #: Mark dim 0 of every batch dynamic for ``torch.compile`` (``batchfit.compiled``).
     dynamic_batch: bool = False
+    #: ``(inputs, targets)`` data: the model gets the inputs, ``criterion(output, targets)`` is the loss.
+    criterion: Callable[[Any, Any], Any] | None = None
 
     def build_batch(self, batch_size: int) -> Any:
         """A batch of ``batch_size`` on the probe's device."""
@@ -240,10 +270,17 @@ class Workload:
                 if not isinstance(output, torch.Tensor):
                     raise TypeError(f"step_fn must return the loss tensor, got {type(output).__name__}")
                 return None, output if output.dim() == 0 else output.float().mean()
-            output = call_model(self.model, batch)
-            if self.mode == "inference":
-                return output, None
-            loss = self.loss_fn(output, batch) if self.loss_fn is not None else default_loss(output)
+            if self.criterion is not None:
+                inputs, targets = split_pair(batch)
+                output = call_model(self.model, inputs)
+                if self.mode == "inference":
+                    return output, None
+                loss = self.criterion(output, targets)
+            else:
+                output = call_model_explained(self.model, batch)
+                if self.mode == "inference":
+                    return output, None
+                loss = self.loss_fn(output, batch) if self.loss_fn is not None else default_loss(output)
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
         if loss.dim() != 0:

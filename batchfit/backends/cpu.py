@@ -38,6 +38,9 @@ from batchfit.units import format_bytes
 #: available when it starts. The live-tensor meter does not see kernel scratch memory or
 #: allocator overheads, so half leaves room for them and for the rest of the machine.
 DEFAULT_CPU_FRACTION = 0.5
+#: ... and at most this: a CPU step's time grows with the memory it touches, and a probe under half
+#: of a large host took twelve minutes and printed nothing. The limit is what a user asks for more.
+DEFAULT_CPU_LIMIT = 2**30
 
 
 class CpuBackend(Backend):
@@ -66,7 +69,13 @@ class CpuBackend(Backend):
         available = available_host_bytes()
         if available is None:
             raise ValueError("cannot read the host's available memory: pass memory_limit=")
-        return int(available * DEFAULT_CPU_FRACTION), f"default: {DEFAULT_CPU_FRACTION:.0%} of available host memory"
+        half = int(available * DEFAULT_CPU_FRACTION)
+        if half > DEFAULT_CPU_LIMIT:
+            return DEFAULT_CPU_LIMIT, (
+                f"default on the CPU: {format_bytes(DEFAULT_CPU_LIMIT)} of live tensors (a step's time grows with the "
+                "memory it touches); pass memory_limit= for more"
+            )
+        return half, f"default: {DEFAULT_CPU_FRACTION:.0%} of available host memory"
 
     def reachable_bytes(self, device: torch.device) -> int | None:
         return available_host_bytes()
