@@ -45,7 +45,11 @@ def mlp() -> tuple[torch.nn.Module, torch.Tensor]:
         ({"steps_per_trial": 0}, ValueError, "steps_per_trial must be >= 1"),
         ({"optimizer": "adam"}, TypeError, "optimizer must be a torch.optim.Optimizer"),
         ({"loss_fn": 3}, TypeError, "loss_fn must be callable"),
-        ({"loss_fn": lambda o, b: o.sum(), "step_fn": lambda m, b: m(b).sum()}, ValueError, "not both"),
+        (
+            {"loss_fn": lambda o, b: o.sum(), "step_fn": lambda m, b: m(b).sum()},
+            ValueError,
+            "pass one of loss_fn, step_fn and criterion, not loss_fn and step_fn",
+        ),
         ({"device": "tpu"}, ValueError, "'tpu' is not a device torch knows"),
         ({"device": "cuda:0"}, ValueError, "CUDA is not available"),
         ({"strategy": "guess"}, ValueError, "unknown search strategy 'guess'"),
