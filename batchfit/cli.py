@@ -455,6 +455,19 @@ def _probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[boo
                 f"--require-batch runs a gate, not a full probe: drop --{conflicting[0].replace('_', '-')}"
             )
     _check_json_path(args.json)
+    device, limit, header, expected_budget = _plan(args, launch)
+    backend = ""
+    if launch is not None:
+        # The group first: a target's factory may need it (fully_shard, a rank-dependent build).
+        try:
+            backend, started = launch.start(device)
+        except Exception as exc:
+            _report_exception(
+                exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {_first_line(exc)}"
+            )
+            return EXIT_ERROR
+        if owned is not None:
+            owned.append(started)
     target: Target | None = None
     if args.nproc_per_trial is None:  # with it, only the ranks of each job load the target
         loaded = _load(args)
@@ -463,13 +476,9 @@ def _probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[boo
         target = loaded
 
     human = sys.stderr if args.json == "-" else sys.stdout
-    device, limit, header, expected_budget = _plan(args, launch)
     leader = launch is None or launch.is_leader
     if launch is not None and target is not None:
         try:
-            backend, started = launch.start(device)
-            if owned is not None:
-                owned.append(started)
             model, wrapped = launch.wrap(target.model, device)
         except Exception as exc:
             _report_exception(
@@ -479,7 +488,7 @@ def _probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[boo
         target = replace(target, model=model)
         header.append(
             f"torchrun: rank {launch.rank} of {launch.world_size} ({backend}); the model "
-            + ("was wrapped in DistributedDataParallel" if wrapped else "is a DistributedDataParallel")
+            + ("was wrapped in DistributedDataParallel" if wrapped else "was left as the target built it")
             + "; batch sizes are per rank"
         )
     if args.nproc_per_trial is not None:

@@ -120,7 +120,7 @@ class Prober:
         batches that is not itself a batch), as users hold their data; said in a note."""
         from torch.utils.data import DataLoader
 
-        is_batch = isinstance(sample, (torch.Tensor, Mapping, tuple, list)) or sample is None
+        is_batch = isinstance(sample, (torch.Tensor, Mapping, tuple, list, str, bytes)) or sample is None
         if is_batch or not (isinstance(sample, DataLoader) or hasattr(sample, "__iter__")):
             return sample
         try:

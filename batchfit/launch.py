@@ -57,8 +57,8 @@ class Launch:
 
         from batchfit.backends import backend_for
 
-        if isinstance(model, DistributedDataParallel):
-            return model, False
+        if isinstance(model, DistributedDataParallel) or _sharded(model):
+            return model, False  # a sharded model is refused by the probe, with where to go instead
         placed = torch.device(device)
         model = model.to(placed)
         return DistributedDataParallel(model, device_ids=backend_for(placed).ddp_device_ids(placed)), True
@@ -69,6 +69,15 @@ class Launch:
 
         if owned and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _sharded(model: Any) -> bool:
+    """Whether FSDP (1 or 2) already wraps the model: DDP on top would be wrong."""
+    return any(
+        cls.__name__ in ("FullyShardedDataParallel", "FSDPModule")
+        for module in model.modules()
+        for cls in type(module).__mro__
+    )
 
 
 def from_environment(environ: dict[str, str] | None = None) -> Launch | None:
