@@ -591,7 +591,7 @@ def _estimate(args: argparse.Namespace) -> int:
     from batchfit.backends.simulated import DEFAULT_ESTIMATE_TARGET, estimate_target
     from batchfit.errors import NothingFitsError
     from batchfit.estimation import estimate
-    from batchfit.view import summary_rows
+    from batchfit.view import make_view
     from batchfit.whatif import OPTIONS, what_if
 
     for option in args.what_if or ():
@@ -636,11 +636,7 @@ def _estimate(args: argparse.Namespace) -> int:
     except Exception as exc:
         _report_exception(exc, args.traceback, cause=False)
         return EXIT_ERROR
-    width = max(len(label) for label, _ in summary_rows(result))
-    for label, value in summary_rows(result):
-        print(f"{label:<{width}}  {value}", file=human)
-    for assumption in result.assumptions:
-        print(f"{'assumes':<{width}}  {assumption}", file=human)
+    make_view(human, plain=True).summary(result)
     if args.target_batch is not None:
         print(_plan_line(result, args.target_batch), file=human)
     if table is not None:

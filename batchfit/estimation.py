@@ -227,14 +227,15 @@ class FakeProbe:
         return replace(run.trial, step_time_s=None, samples_per_s=None, step_times_s=())
 
     def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
-        weights, trainable = _parameter_bytes(self._model)
-        grads = trainable if self.mode == "train" else 0
-        return MemoryModel.fit(trials, weights, grads, self.optimizer_state_bytes, unit=self.counts)
+        from batchfit.finder import fit_memory, parameter_bytes
+
+        weights, trainable = parameter_bytes(self._model)
+        return fit_memory(trials, weights, trainable, self.mode, self.optimizer_state_bytes, self.counts)
 
     def fixed_advice(self) -> str | None:
-        from batchfit.finder import fixed_memory_advice
+        from batchfit.finder import fixed_memory_advice, parameter_bytes
 
-        weights, trainable = _parameter_bytes(self._model)
+        weights, trainable = parameter_bytes(self._model)
         return fixed_memory_advice(weights, trainable, self.mode, self.options.optimizer, self.budget_bytes)
 
     def ranks_notes(self) -> list[str]:
@@ -251,12 +252,6 @@ class FakeProbe:
             "compiled code can use less memory (fused kernels keep fewer intermediates)"
             + ("; it was compiled with dynamic=False, which recompiles per batch size" if info.dynamic is False else "")
         ]
-
-
-def _parameter_bytes(model: nn.Module) -> tuple[int, int]:
-    params = list(dict.fromkeys(model.parameters()))
-    weights = sum(p.numel() * p.element_size() for p in params)
-    return weights, sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
 def estimate(
@@ -335,8 +330,9 @@ def estimate(
         strategy=strategy,
         distributed=False,
     )
-    _check_input(model, sample, options)
-    from batchfit.finder import search_with
+    from batchfit.finder import check_work, search_with
+
+    check_work(model, sample, options)
 
     try:
         probe = FakeProbe(model, sample, options, target, budget)
@@ -359,13 +355,6 @@ def _assumptions(target: EstimateTarget, amp: str | None) -> list[str]:
     if amp is not None and target.amp_assumption:
         said.append(f"amp {amp}: {target.amp_assumption}")
     return said
-
-
-def _check_input(model: nn.Module, sample: Any, options: Options) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if (sample is None) == (options.make_batch is None):
-        raise TypeError("pass exactly one of sample= (one batch; dim 0 is the batch) or make_batch=")
 
 
 def _extrapolate(

@@ -67,18 +67,10 @@ class Prober:
 
     def __init__(self, model: nn.Module, sample: Any = None, *, options: Options | None = None, **kwargs: Any) -> None:
         options = Options(**kwargs) if options is None else replace(options, **kwargs)
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         #: Things the probe's set-up wants the result to say (a clipped budget, ...).
         self.notes: list[str] = []
         sample = self._first_batch(sample)
-        if (sample is None) == (options.make_batch is None):
-            raise TypeError(
-                "pass exactly one of sample= (one batch; its first dimension is the batch) "
-                "or make_batch= (a callable batch_size -> batch)"
-                if sample is None
-                else "pass either sample or make_batch, not both"
-            )
+        check_work(model, sample, options)
         _check_materialised(model, sample)
         if options.criterion is not None and sample is not None:
             split_pair(sample)  # (inputs, targets) or a clear error now, not in a trial
@@ -365,23 +357,45 @@ class Prober:
         optimizer is kept (and in inference), 2 with a fresh one (step 1 allocates the state)."""
         return 1 if self.mode != "train" or self._optimizer is not None else 2
 
-    def _parameter_bytes(self) -> tuple[int, int]:
-        """Bytes of the model's parameters, and of those that train (and so get gradients)."""
-        params = list(self._model.parameters())
-        weights = sum(p.numel() * p.element_size() for p in params)
-        return weights, sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-
     def fixed_advice(self) -> str | None:
         """What to say when not even the first batch fits and the memory that does not depend
         on the batch (weights, gradients, the optimizer's state) already exceeds the budget."""
-        weights, trainable = self._parameter_bytes()
+        weights, trainable = parameter_bytes(self._model)
         return fixed_memory_advice(weights, trainable, self.mode, self.options.optimizer, self.budget_bytes)
 
     def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
         """The memory equation of ``trials``, in the unit the budget counts."""
-        weights, trainable = self._parameter_bytes()
-        grads = trainable if self.mode == "train" else 0
-        return MemoryModel.fit(trials, weights, grads, self.optimizer_state_bytes, unit=self.counts)
+        weights, trainable = parameter_bytes(self._model)
+        return fit_memory(trials, weights, trainable, self.mode, self.optimizer_state_bytes, self.counts)
+
+
+def parameter_bytes(model: nn.Module) -> tuple[int, int]:
+    """Bytes of the model's parameters (each once: ``parameters()`` skips tied repeats), and of
+    those that train (and so get gradients)."""
+    params = list(model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    return weights, sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+
+def fit_memory(
+    trials: list[Trial], weights: int, trainable: int, mode: str, optimizer_state: int, unit: Unit
+) -> MemoryModel | None:
+    """The memory equation of ``trials`` with its breakdown; gradients only when training."""
+    return MemoryModel.fit(trials, weights, trainable if mode == "train" else 0, optimizer_state, unit=unit)
+
+
+def check_work(model: Any, sample: Any, options: Options) -> None:
+    """What every probe (real or estimated) checks first: a module, and exactly one of a sample
+    and ``make_batch``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if (sample is None) == (options.make_batch is None):
+        raise TypeError(
+            "pass exactly one of sample= (one batch; its first dimension is the batch) "
+            "or make_batch= (a callable batch_size -> batch)"
+            if sample is None
+            else "pass either sample or make_batch, not both"
+        )
 
 
 def fixed_memory_advice(weights: int, trainable: int, mode: str, optimizer: Any, budget: int | None) -> str | None:
@@ -599,9 +613,7 @@ def find_with(
 ) -> Result:
     """:func:`find` for callers that hold an :class:`~batchfit.options.Options` (the CLI, the gate)."""
     started = time.monotonic()
-    for name, fn in (("callback", callback), ("on_trial_start", on_trial_start), ("on_start", on_start)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    _check_callbacks(callback, on_trial_start, on_start)
     prober = Prober(model, sample, options=options)
     return search_with(prober, options, started, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
 
@@ -621,6 +633,7 @@ def search_with(
     ``ranks_notes()``, ``compile_notes()`` and the limit's ``limit_bytes`` / ``limit_source`` / ``reserve_bytes``):
     :class:`Prober` here, a job per trial in ``batchfit.relaunch``. ``started``: the
     ``time.monotonic()`` the answer's time counts from."""
+    _check_callbacks(callback, on_trial_start, on_start)
     grid, chooser = options.grid(), options.make_strategy()
     trials: list[Trial] = []
 
@@ -698,6 +711,13 @@ def search_with(
         throughput=throughput,
         world_size=prober.ranks.world_size,
     )
+
+
+def _check_callbacks(*callbacks: Any) -> None:
+    """Name a callback that cannot be called before anything runs."""
+    for name, fn in zip(("callback", "on_trial_start", "on_start"), callbacks):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
 
 
 def _ranks_notes(prober: Prober) -> list[str]:

@@ -227,10 +227,12 @@ class JobPerTrial:
 
     # what find() asks of a probe --------------------------------------------------------------------
     def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
+        from batchfit.finder import fit_memory
+
         facts = self._facts
-        grads = facts.get("trainable_bytes", 0) if self.options.mode == "train" else 0
-        return MemoryModel.fit(
-            trials, facts.get("weights_bytes", 0), grads, facts.get("optimizer_state_bytes", 0), unit=self.counts
+        weights, trainable = facts.get("weights_bytes", 0), facts.get("trainable_bytes", 0)
+        return fit_memory(
+            trials, weights, trainable, self.options.mode, facts.get("optimizer_state_bytes", 0), self.counts
         )
 
     def fixed_advice(self) -> str | None:

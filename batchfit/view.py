@@ -195,6 +195,7 @@ def summary_rows(result: Result) -> list[tuple[str, str]]:
         rows.append(("config", ", ".join(f"{key} {value}" for key, value in result.device.config)))
     rows.append(("trials", f"{len(result.trials)} in {result.elapsed_s:.1f} s"))
     rows.extend(("note", note) for note in result.notes)
+    rows.extend(("assumes", assumption) for assumption in result.assumptions)
     return rows
 
 
