@@ -1,26 +1,27 @@
 """batchfit: the largest batch your model trains with, and the fastest, measured by real steps.
 
-Public API: :func:`find`, :class:`Prober`, :class:`Options`, the result types and the errors.
+Public API: :func:`find`, :func:`estimate`, :func:`plan`, :func:`what_if`, :class:`Prober`,
+:class:`Options`, the result types and the errors. Integrations: ``batchfit.lightning``,
+``batchfit.transformers``, ``batchfit.accelerate``; the CI gate: ``batchfit.testing``.
 
-Names are imported lazily (PEP 562): batchfit is also a pytest plugin and a CLI, and neither
-``pytest`` start-up nor ``batchfit devices`` / ``--help`` should pay for importing torch.
+Names are imported lazily (PEP 562, ``batchfit._lazy``): batchfit is also a pytest plugin and a
+CLI, and neither ``pytest`` start-up nor ``batchfit devices`` / ``--help`` should pay for
+importing torch. Where each name lives, and the layers of the package, are in CONTRIBUTING.md.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from batchfit._lazy import lazy_surface
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
+    from batchfit.api import find, plan
     from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
-    from batchfit.estimation import estimate
-    from batchfit.finder import Prober, find
-    from batchfit.options import Options
-    from batchfit.planning import Plan, plan
-    from batchfit.result import DeviceInfo, MemoryModel, PhaseLine, Result, Settings, Throughput, Trial
-    from batchfit.whatif import WhatIf, what_if
+    from batchfit.estimation import Plan, WhatIf, estimate, what_if
+    from batchfit.probe import Options, Prober
+    from batchfit.report import DeviceInfo, MemoryModel, PhaseLine, Result, Settings, Throughput, Trial
 
 _EXPORTS = {
     "BatchfitError": "batchfit.errors",
@@ -28,56 +29,23 @@ _EXPORTS = {
     "NothingFitsError": "batchfit.errors",
     "LimitError": "batchfit.errors",
     "NoOptimizerStepError": "batchfit.errors",
-    "Options": "batchfit.options",
-    "Prober": "batchfit.finder",
-    "find": "batchfit.finder",
+    "Options": "batchfit.probe",
+    "Prober": "batchfit.probe",
+    "find": "batchfit.api",
+    "plan": "batchfit.api",
     "estimate": "batchfit.estimation",
-    "Plan": "batchfit.planning",
-    "plan": "batchfit.planning",
-    "WhatIf": "batchfit.whatif",
-    "what_if": "batchfit.whatif",
-    "DeviceInfo": "batchfit.result",
-    "MemoryModel": "batchfit.result",
-    "PhaseLine": "batchfit.result",
-    "Result": "batchfit.result",
-    "Settings": "batchfit.result",
-    "Throughput": "batchfit.result",
-    "Trial": "batchfit.result",
+    "Plan": "batchfit.estimation",
+    "WhatIf": "batchfit.estimation",
+    "what_if": "batchfit.estimation",
+    "DeviceInfo": "batchfit.report",
+    "MemoryModel": "batchfit.report",
+    "PhaseLine": "batchfit.report",
+    "Result": "batchfit.report",
+    "Settings": "batchfit.report",
+    "Throughput": "batchfit.report",
+    "Trial": "batchfit.report",
 }
 
-__all__ = [
-    "BatchfitError",
-    "DeviceFailedError",
-    "DeviceInfo",
-    "LimitError",
-    "MemoryModel",
-    "NoOptimizerStepError",
-    "NothingFitsError",
-    "Options",
-    "PhaseLine",
-    "Plan",
-    "Prober",
-    "Result",
-    "Settings",
-    "Throughput",
-    "Trial",
-    "WhatIf",
-    "__version__",
-    "estimate",
-    "find",
-    "plan",
-    "what_if",
-]
+__all__ = sorted([*_EXPORTS, "__version__"])
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'batchfit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_surface(__name__, globals(), _EXPORTS)

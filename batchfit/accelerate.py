@@ -37,7 +37,7 @@ function has to say how to try a size cheaply:
 
 Non-OOM exceptions (a shape error, a sticky CUDA error, a ``KeyboardInterrupt``) propagate
 unchanged at once: an error that is not a memory error is never taken for "too big". OOMs are
-recognised by :func:`batchfit.oom.is_oom`. Between tries the wrapper drops the failed call's
+recognised by :func:`batchfit.backends.oom.is_oom`. Between tries the wrapper drops the failed call's
 traceback, whose frames hold the step's tensors, runs ``gc.collect()`` and empties the device's
 cache through :mod:`batchfit.backends` (only on an accelerator this process has initialised), so
 every try starts from the same memory and cycles cannot carry one try's tensors into the next. The
@@ -59,7 +59,7 @@ is the same, and the function still gets ``batch_size`` as its first positional 
   zero.")``. This raises :class:`NoExecutableBatchSizeError`, a :class:`RuntimeError` *and* a
   :class:`batchfit.NothingFitsError`, with the last OOM as its cause.
 * Accelerate's list of OOM messages includes Habana's ``PT_DEVMEM Allocation failed``, which
-  :func:`batchfit.oom.is_oom` does not know yet.
+  :func:`batchfit.backends.oom.is_oom` does not know yet.
 * The size used and the tries are logged on the ``"batchfit"`` logger and kept on the wrapper:
   ``.batch_size`` (the size of the call whose result was returned), ``.largest_fit`` (the
   exact boundary, with ``probe`` only) and ``.trials`` (``(size, fits)`` for every call in
@@ -83,10 +83,9 @@ from typing import Any, Generic, NoReturn, TypeVar, overload
 
 import torch
 
-from batchfit.backends import backend_for, default_device
-from batchfit.errors import NothingFitsError
-from batchfit.oom import first_line, is_oom
-from batchfit.options import DEFAULT_MAX_BATCH
+from batchfit.backends import backend_for, default_device, is_oom
+from batchfit.errors import NothingFitsError, first_line
+from batchfit.probe import DEFAULT_MAX_BATCH
 from batchfit.search import Bracket, Doubling, Grid, midpoint, search
 
 __all__ = ["ExecutableBatchSize", "NoExecutableBatchSizeError", "find_executable_batch_size"]

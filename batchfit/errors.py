@@ -1,4 +1,4 @@
-"""The exceptions batchfit raises on purpose.
+"""The exceptions batchfit raises on purpose, and the two helpers that word exceptions.
 
 Pure Python (no torch import) so that the search module can raise them too.
 Errors in the user's input are plain ``TypeError`` / ``ValueError`` with a precise
@@ -6,6 +6,8 @@ message; the classes here cover the outcomes of a probe itself.
 """
 
 from __future__ import annotations
+
+from batchfit.units import format_bytes
 
 
 class BatchfitError(Exception):
@@ -40,8 +42,6 @@ class NothingFitsError(BatchfitError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        from batchfit.units import format_bytes  # local: keeps import graph flat
-
         where = f" in {self.phase}" if self.phase else ""
         msg = f"batch size {self.batch_size} does not fit: it ran out of memory{where}"
         if self.needed_bytes is not None:
@@ -90,3 +90,19 @@ class RankFailedError(BatchfitError):
 class RanksTimeoutError(BatchfitError):
     """The ranks of a distributed probe did not all reach the same meeting point in time: a rank
     did not call ``find()``, is stuck in the user's code, or died."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, for a trial record."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def annotate(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` so it shows under its traceback, keeping type and args."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10: store it the same way 3.11 does
+        notes = list(getattr(exc, "__notes__", []))
+        notes.append(note)
+        exc.__notes__ = notes  # type: ignore[attr-defined]

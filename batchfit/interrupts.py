@@ -40,7 +40,7 @@ class InterruptGuard:
         self.pending = False
         #: Set for a probe over several ranks: :meth:`check` never raises, and the ranks raise
         #: together at their next meeting point (:meth:`take` hands the flag to it), so no rank
-        #: leaves while the others wait for it (``batchfit.ranks``).
+        #: leaves while the others wait for it (``batchfit.distributed.ranks``).
         self.deferred = False
         self._installed = False
         self._critical = 0

@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     import torch
 
-    from batchfit.planning import Plan
-    from batchfit.result import Result
+    from batchfit.estimation import Plan
+    from batchfit.report import Result
 
 __all__ = ["INSTALL_HINT", "BatchFit"]
 
@@ -50,7 +50,7 @@ INSTALL_HINT = "pip install 'batchfit[lightning]'"
 #: ``find()`` keywords the callback fills in from the trainer: the batch comes from the train
 #: dataloader, the step is the module's ``training_step``, the device is the strategy's.
 _FROM_TRAINER = ("sample", "make_batch", "step_fn", "loss_fn", "criterion", "mode", "device")
-#: ``find()`` keywords that are progress hooks rather than :class:`~batchfit.options.Options` fields.
+#: ``find()`` keywords that are progress hooks rather than :class:`~batchfit.probe.options.Options` fields.
 _HOOKS = ("callback", "on_trial_start", "on_start")
 #: Lightning's mixed-precision settings and the autocast batchfit runs its steps under.
 _AMP = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
@@ -73,8 +73,8 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             ``rank_timeout``, ``callback``, ...). ``optimizer`` and ``amp`` default to the trainer's
             (its first optimizer; ``"bf16-mixed"`` -> ``"bf16"``, ``"16-mixed"`` -> ``"fp16"``).
 
-    After ``fit`` has started, :attr:`result` holds the probe's :class:`~batchfit.result.Result` and
-    :attr:`plan` the :class:`~batchfit.planning.Plan` when ``target_batch`` was given.
+    After ``fit`` has started, :attr:`result` holds the probe's :class:`~batchfit.report.Result` and
+    :attr:`plan` the :class:`~batchfit.estimation.planning.Plan` when ``target_batch`` was given.
 
     Raises:
         ImportError: Lightning is not installed.
@@ -97,7 +97,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         if not isinstance(batch_arg_name, str) or not batch_arg_name.isidentifier():
             raise TypeError(f"batch_arg_name must be an attribute name, got {batch_arg_name!r}")
         if target_batch is not None:
-            from batchfit.options import positive_int
+            from batchfit.probe import positive_int
 
             positive_int("target_batch", target_batch)
         self.batch_arg_name = batch_arg_name
@@ -169,10 +169,10 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
 
 # checks ------------------------------------------------------------------------------------------
 def _checked_find_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The ``find()`` keywords, validated now (as :class:`~batchfit.options.Options` does for
+    """The ``find()`` keywords, validated now (as :class:`~batchfit.probe.options.Options` does for
     ``find()``) so that a typo fails at construction, not after the trainer has set up."""
-    from batchfit.finder import find
-    from batchfit.options import Options
+    from batchfit.api import find
+    from batchfit.probe import Options
 
     known = set(inspect.signature(find).parameters) - {"model"}
     for name in kwargs:

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from batchfit.planning import Plan, plan
-from batchfit.result import Result
+from batchfit.api import plan
+from batchfit.estimation import Plan
+from batchfit.report import Result
 
 if TYPE_CHECKING:
     import torch
@@ -38,8 +39,8 @@ INSTALL_HINT = "pip install 'batchfit[transformers]'"
 class Autosized:
     """What :func:`autosize` measured and what it set on the trainer.
 
-    A dataclass of its own rather than the bare :class:`~batchfit.result.Result`: the trainer's
-    new settings (and, with ``target_batch``, the :class:`~batchfit.planning.Plan` they come
+    A dataclass of its own rather than the bare :class:`~batchfit.report.Result`: the trainer's
+    new settings (and, with ``target_batch``, the :class:`~batchfit.estimation.planning.Plan` they come
     from) belong with the probe's answer, and ``Result`` is batchfit's device-agnostic record,
     which knows nothing of trainers.
 
@@ -152,7 +153,7 @@ def autosize(
             trainer's.
 
     Returns:
-        An :class:`Autosized`: the probe's :class:`~batchfit.result.Result`, the plan, and the
+        An :class:`Autosized`: the probe's :class:`~batchfit.report.Result`, the plan, and the
         batch size and accumulation steps now set.
 
     Raises:
@@ -162,7 +163,7 @@ def autosize(
         batchfit's errors from ``find()`` (``NothingFitsError``, ...), unchanged.
     """
     transformers = _require_transformers()
-    from batchfit.finder import find
+    from batchfit.api import find
 
     logger = transformers.utils.logging.get_logger(__name__)
     if not isinstance(trainer, transformers.Trainer):
@@ -320,14 +321,19 @@ def first_batch(trainer: Trainer) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _rng_kept() -> Iterator[None]:
-    """Put torch's CPU and CUDA generators, ``random`` and numpy's global generator back afterwards."""
+    """Put torch's CPU generator and the accelerator's generators (through its backend, as a probe
+    does), ``random`` and numpy's global generator back afterwards."""
     import torch
 
+    from batchfit.backends import backend_for, default_device
+
+    accelerator = torch.device(default_device())
+    backend = backend_for(accelerator)
     python_state = random.getstate()
     numpy = sys.modules.get("numpy")
     numpy_state = numpy.random.get_state() if numpy is not None else None
     cpu_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    device_state = backend.get_rng_state(accelerator)
     try:
         yield
     finally:
@@ -335,8 +341,7 @@ def _rng_kept() -> Iterator[None]:
         if numpy is not None:
             numpy.random.set_state(numpy_state)
         torch.set_rng_state(cpu_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
+        backend.set_rng_state(accelerator, device_state)
 
 
 def _set_batch(trainer: Trainer, batch_size: int, accumulation_steps: int) -> None:

@@ -1,4 +1,4 @@
-"""Byte quantities: parsing user limits ("24GiB", 0.8, 10**9) and formatting sizes.
+"""Byte quantities: parsing user limits ("24GiB", 0.8, 10**9) and formatting sizes (and durations).
 
 Pure Python, no torch import.
 """
@@ -104,3 +104,8 @@ def format_bytes(nbytes: float | int | None) -> str:
             return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.2f} {unit}"
         value /= 1024
     return f"{sign}{value:.2f} TiB"
+
+
+def format_duration(seconds: float) -> str:
+    """A step time as people read it: ``12.3 ms`` below a second, ``1.25 s`` above."""
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"

@@ -56,11 +56,10 @@ import torch
 import batchfit
 from batchfit import examples
 from batchfit import search as search_mod
-from batchfit.backends import Meter
-from batchfit.backends.cpu import LiveTensorMeter
-from batchfit.interpolate import Interpolating
+from batchfit.backends import LiveTensorMeter, Meter
+from batchfit.probe import batch_size_of, call_model, default_loss, tile
+from batchfit.search import Interpolating
 from batchfit.units import format_bytes, parse_memory_limit
-from batchfit.workload import batch_size_of, call_model, default_loss, tile
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STRATEGIES = ("binary", "interpolate")
@@ -445,7 +444,7 @@ def raised(exc: BaseException) -> str:
 
 
 def _to(sample: Any, device: torch.device) -> Any:
-    from batchfit.workload import to_device
+    from batchfit.probe import to_device
 
     return to_device(sample, device)
 

@@ -4,14 +4,14 @@ import random
 
 import pytest
 
-from batchfit.allocator_model import (
+from batchfit.backends import CachingAllocatorModel
+from batchfit.backends.allocator_model import (
     LARGE_BUFFER,
     MIN_BLOCK,
     MIN_LARGE_ALLOC,
     ROUND_LARGE,
     SMALL_BUFFER,
     SMALL_SIZE,
-    CachingAllocatorModel,
     round_size,
     segment_size,
 )

@@ -1,7 +1,7 @@
 """CUDA-only paths: the allocator limit, reserved-byte accounting, the warm-up, fp16, sticky errors.
 
 These carry ``@pytest.mark.cuda`` and skip on machines without a CUDA device (the marker is
-registered by batchfit's pytest plugin, ``batchfit.pytest_plugin``; ``--require-cuda`` turns the
+registered by batchfit's pytest plugin, ``batchfit.testing.pytest_plugin``; ``--require-cuda`` turns the
 skip into a failure). The CPU halves of the same defects are in ``tests/test_device_seam.py``.
 
 Two tests run in a child process, because what they check needs one: the first trial of a
@@ -30,9 +30,9 @@ from torch import nn
 import batchfit
 from batchfit import examples
 from batchfit.errors import LimitError, NoOptimizerStepError
-from batchfit.result import DeviceInfo, MemoryModel, Result, Trial
+from batchfit.probe import default_loss
+from batchfit.report import DeviceInfo, MemoryModel, Result, Trial
 from batchfit.testing import check_fits
-from batchfit.workload import default_loss
 
 pytestmark = pytest.mark.cuda
 

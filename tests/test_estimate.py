@@ -322,12 +322,12 @@ def test_a_data_dependent_model_above_the_cap_is_extrapolated_from_real_steps(
 ) -> None:
     """Real steps up to the cap, the memory line read off them, and said so: checked against a
     real probe at the full budget."""
-    import batchfit.estimation
+    import batchfit.estimation.estimator
 
     cls, error = DATA_DEPENDENT[kind]
     torch.manual_seed(0)
     model, sample = cls(), torch.randn(4, 256)
-    monkeypatch.setattr(batchfit.estimation, "FALLBACK_CAP", 12 * MiB)
+    monkeypatch.setattr(batchfit.estimation.estimator, "FALLBACK_CAP", 12 * MiB)
     result = batchfit.estimate(model, sample, memory="48MiB")
     real = batchfit.find(model, sample, memory_limit="48MiB")
 

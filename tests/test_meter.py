@@ -14,8 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import batchfit
 from batchfit import examples
-from batchfit.backends.cpu import LiveTensorMeter
-from batchfit.workload import call_model, default_loss, tile
+from batchfit.backends import LiveTensorMeter
+from batchfit.probe import call_model, default_loss, tile
 
 
 def _training_step(model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -1,4 +1,5 @@
-"""batchfit.nvml against the real NVML of this machine, and how ``batchfit devices`` shows its report.
+"""batchfit.backends.nvml and .gpus against the real NVML of this machine, and how ``batchfit devices``
+shows its report.
 
 Without an NVIDIA driver (a CPU CI runner) the unavailable path runs for real; the GPU tests carry
 ``@pytest.mark.cuda``. The formatting tests build reports by hand, since a MIG instance, an
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from batchfit.backends import DevicesReport, Gpu, GpuProcess, MigDevice, nvml_device_by_uuid, query_devices
 from batchfit.cli import main
-from batchfit.nvml import DevicesReport, Gpu, GpuProcess, MigDevice, nvml_device_by_uuid, query_devices
-from batchfit.view import devices_lines
+from batchfit.cli.devices import devices_lines
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -110,7 +111,7 @@ def test_no_gpu_means_torch_is_never_imported() -> None:
     """``batchfit devices`` must stay fast where there is nothing to match against torch."""
     proc = _python(
         "import sys\n"
-        "from batchfit.nvml import query_devices\n"
+        "from batchfit.backends import query_devices\n"
         "report = query_devices()\n"
         "assert report.gpus == () and report.unavailable, report\n"
         "assert 'torch' not in sys.modules, 'query_devices imported torch'\n"
@@ -124,7 +125,7 @@ def test_no_gpu_means_torch_is_never_imported() -> None:
 
 
 def test_importing_the_module_does_not_import_torch() -> None:
-    proc = _python("import sys, batchfit.nvml\nassert 'torch' not in sys.modules\n")
+    proc = _python("import sys, batchfit.backends.nvml, batchfit.backends.gpus\nassert 'torch' not in sys.modules\n")
 
     assert proc.returncode == 0, proc.stderr
 

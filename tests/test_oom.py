@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchfit.backends import requested_bytes
-from batchfit.oom import is_oom, is_sticky_device_error
+from batchfit.backends import is_oom, is_sticky_device_error, requested_bytes
 
 
 def _coded(code: int, text: str) -> BaseException:

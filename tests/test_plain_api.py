@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import batchfit
-from batchfit.result import Trial
+from batchfit.report import Trial
 
 
 def _classifier() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

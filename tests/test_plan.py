@@ -1,4 +1,5 @@
-"""``batchfit.plan()`` (``batchfit.planning``): a target global batch as ranks x micro-batch x accumulation steps.
+"""``batchfit.plan()`` (``batchfit.estimation.planning``): a target global batch as ranks x micro-batch x
+accumulation steps.
 
 The rule tests start from a real probe's result (a tiny MLP under a 2 MiB CPU limit) and swap in
 hand-made trials, safe batches and rank counts with ``dataclasses.replace``, so every rule is pinned
@@ -14,8 +15,9 @@ import pytest
 import torch
 
 import batchfit
-from batchfit.planning import Plan, plan, plan_for
-from batchfit.result import Result, Trial
+from batchfit.api import plan
+from batchfit.estimation import Plan, plan_for
+from batchfit.report import Result, Trial
 
 
 def _model() -> torch.nn.Module:

@@ -19,10 +19,9 @@ import pytest
 import torch
 
 import batchfit
+from batchfit.distributed import combine_trials, from_environment
 from batchfit.examples import gpt
-from batchfit.launch import from_environment
-from batchfit.ranks import combine_trials
-from batchfit.result import Trial
+from batchfit.report import Trial
 
 TESTS = Path(__file__).parent
 JOB_TIMEOUT_S = 120

@@ -60,7 +60,7 @@ def test_finder_recovers_from_real_allocator_failures(tmp_path: Path) -> None:
     assert failures, "the address-space cap never made an allocation fail"
     messages = [t.message or "" for t in failures]
     assert any("DefaultCPUAllocator: can't allocate memory" in m for m in messages), messages
-    # oneDNN reports the same exhaustion as "could not create a primitive" (see batchfit.oom).
+    # oneDNN reports the same exhaustion as "could not create a primitive" (see batchfit.backends.oom).
     assert all("can't allocate memory" in m or "could not create a primitive" in m for m in messages), messages
     assert result.boundary_reached
     # The boundary sits well inside the cap: each sample costs ~16 KiB of input alone.

@@ -10,7 +10,7 @@ import pytest
 
 import batchfit
 from batchfit import examples
-from batchfit.result import ON_LINE, SCHEMA, DeviceInfo, MemoryModel, Throughput, Trial
+from batchfit.report import ON_LINE, SCHEMA, DeviceInfo, MemoryModel, Throughput, Trial
 
 
 @pytest.fixture(scope="module")

@@ -134,7 +134,8 @@ def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "batchfit.pytest_plugin", "-p", "no:cacheprovider", "-rs", *args],
+        [sys.executable, "-m", "pytest", "-p", "batchfit.testing.pytest_plugin", "-p", "no:cacheprovider", "-rs"]
+        + list(args),
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -178,7 +179,7 @@ def test_installed_package_declares_the_plugin_entry_point() -> None:
         pytest.skip("batchfit is not installed (running from the source tree)")
     plugins = {ep.name: ep.value for ep in dist.entry_points if ep.group == "pytest11"}
     scripts = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
-    assert plugins == {"batchfit": "batchfit.pytest_plugin"}
+    assert plugins == {"batchfit": "batchfit.testing.pytest_plugin"}
     assert scripts == {"batchfit": "batchfit.cli:main"}
 
 

@@ -11,7 +11,7 @@ import torch
 
 import batchfit
 from batchfit import cli, examples
-from batchfit.whatif import checkpointing, parse_option
+from batchfit.estimation import checkpointing, parse_option
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

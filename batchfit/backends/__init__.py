@@ -1,88 +1,72 @@
-"""One backend per device kind, behind one small interface (:class:`Backend`, :class:`Meter`).
+"""Every device specific, behind one small interface (:class:`Backend`, :class:`Meter`).
 
-Nothing outside this package branches on the device type: the finder asks :func:`backend_for`
-for the backend of the probe's device and talks to it. Adding a device kind is adding a module
-here and a line in :func:`backend_for`.
+Nothing outside this package branches on the device type: the probe asks :func:`backend_for`
+for the backend of its device and talks to it. Adding a device kind is adding a module here and a
+line in :func:`backend_for` (:mod:`batchfit.backends.select`).
 
-* ``cpu``: :mod:`batchfit.backends.cpu` (the live-tensor meter).
-* ``cuda``: :mod:`batchfit.backends.cuda` (the caching allocator, NVML, cuBLAS warm-up).
-* ``xpu``: the generic caching-allocator backend of :mod:`batchfit.backends.accelerator`, which
-  the CUDA backend builds on. It has never run on an XPU here.
+* ``base``: the seam itself, :class:`Backend` and :class:`Meter`;
+* ``cpu``: the live-tensor meter and its limit (:class:`LiveTensorMeter`);
+* ``accelerator``: the caching-allocator meter and limit (CUDA, ROCm, XPU);
+* ``cuda``: what is CUDA's own (NVML names, the allocator configuration, cuBLAS warm-up);
+* ``oom``: is this exception an out-of-memory, and did it poison the device;
+* ``nvml`` and ``gpus``: what NVML says about a device, and the report of ``batchfit devices``;
+* ``allocator_model`` and ``simulated``: a model of CUDA's caching allocator, and the meter that
+  counts a fake-tensor trace with it (``batchfit.estimate``'s CUDA target).
+
+The names below are imported on first use: ``batchfit devices`` reaches NVML through this package
+and must not import torch (``batchfit._lazy``).
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
-from batchfit.backends.base import Backend, Meter, Unit, requested_bytes
+from batchfit._lazy import lazy_surface
 
-__all__ = [
-    "Backend",
-    "Meter",
-    "Unit",
-    "backend_for",
-    "default_device",
-    "model_device",
-    "requested_bytes",
-    "resolve_device",
-]
-
-SUPPORTED = ("cpu", "cuda", "xpu")
-
-
-def backend_for(device: torch.device) -> Backend:
-    """The backend that serves ``device.type``."""
-    if device.type == "cpu":
-        from batchfit.backends.cpu import CpuBackend
-
-        return CpuBackend()
-    if device.type == "cuda":
-        from batchfit.backends.cuda import CudaBackend
-
-        return CudaBackend()
-    if device.type == "xpu":
-        from batchfit.backends.accelerator import AcceleratorBackend
-
-        return AcceleratorBackend("xpu")
-    raise ValueError(
-        f"batchfit measures memory on {', '.join(repr(s) for s in SUPPORTED)} devices; "
-        f"{device.type!r} is not supported yet"
+if TYPE_CHECKING:
+    from batchfit.backends.allocator_model import CachingAllocatorModel
+    from batchfit.backends.base import Backend, Meter, requested_bytes
+    from batchfit.backends.cpu import LiveTensorMeter, available_host_bytes
+    from batchfit.backends.gpus import DevicesReport, Gpu, GpuProcess, MigDevice, query_devices
+    from batchfit.backends.nvml import NvmlIdentity, nvml_device_by_uuid
+    from batchfit.backends.oom import is_oom, is_sticky_device_error
+    from batchfit.backends.select import SUPPORTED, backend_for, default_device, model_device, resolve_device
+    from batchfit.backends.simulated import (
+        DEFAULT_ESTIMATE_TARGET,
+        ESTIMATE_TARGETS,
+        EstimateTarget,
+        SimulatedCudaMeter,
+        estimate_target,
     )
 
+_EXPORTS = {
+    "Backend": "batchfit.backends.base",
+    "Meter": "batchfit.backends.base",
+    "requested_bytes": "batchfit.backends.base",
+    "LiveTensorMeter": "batchfit.backends.cpu",
+    "available_host_bytes": "batchfit.backends.cpu",
+    "SUPPORTED": "batchfit.backends.select",
+    "backend_for": "batchfit.backends.select",
+    "default_device": "batchfit.backends.select",
+    "model_device": "batchfit.backends.select",
+    "resolve_device": "batchfit.backends.select",
+    "is_oom": "batchfit.backends.oom",
+    "is_sticky_device_error": "batchfit.backends.oom",
+    "DevicesReport": "batchfit.backends.gpus",
+    "Gpu": "batchfit.backends.gpus",
+    "GpuProcess": "batchfit.backends.gpus",
+    "MigDevice": "batchfit.backends.gpus",
+    "query_devices": "batchfit.backends.gpus",
+    "NvmlIdentity": "batchfit.backends.nvml",
+    "nvml_device_by_uuid": "batchfit.backends.nvml",
+    "CachingAllocatorModel": "batchfit.backends.allocator_model",
+    "DEFAULT_ESTIMATE_TARGET": "batchfit.backends.simulated",
+    "ESTIMATE_TARGETS": "batchfit.backends.simulated",
+    "EstimateTarget": "batchfit.backends.simulated",
+    "SimulatedCudaMeter": "batchfit.backends.simulated",
+    "estimate_target": "batchfit.backends.simulated",
+}
 
-def default_device() -> str:
-    """Where a probe runs when nobody said: the accelerator torch sees, else the CPU."""
-    accelerator = getattr(torch, "accelerator", None)
-    current = accelerator.current_accelerator() if accelerator is not None else None
-    if current is not None and current.type in SUPPORTED:
-        return current.type
-    return "cpu"
+__all__ = sorted(_EXPORTS)
 
-
-def model_device(model: nn.Module) -> torch.device:
-    """The single device the model's parameters and buffers live on (CPU for an empty model)."""
-    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
-    if not devices:
-        return torch.device("cpu")
-    if len(devices) > 1:
-        names = ", ".join(sorted(str(d) for d in devices))
-        raise ValueError(
-            f"the model spans several devices ({names}); batchfit probes one device: "
-            "move the model to one device or pass device="
-        )
-    return devices.pop()
-
-
-def resolve_device(requested: str | torch.device | None, model: nn.Module) -> torch.device:
-    """The device to probe on: ``requested``, else where the model is; validated by its backend."""
-    if requested is None:
-        device = model_device(model)
-    else:
-        if not isinstance(requested, (str, torch.device)):
-            raise TypeError(f"device must be a string or torch.device, not {type(requested).__name__}")
-        try:
-            device = torch.device(requested)
-        except RuntimeError as exc:
-            raise ValueError(f"device {requested!r} is not a device torch knows: {exc}") from None
-    return backend_for(device).validate(device)
+__getattr__, __dir__ = lazy_surface(__name__, globals(), _EXPORTS)

@@ -27,7 +27,7 @@ import torch
 
 from batchfit.backends.base import Backend, Meter, requested_bytes
 from batchfit.errors import LimitError
-from batchfit.result import DeviceInfo
+from batchfit.report import DeviceInfo
 from batchfit.units import format_bytes
 
 #: The collective library of each device type's data (gloo serves only the CPU's).

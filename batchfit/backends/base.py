@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from batchfit.interrupts import InterruptGuard
-from batchfit.result import DeviceInfo, Unit
+from batchfit.report import DeviceInfo, Unit
 
 
 class Meter:
@@ -186,7 +186,7 @@ class Backend:
         """The device's random number generator state (``None``: nothing to restore)."""
         return None
 
-    # Many ranks (``batchfit.launch``) ----------------------------------------------------------
+    # Many ranks (``batchfit.distributed.launch``) ----------------------------------------------------------
     #: The ``torch.distributed`` backend for the data of a job on this device kind.
     process_group_backend: str = "gloo"
 

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from batchfit.backends.base import Backend, Meter
-from batchfit.result import DeviceInfo
+from batchfit.report import DeviceInfo
 from batchfit.units import format_bytes
 
 #: Without an explicit limit, a CPU probe may use this fraction of the memory that is

@@ -15,7 +15,7 @@ import os
 import torch
 
 from batchfit.backends.accelerator import AcceleratorBackend
-from batchfit.result import DeviceInfo
+from batchfit.report import DeviceInfo
 
 
 class CudaBackend(AcceleratorBackend):
@@ -25,7 +25,7 @@ class CudaBackend(AcceleratorBackend):
         super().__init__("cuda")
 
     def describe(self, device: torch.device) -> DeviceInfo:
-        from batchfit.nvml import nvml_device_by_uuid
+        from batchfit.backends.nvml import nvml_device_by_uuid
 
         props = torch.cuda.get_device_properties(device)
         identity = nvml_device_by_uuid(str(getattr(props, "uuid", "") or ""))

@@ -2,7 +2,7 @@
 
 It is the live-tensor meter (``batchfit.backends.cpu``), which sees every storage a step creates
 and frees, with each creation and release also handed to a model of PyTorch's CUDA caching
-allocator (``batchfit.allocator_model``): allocated bytes are the allocator's blocks (512-byte
+allocator (``batchfit.backends.allocator_model``): allocated bytes are the allocator's blocks (512-byte
 rounding, unsplit remainders), reserved bytes its segments. As on a real GPU under
 ``set_per_process_memory_fraction``, the limit caps *reserved* bytes: when a new storage would
 take the reservation over it, entirely free cached segments are given back first (the allocator
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchfit.allocator_model import CachingAllocatorModel
-from batchfit.backends.base import Unit
+from batchfit.backends.allocator_model import CachingAllocatorModel
 from batchfit.backends.cpu import LiveTensorMeter
+from batchfit.report import Unit
 from batchfit.units import format_bytes
 
 #: cuBLAS (32 MiB) plus cuBLASLt (1 MiB) workspace of one handle on sm90 (H100, H200).

@@ -1,0 +1,67 @@
+"""Which backend serves a device, and which device a probe runs on."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchfit.backends.base import Backend
+
+SUPPORTED = ("cpu", "cuda", "xpu")
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The backend that serves ``device.type``."""
+    if device.type == "cpu":
+        from batchfit.backends.cpu import CpuBackend
+
+        return CpuBackend()
+    if device.type == "cuda":
+        from batchfit.backends.cuda import CudaBackend
+
+        return CudaBackend()
+    if device.type == "xpu":
+        from batchfit.backends.accelerator import AcceleratorBackend
+
+        return AcceleratorBackend("xpu")
+    raise ValueError(
+        f"batchfit measures memory on {', '.join(repr(s) for s in SUPPORTED)} devices; "
+        f"{device.type!r} is not supported yet"
+    )
+
+
+def default_device() -> str:
+    """Where a probe runs when nobody said: the accelerator torch sees, else the CPU."""
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    if current is not None and current.type in SUPPORTED:
+        return current.type
+    return "cpu"
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The single device the model's parameters and buffers live on (CPU for an empty model)."""
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    if not devices:
+        return torch.device("cpu")
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(
+            f"the model spans several devices ({names}); batchfit probes one device: "
+            "move the model to one device or pass device="
+        )
+    return devices.pop()
+
+
+def resolve_device(requested: str | torch.device | None, model: nn.Module) -> torch.device:
+    """The device to probe on: ``requested``, else where the model is; validated by its backend."""
+    if requested is None:
+        device = model_device(model)
+    else:
+        if not isinstance(requested, (str, torch.device)):
+            raise TypeError(f"device must be a string or torch.device, not {type(requested).__name__}")
+        try:
+            device = torch.device(requested)
+        except RuntimeError as exc:
+            raise ValueError(f"device {requested!r} is not a device torch knows: {exc}") from None
+    return backend_for(device).validate(device)

@@ -1,0 +1,66 @@
+"""``--nproc-per-trial``: the driver's side (a search whose trials are fresh torchrun jobs) and the
+side of one rank of such a job. The jobs themselves are ``batchfit.probe.jobs``'s."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchfit.cli.arguments import find_kwargs, probe_plan
+from batchfit.cli.output import EXIT_ERROR
+from batchfit.errors import first_line
+from batchfit.version import __version__
+
+if TYPE_CHECKING:
+    from batchfit.cli.probe import Calls
+    from batchfit.distributed import Launch
+
+
+def run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], calls: Calls) -> Any:
+    import time
+
+    import torch
+
+    from batchfit.probe import JobPerTrial, Options, search_with
+
+    options = Options(**kwargs)
+    worker = [args.target, "--device", str(kwargs["device"]), "--mode", args.mode]
+    for flag, value in (("--memory-limit", kwargs["memory_limit"]), ("--reserve", args.reserve), ("--amp", args.amp)):
+        if value is not None:
+            worker += [flag, str(value)]
+    key = {
+        "target": args.target,
+        "nproc": args.nproc_per_trial,
+        "worker": worker[1:],
+        "torch": torch.__version__,
+        "batchfit": __version__,
+    }
+    log = Path(args.trial_log) if args.trial_log else None
+    prober = JobPerTrial(worker, args.nproc_per_trial, options, log=log, timeout_s=args.trial_timeout, key=key)
+    return search_with(prober, options, time.monotonic(), **calls.kwargs())
+
+
+def trial_worker(args: argparse.Namespace, launch: Launch) -> int:
+    """One rank of a ``--nproc-per-trial`` job: join the group, *then* load the target (its factory
+    may shard the model), run one trial, write the verdict (``batchfit.probe.jobs``). Silent."""
+    from batchfit.cli.targets import load_target
+    from batchfit.probe import Options, run_worker_trial, write_verdict
+
+    out = Path(args.trial_dir)
+    device, limit, _, _ = probe_plan(args, launch)
+    owned = False
+    try:
+        _, owned = launch.start(device)
+        target = load_target(args.target)
+        options = Options(**find_kwargs(args, target, device, limit))
+    except BaseException as exc:  # noqa: BLE001 (the driver reads the verdict; this rank ends)
+        write_verdict(out, launch.rank, {"error": first_line(exc), "phase": "loading the target"})
+        launch.finish(owned)
+        return EXIT_ERROR
+    try:
+        return run_worker_trial(
+            target.model, target.sample, options, args.trial_batch, args.trial_steps, out, launch.rank
+        )
+    finally:
+        launch.finish(owned)

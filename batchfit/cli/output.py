@@ -1,0 +1,142 @@
+"""What the CLI writes besides the views: exit codes, the one-line errors, ``--json`` files, the
+line shown while a target loads, the plan line.
+
+Every error goes to stderr in a line starting with ``batchfit: error:`` (see ``batchfit.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from batchfit.errors import first_line
+
+if TYPE_CHECKING:
+    from batchfit.cli.targets import Target
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_DOES_NOT_FIT = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+#: What an interrupted probe says once it had started: ``Prober`` restores on any exit.
+RESTORED = "the model and optimizer were restored"
+
+
+class UsageError(Exception):
+    """Raised inside a subcommand for a usage problem found after argument parsing."""
+
+
+def error(message: str, stream: TextIO | None = None) -> None:
+    try:
+        print(f"batchfit: error: {message}", file=stream or sys.stderr)
+    except BrokenPipeError:  # stderr's reader is gone too (`2>&1 | head`): no one is left to tell
+        pass
+
+
+def report_exception(exc: BaseException, show_traceback: bool, *, cause: bool, text: str | None = None) -> None:
+    """One line for the error (with batchfit's note on where it happened), the traceback only
+    when asked: the user's own frames are in it."""
+    shown = exc.__cause__ if cause and exc.__cause__ is not None else exc
+    if show_traceback:
+        traceback.print_exception(shown, file=sys.stderr)
+    notes = [n.removeprefix("batchfit: ") for n in getattr(shown, "__notes__", ())]
+    if text is None:
+        text = str(exc) if cause else first_line(exc)
+    if notes:
+        text += f" ({'; '.join(notes)})"
+    if not show_traceback:
+        text += " [--traceback shows where]"
+    error(text)
+
+
+# helpers ------------------------------------------------------------------------------------------
+def check_json_path(path: str | None) -> None:
+    """Refuse (exit 2) a ``--json PATH`` that cannot be written before anything runs: found out
+    after the probe, it would cost the whole probe. Permissions as ``os.access`` sees them (root
+    passes); what only the write can find out (a full disk) is still reported by ``write_json``."""
+    if path is None or path == "-":
+        return
+    folder = os.path.dirname(path) or os.curdir
+    if os.path.isdir(path):
+        problem = "it is a folder"
+    elif not os.path.exists(folder):
+        problem = f"its folder {folder!r} does not exist"
+    elif not os.path.isdir(folder):
+        problem = f"{folder!r} is not a folder"
+    elif os.path.exists(path):
+        problem = "" if os.access(path, os.W_OK) else "the file is not writable"
+    else:
+        problem = "" if os.access(folder, os.W_OK | os.X_OK) else f"its folder {folder!r} is not writable"
+    if problem:
+        raise UsageError(f"cannot write --json {path!r}: {problem}")
+
+
+def write_json(path: str, text: str) -> None:
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        return
+    try:
+        Path(path).write_text(text + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot write --json {path!r}: {exc.strerror or exc}") from None
+
+
+def stdout_to_devnull() -> None:
+    """After a broken pipe: what is still buffered for stdout goes nowhere, quietly, at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (replaced, closed): nothing left to flush into a pipe
+        pass
+
+
+def is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+def load(args: argparse.Namespace) -> Target | int:
+    """The target, or the exit code of why it could not be loaded (said on stderr). Importing a
+    model and building it can take seconds: a terminal is told meanwhile, on a line that goes
+    away when the target is in."""
+    from batchfit.cli.targets import TargetCallError, TargetError, load_target
+
+    stream = sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
+    waiting = is_terminal(stream) and not getattr(args, "quiet", False)
+    if waiting:
+        stream.write(f"batchfit: loading {args.target} (importing it, building the model)...")
+        stream.flush()
+    try:
+        return load_target(args.target)
+    except TargetError as exc:
+        error(str(exc))
+        return EXIT_USAGE
+    except TargetCallError as exc:
+        report_exception(exc, args.traceback, cause=True)
+        return EXIT_ERROR
+    finally:
+        if waiting:
+            stream.write("\r\x1b[2K")  # the loading line goes; the probe's header takes its place
+            stream.flush()
+
+
+def plan_line(result: Any, target_batch: int) -> str:
+    """The plan for ``--target-batch``, or why there is none (a target the ranks cannot share)."""
+    from batchfit.estimation import plan_for
+
+    try:
+        return f"plan             {plan_for(result, target_batch)}"
+    except ValueError as exc:
+        return f"plan             none: {exc}"

@@ -1,0 +1,261 @@
+"""The ``batchfit`` command line: its parser, and the argument types that check each value."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from batchfit.cli.output import EXIT_USAGE
+from batchfit.units import parse_memory_limit, parse_reserve
+from batchfit.version import __version__
+
+#: Without ``--memory-limit``, a CPU probe from the command line caps live tensor bytes at this.
+#: On a CPU the time of a trial grows with the memory it touches, so the cap is what keeps
+#: ``batchfit probe batchfit.examples:gpt`` under a minute on a 2-core machine; it also keeps a
+#: first run from taking a large share of the host. (The Python API's default is half the
+#: available memory: a caller of ``find()`` chose to probe on this machine.)
+CLI_CPU_MEMORY_LIMIT = "256MiB"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with batchfit's error prefix: a subcommand's parser would print
+    ``batchfit probe: error: ...``; every batchfit error line starts ``batchfit: error:``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"batchfit: error: {message}\n")
+
+
+# Argument parsing -------------------------------------------------------------------------------
+def _memory_limit(value: str) -> str:
+    try:
+        parse_memory_limit(value, 1 << 40)  # syntax only: fractions resolve on the device later
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _reserve(value: str) -> str:
+    try:
+        parse_reserve(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _size(value: str) -> str:
+    try:
+        parse_reserve(value)  # a size or bytes, no fraction
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value.strip().lower() == "auto":
+        raise argparse.ArgumentTypeError("a size is needed here, such as 80GiB")
+    return value
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for integers >= ``minimum`` (1 for sizes, 0 for step counts)."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"{value!r} must be at least {minimum}")
+        return number
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+
+
+_count = _int_at_least(0)
+
+
+def _fraction(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 <= number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be a fraction in [0, 1)")
+    return number
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be more than 0 seconds")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="batchfit",
+        description="Find the largest and the fastest batch size a PyTorch model trains with, by running real steps.",
+    )
+    parser.add_argument("--version", action="version", version=f"batchfit {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    probe = commands.add_parser(
+        "probe",
+        help="probe a model's batch size limits",
+        description=(
+            "Run real training steps at growing batch sizes until one runs out of memory, then find the "
+            "boundary. Exit codes: 0 ok, 1 error, 2 usage or bad target, 3 does not fit, 130 Ctrl-C, "
+            "141 stdout closed, 143 SIGTERM."
+        ),
+        epilog=(
+            "TARGET is 'package.module:factory' or 'path/to/file.py:factory'. The factory is called with no "
+            "arguments and returns (model, sample), or a dict with 'model' and 'sample' and optionally "
+            "'optimizer', 'loss_fn', 'make_batch', 'step_fn'. Built-in targets: batchfit.examples:mlp, "
+            "batchfit.examples:cnn, batchfit.examples:gpt."
+        ),
+    )
+    probe.add_argument("target", metavar="TARGET", help="package.module:attr or path/to/file.py:attr")
+    probe.add_argument("--device", help="where to probe, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)")
+    probe.add_argument(
+        "--memory-limit",
+        type=_memory_limit,
+        metavar="SIZE|FRACTION",
+        help=f"memory budget: a size (24GiB, 512MB) or a fraction of the device's total memory (0.8; on CPU, of "
+        f"the available memory); on a GPU it caps what the allocator reserves; default: what the process can reach "
+        f"on the GPU, or {CLI_CPU_MEMORY_LIMIT} of live tensors on CPU",
+    )
+    probe.add_argument(
+        "--reserve",
+        type=_reserve,
+        metavar="SIZE|auto",
+        help="memory taken off --memory-limit for what a GPU of that size loses outside the allocator (CUDA "
+        "context, handles): --memory-limit 24GB --reserve 600MiB stands for a 24 GB card; 'auto' measures what "
+        "the device uses outside this process's allocator now",
+    )
+    probe.add_argument(
+        "--headroom",
+        type=_fraction,
+        default=0.10,
+        help="fraction of the budget the safe batch leaves free (default 0.10)",
+    )
+    probe.add_argument("--amp", choices=("bf16", "fp16"), help="run under autocast")
+    probe.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
+    probe.add_argument("--max-batch", type=_positive_int, metavar="N", help="largest batch size to try (default 32768)")
+    probe.add_argument(
+        "--init-batch",
+        type=_positive_int,
+        metavar="N",
+        help="first batch size to try (default 2, or --multiple-of when larger)",
+    )
+    probe.add_argument(
+        "--multiple-of", type=_positive_int, default=1, metavar="N", help="only try multiples of N (default 1)"
+    )
+    probe.add_argument(
+        "--steps-per-trial",
+        type=_positive_int,
+        metavar="N",
+        help="steps per search trial (default: 2 in the first, then 1: the optimizer state is kept between trials)",
+    )
+    probe.add_argument(
+        "--verify-steps",
+        type=_count,
+        metavar="N",
+        help="steps that verify the safe batch with a fresh optimizer, as a real run starts (default 3; 0 skips)",
+    )
+    probe.add_argument("--time-budget", type=_seconds, metavar="SECONDS", help="start no new search trial after this")
+    probe.add_argument(
+        "--strategy",
+        choices=("interpolate", "binary"),
+        help="search strategy: aim at the budget from measured memory (default), or plain bisection",
+    )
+    probe.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' for stdout)")
+    probe.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
+    probe.add_argument(
+        "--nproc-per-trial",
+        type=_int_at_least(2),
+        metavar="N",
+        help="run every trial as a fresh torchrun job of N ranks, for sharded models (FSDP, FSDP2): the TARGET's "
+        "factory runs on every rank after the process group is up, so it may shard the model; a rank that runs out "
+        "of memory ends its job instead of leaving the others waiting. Run without torchrun",
+    )
+    probe.add_argument(
+        "--trial-log",
+        metavar="PATH",
+        help="with --nproc-per-trial: append every job's verdicts to PATH (JSON lines); a rerun with the same "
+        "settings reuses them instead of running those jobs again",
+    )
+    probe.add_argument(
+        "--trial-timeout",
+        type=_seconds,
+        default=600.0,
+        metavar="SECONDS",
+        help="with --nproc-per-trial: kill a job that gives no answer within this (default 600)",
+    )
+    # A rank's side of a --nproc-per-trial job (started by batchfit under torchrun, not by users).
+    probe.add_argument("--trial-batch", type=_positive_int, help=argparse.SUPPRESS)
+    probe.add_argument("--trial-steps", type=_positive_int, default=2, help=argparse.SUPPRESS)
+    probe.add_argument("--trial-dir", help=argparse.SUPPRESS)
+    probe.add_argument(
+        "--require-batch",
+        type=_positive_int,
+        metavar="N",
+        help="CI gate: exit 3 unless batch N fits within the limit; runs one trial at N, and a search below N "
+        "only if it fails",
+    )
+    probe.add_argument(
+        "--target-batch",
+        type=_positive_int,
+        metavar="N",
+        help="also print the plan for a global batch of N: micro-batch x gradient-accumulation steps (x ranks)",
+    )
+    probe.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
+
+    estimate = commands.add_parser(
+        "estimate",
+        help="estimate the batch limits for a memory size, without the device (fake tensors, seconds)",
+        description=(
+            "Run the probe's search on fake tensors: the same steps, counted as the device would count them, "
+            "with no device and no memory used. Exit codes: 0 ok, 1 error, 2 usage or bad target, 3 nothing fits."
+        ),
+    )
+    estimate.add_argument("target", metavar="TARGET", help="package.module:attr or path/to/file.py:attr")
+    estimate.add_argument(
+        "--memory", required=True, type=_size, metavar="SIZE", help="the device's memory: 80GiB, 24GB"
+    )
+    estimate.add_argument(
+        "--device",
+        metavar="cuda|cpu",
+        help="what to estimate for: cuda (the caching allocator modelled; default) or cpu (live tensor bytes)",
+    )
+    estimate.add_argument(
+        "--reserve",
+        type=_size,
+        metavar="SIZE",
+        help="memory outside the allocator, taken off --memory (default on cuda: 512MiB for the context)",
+    )
+    estimate.add_argument("--amp", choices=("bf16", "fp16"), help="under autocast")
+    estimate.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
+    estimate.add_argument("--headroom", type=_fraction, default=0.10, help="fraction the safe batch leaves free")
+    estimate.add_argument("--max-batch", type=_positive_int, metavar="N", help="largest batch size to try")
+    estimate.add_argument("--multiple-of", type=_positive_int, default=1, metavar="N", help="only multiples of N")
+    estimate.add_argument(
+        "--what-if",
+        action="append",
+        metavar="OPTION",
+        help="also estimate under OPTION (repeatable): amp=bf16, amp=fp16, checkpointing, optimizer=sgd, "
+        "optimizer=adamw, optimizer=adafactor",
+    )
+    estimate.add_argument(
+        "--target-batch", type=_positive_int, metavar="N", help="also print the plan for global batch N"
+    )
+    estimate.add_argument("--json", metavar="PATH", help="write the estimate as JSON to PATH ('-' for stdout)")
+    estimate.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
+
+    devices = commands.add_parser("devices", help="list NVIDIA GPUs: memory, utilisation, processes (via NVML)")
+    devices.add_argument("--json", metavar="PATH", help="write the device list as JSON to PATH ('-' for stdout)")
+    return parser

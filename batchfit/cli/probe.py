@@ -1,0 +1,227 @@
+"""``batchfit probe TARGET``: one probe (of this process, or of this rank of a ``torchrun`` job),
+the gate (``--require-batch``), or a probe whose trials are torchrun jobs (``--nproc-per-trial``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from batchfit.cli.arguments import find_kwargs, probe_plan
+from batchfit.cli.jobs import run_jobs, trial_worker
+from batchfit.cli.output import (
+    EXIT_DOES_NOT_FIT,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    RESTORED,
+    UsageError,
+    check_json_path,
+    error,
+    load,
+    plan_line,
+    report_exception,
+    write_json,
+)
+from batchfit.cli.signals import SigtermUnwinds, Terminated
+from batchfit.errors import first_line
+
+if TYPE_CHECKING:
+    from batchfit.cli.targets import Target
+    from batchfit.distributed import Launch
+    from batchfit.view import View
+
+# probe --------------------------------------------------------------------------------------------
+
+
+def probe_command(args: argparse.Namespace) -> int:
+    from batchfit.distributed import from_environment
+
+    launch = from_environment()
+    if args.trial_batch is not None:
+        if launch is None or not args.trial_dir:
+            raise UsageError("--trial-batch is the rank side of --nproc-per-trial: batchfit starts it under torchrun")
+        return trial_worker(args, launch)
+    if args.nproc_per_trial is not None:
+        if launch is not None:
+            raise UsageError("--nproc-per-trial starts a torchrun job per trial itself: run it without torchrun")
+        if args.require_batch is not None:
+            raise UsageError("--nproc-per-trial runs a full probe: drop --require-batch")
+    elif args.trial_log is not None:
+        raise UsageError("--trial-log goes with --nproc-per-trial")
+    if launch is None:
+        return probe_here(args, None)
+    owned: list[bool] = []
+    try:
+        return probe_here(args, launch, owned)
+    finally:
+        launch.finish(bool(owned and owned[0]))
+
+
+def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool] | None = None) -> int:
+    """One probe: of this process, or of this rank of a ``torchrun`` job (``launch``; ``owned``
+    gets whether this process started the process group)."""
+    from batchfit.view import make_view
+
+    if args.require_batch is not None:
+        conflicting = [name for name in ("max_batch", "verify_steps", "time_budget") if getattr(args, name) is not None]
+        if conflicting:
+            raise UsageError(
+                f"--require-batch runs a gate, not a full probe: drop --{conflicting[0].replace('_', '-')}"
+            )
+    check_json_path(args.json)
+    device, limit, header, expected_budget = probe_plan(args, launch)
+    backend = ""
+    if launch is not None:
+        # The group first: a target's factory may need it (fully_shard, a rank-dependent build).
+        try:
+            backend, started = launch.start(device)
+        except Exception as exc:
+            report_exception(
+                exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {first_line(exc)}"
+            )
+            return EXIT_ERROR
+        if owned is not None:
+            owned.append(started)
+    target: Target | None = None
+    if args.nproc_per_trial is None:  # with it, only the ranks of each job load the target
+        loaded = load(args)
+        if isinstance(loaded, int):
+            return loaded
+        target = loaded
+
+    human = sys.stderr if args.json == "-" else sys.stdout
+    leader = launch is None or launch.is_leader
+    if launch is not None and target is not None:
+        try:
+            model, wrapped = launch.wrap(target.model, device)
+        except Exception as exc:
+            report_exception(
+                exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {first_line(exc)}"
+            )
+            return EXIT_ERROR
+        target = replace(target, model=model)
+        header.append(
+            f"torchrun: rank {launch.rank} of {launch.world_size} ({backend}); the model "
+            + ("was wrapped in DistributedDataParallel" if wrapped else "was left as the target built it")
+            + "; batch sizes are per rank"
+        )
+    if args.nproc_per_trial is not None:
+        header.append(
+            f"every trial runs as a fresh torchrun job of {args.nproc_per_trial} ranks (--nproc-per-trial)"
+            + (f"; trial log {args.trial_log}" if args.trial_log else "")
+        )
+    # Only rank 0 speaks for the group; the others print only their own errors.
+    view = make_view(human if leader else open(os.devnull, "w"), quiet=args.quiet or not leader)
+    kwargs = find_kwargs(args, target, device, limit)
+    calls = Calls(view)
+    failure: BaseException | None = None
+    with SigtermUnwinds() as sigterm:
+        try:
+            try:
+                view.start(header, expected_budget)
+                outcome = run_probe(args, target, kwargs, calls)
+                view.set_budget(outcome.budget_bytes)  # the budget the probe really had, for the final frame
+            except BaseException as exc:  # Ctrl-C and SIGTERM too: the view comes down either way
+                failure = exc
+        finally:
+            sigterm.hold()
+            view.stop()  # on a terminal this shows the cursor again, whatever ended the probe
+    if sigterm.received and (failure is None or type(failure) is KeyboardInterrupt):
+        # The Ctrl-C a SIGTERM was delivered as (or a SIGTERM that came as the probe returned).
+        failure = Terminated()
+    if failure is not None:
+        return probe_failed(failure, calls, args.traceback, leader)
+    if args.require_batch is not None:
+        view.gate(outcome)
+        code = EXIT_OK if outcome.fits else EXIT_DOES_NOT_FIT
+    else:
+        view.summary(outcome)
+        code = EXIT_OK
+        if args.target_batch is not None and leader:
+            print(plan_line(outcome, args.target_batch), file=human)
+    if args.json and leader:
+        write_json(args.json, outcome.to_json())
+    return code
+
+
+def run_probe(args: argparse.Namespace, target: Target | None, kwargs: dict[str, Any], calls: Calls) -> Any:
+    """The gate (``--require-batch``) or the full search; its ``GateReport`` or ``Result``.
+    Without a target (``--nproc-per-trial``), a job per trial (``batchfit.probe.jobs``)."""
+    if target is None:
+        return run_jobs(args, kwargs, calls)
+    if args.require_batch is not None:
+        from batchfit.testing import check_fits
+
+        return check_fits(target.model, target.sample, batch_size=args.require_batch, **calls.kwargs(), **kwargs)
+    from batchfit.probe import Options, find_with
+
+    return find_with(target.model, target.sample, Options(**kwargs), **calls.kwargs())
+
+
+class Calls:
+    """Forwards ``find()``'s callbacks to the view and remembers the trial in flight: whether
+    one started tells a rejected input (usage) from an error inside the user's model, and which
+    one it was says where the user's code called ``sys.exit()``."""
+
+    def __init__(self, view: View) -> None:
+        self.view = view
+        self.started = False
+        self.current: tuple[int, str] | None = None  # (batch size, kind) of the last trial started
+
+    def on_trial_start(self, batch_size: int, kind: str) -> None:
+        self.started = True
+        self.current = (batch_size, kind)
+        self.view.trial_started(batch_size, kind)
+
+    def on_start(self, device: Any, budget_bytes: int | None) -> None:
+        self.view.set_budget(budget_bytes)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"callback": self.view.trial_finished, "on_trial_start": self.on_trial_start, "on_start": self.on_start}
+
+
+def probe_failed(exc: BaseException, calls: Calls, show_traceback: bool, leader: bool = True) -> int:
+    """The exit code (and the one line) for whatever ended a probe that had started. Under
+    ``torchrun`` another rank's failure is told by rank 0 (and by the failing rank) only."""
+    from batchfit.errors import NothingFitsError, RankFailedError
+
+    if isinstance(exc, RankFailedError) and not leader:
+        return EXIT_ERROR
+    from batchfit.cli.targets import exit_call
+    from batchfit.view import OutputClosedError
+
+    if isinstance(exc, Terminated):
+        if exc.forced:
+            error("terminated by a second SIGTERM, at once: the model and optimizer may not have been restored")
+        else:
+            error(f"terminated by SIGTERM ({RESTORED})")
+        return EXIT_TERMINATED
+    if isinstance(exc, KeyboardInterrupt):
+        error(f"interrupted ({RESTORED})")
+        return EXIT_INTERRUPTED
+    if isinstance(exc, OutputClosedError):  # our reader left: main() exits quietly
+        raise exc
+    if isinstance(exc, SystemExit):  # the user's code, in a trial: an error, not batchfit's exit code
+        where = "during the probe"
+        if calls.current is not None:
+            batch_size, kind = calls.current
+            where = f"during a {kind} trial at batch size {batch_size}"
+        report_exception(exc, show_traceback, cause=False, text=f"the target called {exit_call(exc)} {where}")
+        return EXIT_ERROR
+    if isinstance(exc, NothingFitsError):
+        error(str(exc))
+        return EXIT_DOES_NOT_FIT
+    if isinstance(exc, (TypeError, ValueError)) and not calls.started:
+        # find() checks its input before the first trial: what it rejects there is the target's
+        # sample or model, or an option (a device that is not there), not a failure of a run.
+        error(f"{first_line(exc)}")
+        return EXIT_USAGE
+    if not isinstance(exc, Exception):
+        raise exc
+    report_exception(exc, show_traceback, cause=False)
+    return EXIT_ERROR

@@ -1,0 +1,76 @@
+"""This process alone: :class:`Solo`, the interface every set of ranks implements, and what a rank
+can say at a meeting. :class:`~batchfit.distributed.ranks.Group` implements it for every rank of a
+``torch.distributed`` job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from batchfit.report import Trial
+
+#: The phases of a step as a message names them.
+PHASES = {"batch": "building the batch", "step": "the optimizer step"}
+
+#: What a rank says at a meeting, worst last: the maximum over ranks is what every rank does.
+OK, OUT_OF_MEMORY, INTERRUPTED, FAILED = 0, 1, 2, 3
+
+
+class PeerOutOfMemory(Exception):
+    """Another rank ran out of memory in the phase that just ended: the trial failed everywhere."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        self.message = message
+        super().__init__(f"rank {rank} ran out of memory: {message}")
+
+
+class Solo:
+    """This process alone: every meeting is a no-op. The interface :class:`Group` implements."""
+
+    world_size = 1
+    rank = 0
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process speaks for the group (prints, writes files): rank 0."""
+        return self.rank == 0
+
+    def join(self, settings: dict[str, Any]) -> None:
+        """Meet the other ranks before the probe starts, with the settings that must agree."""
+
+    @contextlib.contextmanager
+    def meet(self, phase: str, batch_size: int | None = None) -> Iterator[None]:
+        """Run the code inside, then meet: raise what another rank's failure asks of this one."""
+        yield
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank."""
+        return flag
+
+    def smallest(self, value: int | None) -> int | None:
+        """The smallest ``value`` over the ranks that know one (``None``: none does)."""
+        return value
+
+    def combine(self, trial: Trial) -> Trial:
+        """One trial as the whole group ran it."""
+        return trial
+
+    @contextlib.contextmanager
+    def deferred_sync(self, model: nn.Module) -> Iterator[None]:
+        """Run the steps inside without the data group's collectives in backward."""
+        yield
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """The gradient all-reduce :meth:`deferred_sync` held back."""
+
+    def notes(self, model: nn.Module) -> list[str]:
+        """What a reader of the result should know about probing ``model`` on these ranks."""
+        return []
+
+    def close(self) -> None:
+        """Leave the group (no meeting)."""

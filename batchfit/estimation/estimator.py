@@ -1,0 +1,185 @@
+"""``batchfit.estimate()``: the answer for a memory size before you own the device.
+
+The probe's own search (:func:`~batchfit.probe.finder.search_with`) over fake trials
+(:class:`~batchfit.estimation.fake_trials.FakeProbe`, whose module says how they count), with the
+target's fixed costs stated as assumptions; a real CPU probe under a cap where a model cannot be
+traced on fake tensors (:func:`_extrapolate`). Nothing is timed, so an estimate has no throughput.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchfit.backends import ESTIMATE_TARGETS, EstimateTarget, estimate_target
+from batchfit.errors import NothingFitsError
+from batchfit.estimation.fake_trials import FakeProbe, Untraceable
+from batchfit.probe import DEFAULT_MAX_BATCH, Options, check_work, find_with, search_with
+from batchfit.report import Result, Trial
+from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
+
+__all__ = ["FALLBACK_CAP", "TARGETS", "estimate"]
+
+#: The devices an estimate can be for.
+TARGETS = tuple(ESTIMATE_TARGETS)
+
+
+#: Live tensor bytes the real CPU steps of the fallback may use (see :func:`_extrapolate`).
+FALLBACK_CAP = 256 * 2**20
+
+
+def estimate(
+    model: nn.Module,
+    sample: Any = None,
+    *,
+    memory: int | str,
+    device: str = "cpu",
+    reserve: int | str | None = None,
+    make_batch: Callable[[int], Any] | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    step_fn: Callable[[nn.Module, Any], Any] | None = None,
+    optimizer: Any = None,
+    amp: str | None = None,
+    mode: str = "train",
+    headroom: float = 0.10,
+    init_batch: int | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    multiple_of: int = 1,
+    strategy: str = "interpolate",
+    callback: Callable[[Trial], None] | None = None,
+) -> Result:
+    """Estimate :func:`batchfit.find`'s answer for a device with ``memory`` bytes, without it.
+
+    Runs the probe's search over fake trials (see the module docs): no device, no memory, seconds.
+    The :class:`~batchfit.report.Result` has ``estimated=True`` and its ``assumptions`` listed;
+    ``str()`` says "estimate". No throughput (nothing real is timed).
+
+    Args:
+        memory: the device's memory: bytes or a size (``"80GiB"``, ``"24GB"``).
+        device: what to estimate for (:data:`TARGETS`): the CPU (the live-tensor meter's count,
+            equal to what ``find()`` measures there under ``memory_limit=memory``; the default)
+            or CUDA (the caching allocator's reserved bytes, modelled; see the assumptions).
+        reserve: taken off ``memory`` for what lives outside the allocator. Default: nothing on
+            the CPU; on CUDA 512 MiB for the CUDA context (an assumption, stated).
+        The rest: as :func:`batchfit.find`.
+
+    Raises:
+        NothingFitsError: not even ``init_batch`` fits the memory.
+        TypeError, ValueError: bad arguments.
+        A model that cannot be traced on fake tensors is not an error: see the module docs.
+    """
+    started = time.monotonic()
+    target = estimate_target(device)
+    if isinstance(memory, float) or not isinstance(memory, (int, str)):
+        raise TypeError(f"memory must be bytes or a size such as '80GiB', got {type(memory).__name__} {memory!r}")
+    total = parse_memory_limit(memory, None)
+    assumptions = _assumptions(target, amp)
+    if reserve is None:
+        kept_aside = target.outside_allocator_bytes
+    elif reserve in (0, "0"):
+        kept_aside = 0  # nothing outside the allocator: the whole memory is the budget
+    else:
+        parsed = parse_reserve(reserve)
+        if parsed == "auto":
+            raise ValueError("reserve='auto' measures a real device: an estimate takes a size")
+        kept_aside = int(parsed)
+    if kept_aside:
+        assumptions.append(f"{format_bytes(kept_aside)} of the {format_bytes(total)} are outside the allocator")
+    budget = total - kept_aside
+    if budget <= 0:
+        raise ValueError(f"reserve {format_bytes(kept_aside)} leaves nothing of memory {format_bytes(total)}")
+    options = Options(
+        make_batch=make_batch,
+        loss_fn=loss_fn,
+        step_fn=step_fn,
+        optimizer=optimizer,
+        amp=amp,  # type: ignore[arg-type]
+        mode=mode,  # type: ignore[arg-type]
+        device="cpu",
+        memory_limit=budget,
+        headroom=headroom,
+        init_batch=init_batch,
+        max_batch=max_batch,
+        multiple_of=multiple_of,
+        strategy=strategy,
+        distributed=False,
+    )
+    check_work(model, sample, options)
+
+    try:
+        probe = FakeProbe(model, sample, options, target, budget)
+        result = search_with(probe, options, started, callback=callback)
+    except Untraceable as untraceable:
+        result, said = _extrapolate(model, sample, options, budget, untraceable, started)
+        assumptions.append(said)
+    return replace(
+        result,
+        device=replace(result.device, name=f"estimate for {device}", total_bytes=total),
+        estimated=True,
+        assumptions=tuple(assumptions),
+        elapsed_s=time.monotonic() - started,
+    )
+
+
+def _assumptions(target: EstimateTarget, amp: str | None) -> list[str]:
+    said = ["traced on fake tensors: no step ran, no memory was used; nothing is timed, so no throughput"]
+    said += target.assumptions
+    if amp is not None and target.amp_assumption:
+        said.append(f"amp {amp}: {target.amp_assumption}")
+    return said
+
+
+def _extrapolate(
+    model: nn.Module, sample: Any, options: Options, budget: int, why: Untraceable, started: float
+) -> tuple[Result, str]:
+    """The fallback for models fake tensors cannot trace: a real probe on the CPU under
+    ``min(budget, FALLBACK_CAP)`` of live tensors. Under the cap that *is* the answer (for the
+    CPU); above it, the answer is read off the memory lines of the real trials, which reach sizes
+    where the per-sample bytes show (a few small sizes would see only the fixed costs). Returns
+    the result and the assumption that says which it was."""
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError(
+            f"the model does data-dependent work that fake tensors cannot trace ({why}), and its weights are on the "
+            "meta device, so no real step can run instead: build it with real weights on the CPU"
+        ) from None
+    cap = min(budget, FALLBACK_CAP)
+    real = find_with(model, sample, replace(options, memory_limit=cap, distributed=False))
+    trials = tuple(replace(t, step_time_s=None, samples_per_s=None, step_times_s=()) for t in real.trials)
+    untimed = replace(real, trials=trials, throughput=None)
+    if cap == budget:
+        return untimed, (
+            f"ran real CPU steps under the live-tensor meter instead: the model does data-dependent work that fake "
+            f"tensors cannot trace ({why})"
+        )
+    memory = real.memory
+    if memory is None:
+        raise NothingFitsError(real.max_batch, None, budget, None, "fewer than two sizes fitted to fit memory lines")
+    grid = options.grid()
+    largest = max(real.max_batch, grid.floor(memory.largest_batch_within(budget, ceiling=grid.top)))
+    safe = max(grid.init, grid.floor(memory.largest_batch_within(budget * (1 - options.headroom), ceiling=largest)))
+    sizes = sorted({t.batch_size for t in real.trials if t.fits})
+    result = replace(
+        untimed,
+        max_batch=largest,
+        safe_batch=safe,
+        best_throughput_batch=largest,
+        budget_bytes=budget,
+        boundary_reached=False,
+        stop_reason="stopped",
+        safe_verified=False,
+        notes=(
+            *real.notes,
+            f"max and safe batch are read off the memory line {format_bytes(memory.fixed_bytes)} + "
+            f"{format_bytes(memory.per_sample_bytes)} x batch fitted to real CPU steps up to batch {sizes[-1]} "
+            f"(under {format_bytes(cap)}): no size near the answer ran",
+        ),
+    )
+    return result, (
+        f"extrapolated from real CPU steps at batch {', '.join(map(str, sizes))} (live tensors up to "
+        f"{format_bytes(cap)}): the model does data-dependent work that fake tensors cannot trace ({why})"
+    )

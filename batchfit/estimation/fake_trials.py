@@ -1,0 +1,246 @@
+"""Fake trials: the probe's steps on fake tensors, counted as the target device would count them.
+
+The same search as :func:`batchfit.find`, over the same trial code (batch, forward, loss,
+backward, optimizer step, the optimizer kept between trials), but every tensor is a *fake*
+(``torch._subclasses.fake_tensor.FakeTensorMode``): shapes, dtypes and storages without data. The
+CPU's live-tensor meter counts the fake storages as it counts real ones, so on the CPU the estimate
+is the probe's own measurement, byte for byte, at any size, in seconds and with no memory: the
+search traces each candidate size instead of extrapolating from small ones.
+
+How the parts fit:
+
+* :class:`FakeProbe` stands in for :class:`~batchfit.probe.prober.Prober` in
+  :func:`~batchfit.probe.finder.search_with`. It swaps fake parameters and buffers into the model's slots
+  (tied weights stay tied) and puts the originals back afterwards: the user's tensors are never
+  read, copied or moved, so a model on the ``meta`` device works too.
+* The target device decides the meter (``batchfit.backends.simulated.ESTIMATE_TARGETS``). The
+  CPU: the live-tensor meter and its limit. CUDA: the same trace fed to a model of its caching allocator
+  (``batchfit.backends.allocator_model``: 512-byte rounding, 2 MiB / 20 MiB segments, cached blocks), the
+  budget counting reserved bytes as a real CUDA probe does, with the fixed costs that live beside
+  the model (the cuBLAS workspaces, the CUDA context) as stated assumptions. The trace itself runs
+  on the CPU: fake CUDA tensors cannot run autograd on a CPU-only build of torch.
+* Models that do data-dependent work (``.item()``, ``nonzero``, masks checked on their values) stop
+  a fake trace. Then a real probe runs on the CPU under the live meter, capped at
+  :data:`FALLBACK_CAP` of live tensors: within the cap it is the answer; above it the answer is
+  read off the real trials' memory lines, marked as extrapolated: never a crash, never a silent
+  guess.
+
+Nothing here is timed: a fake step's wall time means nothing, so an estimate has no throughput.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchfit.backends import EstimateTarget, LiveTensorMeter
+from batchfit.distributed import Solo
+from batchfit.errors import first_line
+from batchfit.probe import (
+    Options,
+    Workload,
+    batch_size_of,
+    compiled_info,
+    fit_memory,
+    fixed_memory_advice,
+    map_tensors,
+    optimizer_factory,
+    parameter_bytes,
+    positive_int,
+    run_trial,
+    tensor_leaves,
+)
+from batchfit.report import DeviceInfo, MemoryModel, Trial, TrialKind, Unit
+
+__all__ = ["FakeProbe", "Untraceable"]
+
+
+class Untraceable(Exception):
+    """The model did something fake tensors cannot do (data-dependent output, an operator with no
+    fake implementation): the estimate falls back to real CPU steps."""
+
+
+def _fake_errors() -> tuple[type[BaseException], ...]:
+    from torch._subclasses import fake_tensor
+
+    names = ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException")
+    found = tuple(getattr(fake_tensor, name) for name in names if hasattr(fake_tensor, name))
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (*found, GuardOnDataDependentSymNode)
+
+
+class _Swap:
+    """Fake parameters and buffers in the model's slots, the originals put back on exit."""
+
+    def __init__(self, model: nn.Module, mode: Any) -> None:
+        self.model = model
+        self.mode = mode
+        self._saved: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = []
+
+    def __enter__(self) -> _Swap:
+        made: dict[int, Any] = {}  # one fake per original tensor: tied weights stay tied
+        with self.mode:
+            for module in self.model.modules():
+                self._saved.append((module, dict(module._parameters), dict(module._buffers)))
+                for name, param in module._parameters.items():
+                    if param is not None:
+                        if id(param) not in made:
+                            made[id(param)] = nn.Parameter(_fake_like(param), requires_grad=param.requires_grad)
+                        module._parameters[name] = made[id(param)]
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        if id(buffer) not in made:
+                            made[id(buffer)] = _fake_like(buffer)
+                        module._buffers[name] = made[id(buffer)]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for module, parameters, buffers in self._saved:
+            module._parameters.clear()
+            module._parameters.update(parameters)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+        self._saved.clear()
+
+
+def _fake_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor of ``tensor``'s shape and dtype (made inside the fake mode)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+
+
+def _fake_sample(sample: Any) -> Any:
+    return map_tensors(sample, lambda t: _fake_like(t).requires_grad_(False))
+
+
+class _FakeWorkload(Workload):
+    """A workload without ``GradScaler``: its inf check reads the gradients' values (``.item()``),
+    which fake tensors do not have; its memory (a few scalars) does not matter."""
+
+    def grad_scaler(self, init_scale: float | None = None) -> None:  # type: ignore[override]
+        return None
+
+
+class FakeProbe:
+    """Trials on fake tensors for :func:`~batchfit.probe.finder.search_with` (see the module docs)."""
+
+    def __init__(
+        self, model: nn.Module, sample: Any, options: Options, target: EstimateTarget, budget_bytes: int
+    ) -> None:
+        self.options = options
+        self.mode = options.mode
+        self.target = target
+        self.ranks = Solo()
+        self._compiled = model
+        self._model = getattr(model, "_orig_mod", model)  # a compiled model is traced eagerly
+        self._sample = sample
+        self._sample_size = batch_size_of(sample) if sample is not None else None
+        self.budget_bytes: int | None = budget_bytes
+        self.limit_bytes: int | None = budget_bytes
+        self.limit_source = "memory"
+        self.reserve_bytes = 0
+        self.counts: Unit = target.counts
+        self.device_info = DeviceInfo(type=target.name, name=f"estimate for {target.name}", total_bytes=None)
+        self.notes: list[str] = []
+        self.optimizer_state_bytes = 0
+        self.meter: LiveTensorMeter | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._stack: contextlib.ExitStack | None = None
+        self._workload: Workload | None = None
+        self._fake_mode: Any = None
+
+    def __enter__(self) -> FakeProbe:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        stack = contextlib.ExitStack()
+        try:
+            rng = torch.random.get_rng_state()
+            stack.callback(torch.random.set_rng_state, rng)
+            self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            stack.enter_context(_Swap(self._model, self._fake_mode))
+            # As a probe does: train() for training, eval() for inference, the flags put back after.
+            flags = [(module, module.training) for module in self._model.modules()]
+            stack.callback(lambda: [setattr(module, "training", flag) for module, flag in flags])
+            self._model.train(self.mode == "train")
+            with self._fake_mode:
+                sample = _fake_sample(self._sample) if self._sample is not None else None
+            self._workload = _FakeWorkload(
+                model=self._model,
+                device=torch.device("cpu"),
+                mode=self.mode,
+                sample=sample,
+                sample_size=self._sample_size,
+                make_batch=self.options.make_batch,
+                loss_fn=self.options.loss_fn,
+                step_fn=self.options.step_fn,
+                new_optimizer=optimizer_factory(self.options.optimizer),
+                amp=self.options.amp,
+            )
+            budget = self.budget_bytes
+            assert budget is not None
+            held = [*self._model.parameters(), *self._model.buffers()] + [t for _, t in tensor_leaves(sample, "s")]
+            self.meter = self.target.make_meter(budget, held)
+            stack.enter_context(self.meter.active())
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._optimizer = None
+        self._workload = None
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def trial(
+        self, batch_size: int, steps: int | None = None, kind: TrialKind = "search", fresh_optimizer: bool = False
+    ) -> Trial:
+        """A fake trial at ``batch_size``, the optimizer kept as :meth:`Prober.trial` keeps it."""
+        assert self._workload is not None and self.meter is not None, "FakeProbe.trial() needs 'with FakeProbe(...)'"
+        batch_size = positive_int("batch_size", batch_size)
+        if fresh_optimizer:
+            self._optimizer = None
+            self.meter.release()
+        if steps is None:
+            steps = self.options.steps_per_trial or (1 if self.mode != "train" or self._optimizer is not None else 2)
+        kept, self._optimizer = self._optimizer, None
+        try:
+            with self._fake_mode:
+                run = run_trial(self._workload, self.meter, batch_size, steps, kind, None, kept)
+        except _fake_errors() as exc:
+            raise Untraceable(first_line(exc)) from exc
+        del kept
+        self._optimizer = run.optimizer
+        self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
+        # A fake step's wall time says nothing about a real one.
+        return replace(run.trial, step_time_s=None, samples_per_s=None, step_times_s=())
+
+    def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
+        weights, trainable = parameter_bytes(self._model)
+        return fit_memory(trials, weights, trainable, self.mode, self.optimizer_state_bytes, self.counts)
+
+    def fixed_advice(self) -> str | None:
+        weights, trainable = parameter_bytes(self._model)
+        return fixed_memory_advice(weights, trainable, self.mode, self.options.optimizer, self.budget_bytes)
+
+    def ranks_notes(self) -> list[str]:
+        return []
+
+    def compile_notes(self, trials: list[Trial]) -> list[str]:
+        info = compiled_info(self._compiled)
+        if info is None:
+            return []
+        return [
+            "the torch.compile'd model was traced as its eager module (fake tensors cannot run compiled code); "
+            "compiled code can use less memory (fused kernels keep fewer intermediates)"
+            + ("; it was compiled with dynamic=False, which recompiles per batch size" if info.dynamic is False else "")
+        ]

@@ -1,0 +1,231 @@
+"""What-if: the same estimate under the levers of batch size, in one table.
+
+``batchfit.what_if(model, sample, memory="24GiB")`` runs :func:`batchfit.estimate` once as the
+model is, then once per alternative, and puts max batch and memory side by side:
+
+* ``amp=bf16``, ``amp=fp16``: the steps under autocast (activations in half precision);
+* ``checkpointing``: activation checkpointing. A Hugging Face model gets its own
+  ``gradient_checkpointing_enable()`` (non-reentrant); a plain module gets batchfit's wrapper:
+  every block of its largest ``nn.ModuleList`` / ``nn.Sequential`` (the repeated layers of a
+  network) runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, so its
+  activations are recomputed in backward instead of kept. Either way it is undone afterwards;
+* ``optimizer=sgd`` (no state), ``optimizer=adamw`` (two moments per parameter, the default),
+  ``optimizer=adafactor`` (factored second moments: ``torch.optim.Adafactor``).
+
+Every option is an estimate (fake tensors: seconds, no memory) and the model comes back untouched.
+An option that does not apply (checkpointing a model with no repeated blocks) says why in its row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchfit.errors import NothingFitsError
+from batchfit.report import Trial
+from batchfit.units import format_bytes
+
+__all__ = ["OPTIONS", "WhatIf", "WhatIfRow", "what_if"]
+
+#: The alternatives :func:`what_if` knows, by the name a user writes.
+OPTIONS = ("amp=bf16", "amp=fp16", "checkpointing", "optimizer=sgd", "optimizer=adamw", "optimizer=adafactor")
+DEFAULT_OPTIONS = ("amp=bf16", "checkpointing", "optimizer=sgd")
+
+_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params),
+    "adafactor": lambda params: torch.optim.Adafactor(params),
+}
+
+
+@dataclass(frozen=True)
+class WhatIfRow:
+    """One option's estimate, or why it does not apply: ``peak_bytes`` is the peak at
+    ``max_batch`` in the unit the budget counts; ``per_sample_bytes`` the slope of live tensor
+    bytes per sample (allocated bytes: reserved ones grow in segment steps)."""
+
+    option: str
+    max_batch: int | None = None
+    safe_batch: int | None = None
+    peak_bytes: int | None = None
+    per_sample_bytes: float | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """The table :func:`what_if` returns: ``rows[0]`` is the model as it is."""
+
+    memory_bytes: int
+    device: str
+    rows: tuple[WhatIfRow, ...]
+
+    def row(self, option: str) -> WhatIfRow:
+        """The row of ``option`` (``"baseline"`` for the model as it is)."""
+        for row in self.rows:
+            if row.option == option:
+                return row
+        raise KeyError(option)
+
+    def __str__(self) -> str:
+        lines = [
+            f"what if (estimates for {self.device} with {format_bytes(self.memory_bytes)}):",
+            f"  {'option':<20} {'max batch':>9} {'safe':>6} {'peak at max':>12} {'per sample':>11}",
+        ]
+        base = self.rows[0].max_batch
+        for row in self.rows:
+            if row.max_batch is None:
+                lines.append(f"  {row.option:<20} {'-':>9} {'-':>6} {'-':>12} {'-':>11}  {row.note or ''}")
+                continue
+            gain = f"  x{row.max_batch / base:.2f}" if base and row is not self.rows[0] else ""
+            peak = format_bytes(row.peak_bytes) if row.peak_bytes is not None else "-"
+            slope = format_bytes(row.per_sample_bytes) if row.per_sample_bytes is not None else "-"
+            lines.append(
+                f"  {row.option:<20} {row.max_batch:>9} {row.safe_batch:>6} {peak:>12} {slope:>11}{gain}"
+                + (f"  {row.note}" if row.note else "")
+            )
+        return "\n".join(lines)
+
+
+def parse_option(option: str) -> tuple[str, str | None]:
+    """``"amp=bf16"`` -> ``("amp", "bf16")``; ``"checkpointing"`` -> ``("checkpointing", None)``;
+    ``ValueError`` naming the known options for anything else."""
+    if not isinstance(option, str) or option not in OPTIONS:
+        raise ValueError(f"unknown what-if option {option!r}: choose from {', '.join(OPTIONS)}")
+    name, _, value = option.partition("=")
+    return name, value or None
+
+
+def what_if(
+    model: nn.Module,
+    sample: Any = None,
+    *,
+    memory: int | str,
+    device: str = "cpu",
+    options: Sequence[str] = DEFAULT_OPTIONS,
+    **estimate_kwargs: Any,
+) -> WhatIf:
+    """Estimate the model as it is and under each of ``options`` (see the module docs).
+
+    ``estimate_kwargs`` go to every :func:`batchfit.estimate` call (``optimizer``, ``amp``,
+    ``loss_fn``, ``reserve``...); an option overrides the keyword it is about.
+    """
+    from batchfit.estimation.estimator import estimate
+
+    if isinstance(options, str):
+        raise TypeError("options must be a list of option names, e.g. ['amp=bf16', 'checkpointing']")
+    parsed = [(option, *parse_option(option)) for option in options]
+    rows = []
+    for option, name, value in [("baseline", "baseline", None), *parsed]:
+        kwargs = dict(estimate_kwargs)
+        if name == "amp":
+            kwargs["amp"] = value
+        elif name == "optimizer":
+            assert value is not None
+            kwargs["optimizer"] = _OPTIMIZERS[value]
+        context: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if name == "checkpointing":
+            if not _hugging_face_checkpointing(model) and not _repeated_blocks(model):
+                rows.append(WhatIfRow(option, note=NO_BLOCKS))
+                continue
+            context = checkpointing(model)
+        try:
+            with context as how:
+                result = estimate(model, sample, memory=memory, device=device, **kwargs)
+        except NothingFitsError as exc:
+            rows.append(WhatIfRow(option, note=f"nothing fits: batch {exc.batch_size} does not"))
+            continue
+        at_max = [t for t in result.trials if t.fits and t.batch_size == result.max_batch]
+        rows.append(
+            WhatIfRow(
+                option,
+                max_batch=result.max_batch,
+                safe_batch=result.safe_batch,
+                peak_bytes=at_max[-1].peak_in(result.budget_counts) if at_max else None,
+                per_sample_bytes=_slope_near_the_top(result.trials),
+                note=how if isinstance(how, str) else None,
+            )
+        )
+    from batchfit.units import parse_memory_limit
+
+    return WhatIf(memory_bytes=parse_memory_limit(memory, None), device=device, rows=tuple(rows))
+
+
+def _slope_near_the_top(trials: Sequence[Trial]) -> float | None:
+    """Live tensor bytes per sample between the largest size that fitted and the largest one at
+    most half of it: the slope that decides the answer, over a span wide enough that the few
+    bytes sizes next to each other differ by do not decide it."""
+    peaks = {t.batch_size: t.peak_bytes for t in trials if t.fits and t.peak_bytes is not None}
+    sizes = sorted(peaks)
+    if len(sizes) < 2:
+        return None
+    high = sizes[-1]
+    low = max((size for size in sizes if size <= high // 2), default=sizes[0])
+    return (peaks[high] - peaks[low]) / (high - low)  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def checkpointing(model: nn.Module) -> Iterator[str]:
+    """Activation checkpointing on ``model`` for the block inside, undone afterwards; yields
+    what was done. ``ValueError`` when the model has nothing to checkpoint."""
+    prefix = _hugging_face_checkpointing(model)
+    if prefix is not None:
+        was = bool(getattr(model, f"is_{prefix}", False))
+        getattr(model, f"{prefix}_enable")(**{f"{prefix}_kwargs": {"use_reentrant": False}})
+        try:
+            yield f"the model's {prefix}_enable()"
+        finally:
+            if not was:
+                getattr(model, f"{prefix}_disable")()
+        return
+    blocks = _repeated_blocks(model)
+    if not blocks:
+        raise ValueError(NO_BLOCKS)
+    wrapped: list[nn.Module] = []
+    try:
+        for block in blocks:
+            block.forward = functools.partial(_checkpointed, block.forward)  # an instance attribute, removed after
+            wrapped.append(block)
+        yield f"checkpointed {len(blocks)} blocks of the largest nn.ModuleList/nn.Sequential"
+    finally:
+        for block in wrapped:
+            del block.forward
+
+
+NO_BLOCKS = "no repeated blocks (an nn.ModuleList or nn.Sequential of 2+ modules) to checkpoint"
+
+
+def _hugging_face_checkpointing(model: nn.Module) -> str | None:
+    """The prefix of a Hugging Face model's own switch: transformers 5 names it
+    ``activation_checkpointing_*``, 4 ``gradient_checkpointing_*``; ``None`` for other models."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return None
+    for prefix in ("activation_checkpointing", "gradient_checkpointing"):
+        if callable(getattr(model, f"{prefix}_enable", None)):
+            return prefix
+    return None
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of the model's largest ``nn.ModuleList`` / ``nn.Sequential`` (by parameters)
+    with at least two children: the repeated layers worth checkpointing."""
+    best: list[nn.Module] = []
+    best_size = 0
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = list(module), size
+    return best

@@ -1,0 +1,114 @@
+"""What every probe checks and knows about the user's model before (and beside) its trials.
+
+The input checks shared by the real probe, the estimate and the gate, so that each entry point
+refuses the same input with the same words; and the model facts the result's notes and memory
+equation are built from (parameter bytes, the fixed memory advice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
+
+from batchfit.probe.batches import tensor_leaves
+from batchfit.probe.options import Options
+from batchfit.report import MemoryModel, Trial, Unit
+from batchfit.units import format_bytes
+
+
+def check_work(model: Any, sample: Any, options: Options) -> None:
+    """What every probe (real or estimated) checks first: a module, and exactly one of a sample
+    and ``make_batch``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if (sample is None) == (options.make_batch is None):
+        raise TypeError(
+            "pass exactly one of sample= (one batch; its first dimension is the batch) "
+            "or make_batch= (a callable batch_size -> batch)"
+            if sample is None
+            else "pass either sample or make_batch, not both"
+        )
+
+
+def check_materialised(model: nn.Module, sample: Any) -> None:
+    """Refuse, with the reason, what no trial could run: tensors without data (the ``meta``
+    device) and lazy modules whose shapes are not known yet."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if is_lazy(tensor):
+            raise ValueError(
+                f"the model's {name} is an uninitialized lazy parameter (a torch.nn.Lazy* module): run one forward "
+                "pass on a sample before probing, so that its shape is known"
+            )
+        if tensor.is_meta:
+            raise ValueError(
+                f"the model's {name} is on the meta device, which holds no data: materialise the model "
+                "(model.to_empty(device=...), then initialise its weights) before probing"
+            )
+    for path, tensor in tensor_leaves(sample, "sample") if sample is not None else ():
+        if tensor.is_meta:
+            raise ValueError(f"{path} is on the meta device, which holds no data: pass a sample with real values")
+
+
+def check_callbacks(*callbacks: Any) -> None:
+    """Name a callback that cannot be called before anything runs."""
+    for name, fn in zip(("callback", "on_trial_start", "on_start"), callbacks):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+
+
+def loss_notes(model: nn.Module, sample: Any, options: Options) -> list[str]:
+    """A Hugging Face head model given no ``labels`` returns logits and no loss, and the default
+    loss (``logits.mean()``) skips what the real loss holds (a cross-entropy over a 50k vocabulary
+    is the biggest tensor of a small GPT-2's step): the batch found is then too large. Say so."""
+    if options.mode != "train" or options.loss_fn or options.step_fn or options.criterion:
+        return []
+    hugging_face = any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
+    if not hugging_face or not isinstance(sample, Mapping) or "labels" in sample:
+        return []
+    return [
+        "the sample has no 'labels', so the Hugging Face model returns logits and no loss, and batchfit used "
+        "logits.mean() as the loss: a real loss (cross-entropy over the classes or the vocabulary) holds more "
+        "memory, so the batch sizes found are too large. Put labels in the sample (a causal LM takes labels = "
+        "input_ids) or pass loss_fn="
+    ]
+
+
+def parameter_bytes(model: nn.Module) -> tuple[int, int]:
+    """Bytes of the model's parameters (each once: ``parameters()`` skips tied repeats), and of
+    those that train (and so get gradients)."""
+    params = list(model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    return weights, sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+
+def fit_memory(
+    trials: list[Trial], weights: int, trainable: int, mode: str, optimizer_state: int, unit: Unit
+) -> MemoryModel | None:
+    """The memory equation of ``trials`` with its breakdown; gradients only when training."""
+    return MemoryModel.fit(trials, weights, trainable if mode == "train" else 0, optimizer_state, unit=unit)
+
+
+def fixed_memory_advice(weights: int, trainable: int, mode: str, optimizer: Any, budget: int | None) -> str | None:
+    """:meth:`Prober.fixed_advice` from the parameter bytes (shared with ``batchfit.estimation``)."""
+    if mode != "train":
+        parts, fixed = f"the weights alone need {format_bytes(weights)}", weights
+    else:
+        # AdamW (the default, and the Adam family) keeps two moments per trainable parameter.
+        adam = optimizer is None or isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        state = 2 * trainable if adam else 0
+        fixed = weights + trainable + state
+        parts = (
+            f"the weights ({format_bytes(weights)}), their gradients ({format_bytes(trainable)})"
+            + (f" and AdamW's two moments ({format_bytes(state)})" if state else "")
+            + f" alone need {format_bytes(fixed)}"
+        )
+    if budget is None or fixed <= budget:
+        return None
+    return (
+        f"{parts[0].upper()}{parts[1:]}, more than the budget: lowering init_batch cannot help. Raise "
+        "memory_limit, use a smaller model, or an optimizer with less state (SGD, or 8-bit/factored moments)."
+    )

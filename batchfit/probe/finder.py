@@ -1,0 +1,179 @@
+"""The algorithm: search over real trials, pick and verify the safe batch, assemble the :class:`Result`.
+
+:func:`search_with` reads top to bottom as what a probe does: set the prober up (the user's
+objects snapshotted, the limit applied), let the pure search (``batchfit.search``) ask it for
+trials until it knows the boundary, fit the memory equation, choose and verify the safe batch,
+and hand back a frozen :class:`~batchfit.report.Result` with the notes a reader needs; the
+prober's ``__exit__`` restores everything on the way out. It runs over any prober: the real
+:class:`~batchfit.probe.prober.Prober`, a job per trial (``batchfit.probe.jobs``) or fake
+trials (``batchfit.estimation``). The keyword front end users call is :func:`batchfit.find`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchfit.errors import NothingFitsError
+from batchfit.probe.checks import check_callbacks
+from batchfit.probe.notes import equation_notes, ranks_notes, throughput_notes, trial_notes
+from batchfit.probe.options import Options
+from batchfit.probe.prober import Prober
+from batchfit.probe.safe_batch import safe_batch
+from batchfit.report import DeviceInfo, Result, Settings, Throughput, Trial, TrialKind, Unit
+from batchfit.search import Attempt, is_non_monotone, search
+from batchfit.version import __version__
+
+TrialCallback = Callable[[Trial], None]
+StartCallback = Callable[[int, str], None]
+ProbeStartCallback = Callable[[DeviceInfo, "int | None"], None]
+
+
+def find_with(
+    model: nn.Module,
+    sample: Any,
+    options: Options,
+    *,
+    callback: TrialCallback | None = None,
+    on_trial_start: StartCallback | None = None,
+    on_start: ProbeStartCallback | None = None,
+) -> Result:
+    """:func:`find` for callers that hold an :class:`~batchfit.probe.options.Options` (the CLI, the gate)."""
+    started = time.monotonic()
+    check_callbacks(callback, on_trial_start, on_start)
+    prober = Prober(model, sample, options=options)
+    return search_with(prober, options, started, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
+
+
+def search_with(
+    prober: Any,
+    options: Options,
+    started: float,
+    *,
+    callback: TrialCallback | None = None,
+    on_trial_start: StartCallback | None = None,
+    on_start: ProbeStartCallback | None = None,
+) -> Result:
+    """The search, the safe batch and the :class:`Result`, over any ``prober`` that does what
+    :class:`Prober` does (a context manager with ``trial()``, ``budget_bytes``, ``counts``,
+    ``device_info``, ``notes``, ``ranks``, ``memory_model()``, ``fixed_advice()``,
+    ``ranks_notes()``, ``compile_notes()`` and the limit's ``limit_bytes`` / ``limit_source`` / ``reserve_bytes``):
+    :class:`Prober` here, a job per trial in ``batchfit.probe.jobs``. ``started``: the
+    ``time.monotonic()`` the answer's time counts from."""
+    check_callbacks(callback, on_trial_start, on_start)
+    grid, chooser = options.grid(), options.make_strategy()
+    trials: list[Trial] = []
+
+    def run(batch_size: int, kind: TrialKind, steps: int | None = None) -> Trial:
+        if on_trial_start is not None:
+            on_trial_start(batch_size, kind)
+        # The verification runs as the first steps of a real run do: a fresh optimizer whose
+        # state step 1 allocates (with a single step it keeps the warm one, so the state counts).
+        fresh = kind == "verify" and (steps or 0) >= 2
+        trial = prober.trial(batch_size, steps=steps, kind=kind, fresh_optimizer=fresh)
+        trials.append(trial)
+        if callback is not None:
+            callback(trial)
+        return trial
+
+    def out_of_time() -> bool:
+        # Every rank must stop at the same point: the first rank out of time stops them all.
+        late = options.time_budget is not None and time.monotonic() - started > options.time_budget
+        return prober.ranks.any(late) if options.time_budget is not None else False
+
+    in_trial = [False]  # an exception raised while True came from a trial or a callback, not the search
+
+    def oracle(batch_size: int) -> Attempt:
+        in_trial[0] = True
+        trial = run(batch_size, "search")
+        in_trial[0] = False
+        # The search sees each trial in the unit the budget counts (reserved bytes on CUDA).
+        return verdict(trial, unit)
+
+    # 1. Set up: the user's objects snapshotted, the model on the device, the limit applied (all
+    #    undone by the prober's __exit__, whatever ends the probe, Ctrl-C included).
+    with prober:
+        budget, unit = prober.budget_bytes, prober.counts
+        if on_start is not None:
+            on_start(prober.device_info, budget)
+        # 2. The boundary: the pure search asks for real trials until it knows it.
+        try:
+            report = search(oracle, grid, chooser, out_of_time, budget_bytes=budget)
+        except NothingFitsError as failed:
+            if in_trial[0]:
+                raise  # the user's callback (or model) raised it: not the search's verdict
+            last = trials[-1]
+            raise NothingFitsError(
+                failed.batch_size, failed.needed_bytes, budget, last.phase, last.message, prober.fixed_advice()
+            ) from None
+        # 3. The memory equation, then the safe batch it predicts, verified by real steps.
+        memory = prober.memory_model(trials)
+        safe, verified, safe_notes = safe_batch(report, trials, memory, budget, options, unit, run)
+    # 4. The answer: what the trials measured, and what a reader should know about them.
+    throughput = Throughput.of(trials)
+
+    return Result(
+        max_batch=report.largest_fit,
+        safe_batch=safe,
+        best_throughput_batch=throughput.best_batch if throughput else report.largest_fit,
+        budget_bytes=budget,
+        boundary_reached=report.boundary_reached,
+        stop_reason=report.stop_reason,
+        non_monotone=is_non_monotone([verdict(t, unit) for t in trials]),
+        safe_verified=verified,
+        trials=tuple(trials),
+        memory=memory,
+        device=prober.device_info,
+        settings=_settings(options, prober, chooser.name),
+        elapsed_s=time.monotonic() - started,
+        torch_version=torch.__version__,
+        batchfit_version=__version__,
+        notes=tuple(
+            [
+                *prober.notes,
+                *prober.compile_notes(trials),
+                *ranks_notes(prober),
+                *safe_notes,
+                *trial_notes(trials, report),
+                *equation_notes(memory, report, budget),
+                *throughput_notes(throughput),
+            ]
+        ),
+        budget_counts=unit,
+        throughput=throughput,
+        world_size=prober.ranks.world_size,
+    )
+
+
+def verdict(trial: Trial, unit: Unit) -> Attempt:
+    """A trial as the search sees it: fits or not, and its peaks in the budget's unit."""
+    return Attempt(trial.batch_size, trial.fits, trial.peak_in(unit), trial.phase_peaks_in(unit))
+
+
+def _settings(options: Options, prober: Prober, strategy: str) -> Settings:
+    return settings_of(options, prober.limit_bytes, prober.limit_source, prober.reserve_bytes, strategy)
+
+
+def settings_of(
+    options: Options, limit_bytes: int | None, limit_source: str, reserve_bytes: int, strategy: str
+) -> Settings:
+    grid = options.grid()
+    return Settings(
+        mode=options.mode,
+        amp=options.amp,
+        init_batch=grid.init,
+        max_batch=grid.maximum,
+        multiple_of=grid.multiple_of,
+        steps_per_trial=options.steps_per_trial,
+        verify_steps=options.verify_steps,
+        headroom=float(options.headroom),
+        strategy=strategy,
+        memory_limit_bytes=limit_bytes,
+        limit_source=limit_source,
+        time_budget_s=None if options.time_budget is None else float(options.time_budget),
+        reserve_bytes=reserve_bytes,
+    )

@@ -1,0 +1,321 @@
+"""Sharded models (FSDP, FSDP2): every trial a fresh ``torchrun`` job, the search in one driver.
+
+Why: a sharded model runs collectives *inside* forward and backward (FSDP all-gathers each
+unit's parameters before its forward and reduce-scatters its gradients in backward). A rank that
+runs out of memory there leaves its peers waiting inside a collective, and no meeting between
+phases can prevent it: the out-of-memory is often the all-gather's own output buffer, allocated
+right before the collective starts. And after such an out-of-memory FSDP's state is not fit for
+another step in the same process (Composer's FSDP2 notes). So instead of probing in-process,
+``batchfit probe TARGET --nproc-per-trial N`` runs the search in a single driver process, and
+every trial is a fresh job (DeepSpeed's autotuner does the same):
+
+* the driver starts ``torchrun --standalone --nproc-per-node N -m batchfit probe TARGET
+  --trial-batch B ...``; each rank joins the process group *before* it loads the target (so the
+  target's factory can call ``fully_shard``), runs one trial of its own (``distributed=False``:
+  no meetings, the model's collectives run as in training), and writes its verdict to a file as
+  soon as it has one, before anything else can hang;
+* the driver watches those files: all ranks fitted, the trial fitted; the first rank that ran out
+  of memory (or failed) decides at once, and the driver kills the whole job, including ranks
+  stuck in a collective, so a hang costs nothing but the job; a job that gives no answer within
+  ``--trial-timeout`` seconds is killed and reported;
+* with ``--trial-log PATH`` every job's verdicts are appended to a JSON-lines log, and a later run
+  with the same settings reuses them instead of running those jobs again (resume after Ctrl-C, a
+  node failure, or a change of search options).
+
+The search, the safe batch and the result are ``find()``'s own (:func:`batchfit.probe.finder.search_with`);
+:class:`JobPerTrial` stands in for :class:`~batchfit.probe.prober.Prober`. Every job starts a fresh
+optimizer, so a trial runs two steps (step 1 allocates the optimizer state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from batchfit.distributed import Solo, combine_trials
+from batchfit.errors import RankFailedError, RanksTimeoutError
+from batchfit.probe.options import Options
+from batchfit.report import DeviceInfo, MemoryModel, Trial, TrialKind, Unit
+
+#: Steps of a trial in a fresh job: step 1 allocates the optimizer state, step 2 runs with it.
+FRESH_STEPS = 2
+#: The schema of a trial log line.
+LOG_SCHEMA = "batchfit.trial-log/1"
+
+
+class _JobRanks(Solo):
+    """The ranks of every job, as the search sees them: one driver decides alone."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+
+class JobPerTrial:
+    """A probe whose every trial is a fresh ``torchrun`` job of ``nproc`` ranks (see the module docs).
+
+    ``worker_args``: what follows ``batchfit probe`` for a worker (the target, the device and the
+    memory options); ``key``: the settings a logged verdict must match to be reused.
+    """
+
+    def __init__(
+        self,
+        worker_args: list[str],
+        nproc: int,
+        options: Options,
+        *,
+        log: Path | None = None,
+        timeout_s: float = 600.0,
+        key: dict[str, Any] | None = None,
+    ) -> None:
+        self.worker_args = list(worker_args)
+        self.options = options
+        self.ranks = _JobRanks(nproc)
+        self.log = log
+        self.timeout_s = timeout_s
+        self.key = dict(key or {})
+        self.notes: list[str] = []
+        self.budget_bytes: int | None = None
+        self.counts: Unit = "allocated"
+        self.device_info = DeviceInfo(type="unknown")
+        self.limit_bytes: int | None = None
+        self.limit_source = "memory_limit"
+        self.reserve_bytes = 0
+        self.jobs = 0
+        self.reused = 0
+        self._first: Trial | None = None
+        self._facts: dict[str, Any] = {}
+        self._logged = self._read_log()
+
+    # lifetime ------------------------------------------------------------------------------------
+    def __enter__(self) -> JobPerTrial:
+        """Run the first trial (every search starts at ``init_batch``): it is also what tells the
+        driver the budget, the device and the limit every rank has."""
+        self._first = self.trial(self.options.grid().init)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.reused:
+            self.notes.append(f"{self.reused} trial(s) were reused from the trial log {self.log}")
+
+    # trials ----------------------------------------------------------------------------------------
+    def trial(
+        self, batch_size: int, steps: int | None = None, kind: TrialKind = "search", fresh_optimizer: bool = False
+    ) -> Trial:
+        """One trial at ``batch_size``: from the log when it holds one, else a job."""
+        first, self._first = self._first, None
+        steps = steps or self.options.steps_per_trial or FRESH_STEPS
+        if first is not None and first.batch_size == batch_size and kind == "search":
+            return first
+        verdicts = self._from_log(batch_size, steps)
+        if verdicts is None:
+            verdicts = self._run_job(batch_size, steps)
+            self._append_log(batch_size, steps, verdicts)
+        else:
+            self.reused += 1
+        return replace(self._combine(batch_size, verdicts), kind=kind)
+
+    def _combine(self, batch_size: int, verdicts: dict[int, dict[str, Any]]) -> Trial:
+        for rank, verdict in sorted(verdicts.items()):
+            if "error" in verdict:
+                raise RankFailedError(rank, batch_size, verdict.get("phase") or "the trial", verdict["error"])
+        facts = verdicts[min(verdicts)]
+        self._facts = facts
+        budgets = [v["budget_bytes"] for v in verdicts.values() if v.get("budget_bytes") is not None]
+        self.budget_bytes = min(budgets) if budgets else None
+        self.counts = facts["counts"]
+        self.device_info = DeviceInfo.from_dict(facts["device"])
+        self.limit_bytes, self.limit_source = facts["limit_bytes"], facts["limit_source"]
+        self.reserve_bytes = facts["reserve_bytes"]
+        trials = {rank: Trial.from_dict(v["trial"]) for rank, v in verdicts.items()}
+        failed = sorted(rank for rank, t in trials.items() if not t.fits)
+        out_of_memory = (failed[0], trials[failed[0]].message or "") if failed else None
+        # What a trial left allocated dies with its job: it cannot weigh on the next trial (FSDP
+        # keeps the root's unsharded parameters after forward, which would read as a leak).
+        return replace(combine_trials([trials[rank] for rank in sorted(trials)], out_of_memory), leaked_bytes=0)
+
+    # the job ---------------------------------------------------------------------------------------
+    def _run_job(self, batch_size: int, steps: int) -> dict[int, dict[str, Any]]:
+        """Start the job, wait for a decision (every rank fitted, or the first failure), and kill
+        whatever is left of the job."""
+        self.jobs += 1
+        nproc = self.ranks.world_size
+        with tempfile.TemporaryDirectory(prefix="batchfit-trial-") as folder:
+            out = Path(folder)
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                "-m", "batchfit", "probe", *self.worker_args,
+                "--trial-batch", str(batch_size), "--trial-steps", str(steps), "--trial-dir", str(out),
+            ]  # fmt: skip
+            with open(out / "stderr.txt", "w") as stderr:
+                job = subprocess.Popen(
+                    command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=_worker_env()
+                )
+                try:
+                    verdicts = self._wait(job, out, batch_size)
+                finally:
+                    _kill(job, out)
+            return verdicts
+
+    def _wait(self, job: subprocess.Popen[bytes], out: Path, batch_size: int) -> dict[int, dict[str, Any]]:
+        deadline = time.monotonic() + self.timeout_s
+        nproc = self.ranks.world_size
+        while True:
+            exited = job.poll() is not None
+            verdicts = read_verdicts(out)
+            if any("error" in v or not v["trial"]["fits"] for v in verdicts.values()) or len(verdicts) == nproc:
+                return verdicts
+            if exited:
+                missing = sorted(set(range(nproc)) - set(verdicts))
+                tail = (out / "stderr.txt").read_text(errors="replace")[-2000:]
+                raise RuntimeError(
+                    f"the trial job at batch size {batch_size} ended (exit code {job.returncode}) without an answer "
+                    f"from rank(s) {', '.join(map(str, missing))}; its output ended with:\n{tail}"
+                )
+            if time.monotonic() > deadline:
+                raise RanksTimeoutError(
+                    f"the trial job at batch size {batch_size} gave no answer within --trial-timeout "
+                    f"{self.timeout_s:g} s (ranks that answered: {sorted(verdicts) or 'none'}); it was killed"
+                )
+            time.sleep(0.05)
+
+    # the log ---------------------------------------------------------------------------------------
+    def _read_log(self) -> list[dict[str, Any]]:
+        if self.log is None or not self.log.exists():
+            return []
+        entries = []
+        for number, line in enumerate(self.log.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                raise ValueError(f"the trial log {self.log} is not a batchfit trial log (line {number})") from None
+            if isinstance(entry, dict) and entry.get("schema") == LOG_SCHEMA:
+                entries.append(entry)
+        return entries
+
+    def _from_log(self, batch_size: int, steps: int) -> dict[int, dict[str, Any]] | None:
+        for entry in reversed(self._logged):
+            if entry["key"] == self.key and entry["batch_size"] == batch_size and entry["steps"] == steps:
+                return {int(rank): verdict for rank, verdict in entry["ranks"].items()}
+        return None
+
+    def _append_log(self, batch_size: int, steps: int, verdicts: dict[int, dict[str, Any]]) -> None:
+        entry = {
+            "schema": LOG_SCHEMA,
+            "key": self.key,
+            "batch_size": batch_size,
+            "steps": steps,
+            "ranks": {str(rank): verdict for rank, verdict in verdicts.items()},
+        }
+        self._logged.append(entry)
+        if self.log is not None:
+            with open(self.log, "a") as log:
+                log.write(json.dumps(entry, sort_keys=True) + "\n")
+
+    # what find() asks of a probe --------------------------------------------------------------------
+    def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
+        from batchfit.probe.checks import fit_memory
+
+        facts = self._facts
+        weights, trainable = facts.get("weights_bytes", 0), facts.get("trainable_bytes", 0)
+        return fit_memory(
+            trials, weights, trainable, self.options.mode, facts.get("optimizer_state_bytes", 0), self.counts
+        )
+
+    def fixed_advice(self) -> str | None:
+        return self._facts.get("fixed_advice")
+
+    def compile_notes(self, trials: list[Trial]) -> list[str]:
+        return []  # each job's rank says nothing back about compilation
+
+    def ranks_notes(self) -> list[str]:
+        return [
+            f"every trial ran as a fresh job of {self.ranks.world_size} ranks ({self.jobs} job(s) started): the "
+            "model's own collectives ran as in training, and a rank that ran out of memory ended its job"
+        ]
+
+
+def read_verdicts(out: Path) -> dict[int, dict[str, Any]]:
+    """The verdict files the ranks of a job wrote so far (written whole: see :func:`write_verdict`)."""
+    verdicts = {}
+    for path in out.glob("rank*.json"):
+        with contextlib.suppress(ValueError, OSError):
+            verdicts[int(path.stem.removeprefix("rank"))] = json.loads(path.read_text())
+    return verdicts
+
+
+def write_verdict(out: Path, rank: int, verdict: dict[str, Any]) -> None:
+    """Write a rank's verdict whole (a rename), so the driver never reads half a file."""
+    partial = out / f".rank{rank}.json.partial"
+    partial.write_text(json.dumps(verdict))
+    partial.replace(out / f"rank{rank}.json")
+
+
+def run_worker_trial(
+    model: Any, sample: Any, options: Options, batch_size: int, steps: int, out: Path, rank: int
+) -> int:
+    """One rank's side of a job: one trial, its verdict written before anything can hang."""
+    import torch
+
+    from batchfit.errors import first_line
+    from batchfit.probe.prober import Prober
+
+    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    phase = "the probe's set-up"
+    try:
+        with Prober(model, sample, options=replace(options, distributed=False)) as prober:
+            phase = "the trial"
+            trial = prober.trial(batch_size, steps=steps)
+            local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]  # a shard's own bytes
+            weights = sum(p.numel() * p.element_size() for p in local)
+            trainable = sum(p.numel() * p.element_size() for p, q in zip(local, model.parameters()) if q.requires_grad)
+            write_verdict(out, rank, {
+                "trial": asdict(trial),
+                "budget_bytes": prober.budget_bytes,
+                "counts": prober.counts,
+                "device": asdict(prober.device_info),
+                "limit_bytes": prober.limit_bytes,
+                "limit_source": prober.limit_source,
+                "reserve_bytes": prober.reserve_bytes,
+                "weights_bytes": weights,
+                "trainable_bytes": trainable,
+                "optimizer_state_bytes": prober.optimizer_state_bytes,
+                "fixed_advice": None if trial.fits else prober.fixed_advice(),
+                "torch": torch.__version__,
+            })  # fmt: skip
+    except Exception as exc:
+        if not (out / f"rank{rank}.json").exists():
+            write_verdict(out, rank, {"error": first_line(exc), "phase": phase})
+        return 1
+    return 0
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    return env
+
+
+def _kill(job: subprocess.Popen[bytes], out: Path) -> None:
+    """End the job: the ranks (torchrun starts each in a session of its own) and torchrun."""
+    for path in out.glob("rank*.pid"):
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(path.read_text()), signal.SIGKILL)
+    if job.poll() is None:
+        with contextlib.suppress(OSError):
+            os.killpg(job.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        job.wait(timeout=30)

@@ -1,0 +1,81 @@
+"""The notes of a result: what the trials showed that a reader of the answer should know."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchfit.report import MemoryModel, Throughput, Trial
+from batchfit.search import Attempt, SearchReport, is_non_monotone
+from batchfit.units import format_bytes
+
+
+def ranks_notes(prober: Any) -> list[str]:
+    """Say what a batch size means when several ranks probed together."""
+    size = prober.ranks.world_size
+    if size == 1:
+        return []
+    return [
+        f"probed on {size} ranks together: batch sizes are per rank (the global batch is {size} x that), a size "
+        "fits only where it fitted on every rank, peaks are the largest rank's, samples/s are the whole group's "
+        "(the slowest rank's step)",
+        *prober.ranks_notes(),
+    ]
+
+
+def trial_notes(trials: list[Trial], report: SearchReport) -> list[str]:
+    """What the trials showed that a reader should know: odd memory, leaks, fp16 skips."""
+    notes: list[str] = []
+    if is_non_monotone([Attempt(t.batch_size, t.fits) for t in trials]):
+        notes.append("memory was not monotone in batch size: a size failed although a larger one fitted")
+    notes += [
+        f"trial at batch {t.batch_size} left {format_bytes(t.leaked_bytes)} allocated after release"
+        for t in trials
+        if t.leaked_bytes
+    ]
+    skipped = sum(t.skipped_steps for t in trials)
+    if skipped:
+        notes.append(
+            f"fp16: the GradScaler skipped {skipped} optimizer step(s) (inf/NaN gradients while its scale came "
+            "down); those steps did not count, every trial ran until its optimizer really stepped, so the "
+            "optimizer state is in every peak"
+        )
+    if not report.boundary_reached:
+        notes.append(
+            f"no size ran out of memory up to {report.largest_fit} ({report.stop_reason}): "
+            "the true maximum may be larger"
+        )
+    return notes
+
+
+def equation_notes(memory: MemoryModel | None, report: SearchReport, budget: int | None) -> list[str]:
+    """Say so when the memory equation calls the size that ran out of memory a fit: then it
+    must not be trusted near the boundary (the measured trials are what counts)."""
+    failed = report.smallest_fail
+    if memory is None or budget is None or failed is None or memory.predict(failed) > budget:
+        return []
+    return [
+        f"the memory equation predicts {format_bytes(memory.predict(failed))} for batch {failed}, within the "
+        f"budget, but batch {failed} ran out of memory: do not extrapolate the equation near the boundary"
+    ]
+
+
+def throughput_notes(throughput: Throughput | None) -> list[str]:
+    """Say how far the throughput answer can be trusted."""
+    if throughput is None or throughput.knee_batch == throughput.best_batch:
+        return []
+    notes = [
+        f"throughput: batch {throughput.knee_batch} reaches {throughput.knee_samples_per_s:,.1f} samples/s, within "
+        f"5% of the best measured ({throughput.best_samples_per_s:,.1f} at batch {throughput.best_batch}): "
+        "bigger batches hardly pay in speed"
+    ]
+    if throughput.within_noise:
+        notes.append(
+            f"throughput: the difference between batch {throughput.best_batch} and {throughput.knee_batch} is within "
+            f"the measurement's noise (repeated steps spread by {throughput.spread:.0%})"
+        )
+    if throughput.single_step_best:
+        notes.append(
+            f"throughput: the rate of batch {throughput.best_batch} comes from one timed step (a search trial), "
+            "which on a GPU also pays for the first use of that shape"
+        )
+    return notes

@@ -1,0 +1,144 @@
+"""Every knob of a probe in one validated, frozen object.
+
+:func:`batchfit.find`, :class:`batchfit.Prober`, :func:`batchfit.testing.check_fits` and the CLI
+all take the same options; they build one :class:`Options` and hand it on, so each knob is
+defined, defaulted and validated here, once. Bad values raise ``TypeError`` / ``ValueError``
+naming the argument as the user wrote it (``init_batch``, not an internal field).
+
+Pure Python apart from type hints: no torch import, so the CLI can validate before loading torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from batchfit.search import Grid, Strategy, make_strategy
+from batchfit.units import parse_memory_limit, parse_reserve
+
+if TYPE_CHECKING:
+    import torch
+
+#: Above 65535 rows some CUDA kernels fail with "invalid configuration argument", which is not
+#: an out-of-memory; the default ceiling stays below it.
+DEFAULT_MAX_BATCH = 32768
+
+Mode = Literal["train", "inference"]
+Amp = Literal["bf16", "fp16"]
+MODES: tuple[str, ...] = ("train", "inference")
+AMPS: tuple[str, ...] = ("bf16", "fp16")
+
+
+def positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    """``value`` if it is an int >= ``minimum``; else an error that names ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to run and how to search. Field names and defaults are :func:`batchfit.find`'s.
+
+    The work: ``make_batch``, ``loss_fn``, ``step_fn``, ``criterion``, ``optimizer``, ``amp``, ``mode``,
+    ``device``, ``memory_limit``, ``reserve``, ``steps_per_trial``. The search: ``headroom``,
+    ``init_batch``, ``max_batch``, ``multiple_of``, ``verify_steps``, ``strategy``,
+    ``time_budget``. The restore: ``restore_rng``. Many ranks: ``distributed``,
+    ``rank_timeout``. See :func:`batchfit.find` for what each one means.
+    """
+
+    make_batch: Callable[[int], Any] | None = None
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    step_fn: Callable[[Any, Any], Any] | None = None
+    criterion: Callable[[Any, Any], Any] | None = None
+    optimizer: Any = None
+    amp: Amp | None = None
+    mode: Mode = "train"
+    device: str | torch.device | None = None
+    memory_limit: int | float | str | None = None
+    reserve: int | str | None = None
+    steps_per_trial: int | None = None
+    headroom: float = 0.10
+    init_batch: int | None = None
+    max_batch: int = DEFAULT_MAX_BATCH
+    multiple_of: int = 1
+    verify_steps: int = 3
+    strategy: str | Strategy = "interpolate"
+    time_budget: float | None = None
+    restore_rng: bool = True
+    distributed: bool | None = None
+    rank_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.make_batch is not None and not callable(self.make_batch):
+            raise TypeError(f"make_batch must be callable, got {type(self.make_batch).__name__}")
+        for name in ("loss_fn", "step_fn", "criterion"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+        given = [name for name in ("loss_fn", "step_fn", "criterion") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"pass one of loss_fn, step_fn and criterion, not {' and '.join(given)} (each defines the loss)"
+            )
+        _choice("mode", self.mode, MODES)
+        _choice("amp", self.amp, (None, *AMPS))
+        if self.memory_limit is not None:
+            parse_memory_limit(self.memory_limit, 1)  # syntax and sign; fractions resolve on the device
+        if self.reserve is not None:
+            parse_reserve(self.reserve)
+        if not isinstance(self.restore_rng, bool):
+            raise TypeError(f"restore_rng must be True or False, got {self.restore_rng!r}")
+        if self.distributed is not None and not isinstance(self.distributed, bool):
+            raise TypeError(f"distributed must be True, False or None, got {self.distributed!r}")
+        timeout = self.rank_timeout
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(f"rank_timeout must be a positive, finite number of seconds, got {timeout!r}")
+        if self.steps_per_trial is not None:
+            positive_int("steps_per_trial", self.steps_per_trial)
+        positive_int("verify_steps", self.verify_steps, minimum=0)
+        headroom = self.headroom
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+            raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
+        budget = self.time_budget
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0
+        ):
+            raise ValueError(f"time_budget must be a positive, finite number of seconds, got {budget!r}")
+        positive_int("multiple_of", self.multiple_of)
+        positive_int("max_batch", self.max_batch)
+        if self.init_batch is not None:
+            positive_int("init_batch", self.init_batch)
+        self.grid()  # init_batch against max_batch and multiple_of
+        make_strategy(self.strategy)
+
+    @property
+    def first_batch(self) -> int:
+        """``init_batch``, or its default: 2 (BatchNorm cannot train on one sample), or
+        ``multiple_of`` when larger, and 1 when ``max_batch`` is 1."""
+        if self.init_batch is not None:
+            return self.init_batch
+        if self.multiple_of == 1 and self.max_batch < 2:
+            return 1
+        return max(self.multiple_of, 2)
+
+    def grid(self) -> Grid:
+        """The sizes the search may try."""
+        return Grid(init=self.first_batch, maximum=self.max_batch, multiple_of=self.multiple_of)
+
+    def make_strategy(self) -> Strategy:
+        return make_strategy(self.strategy)
+
+
+def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")

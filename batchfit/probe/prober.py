@@ -1,0 +1,359 @@
+"""The :class:`Prober`: the lifetime of a probe, and its trials.
+
+It validates the input, snapshots the user's model and optimizer, moves the model to the probe
+device, warms the device up, applies the memory limit, runs trials on request, and in
+``__exit__`` (also on an error or Ctrl-C) undoes all of it and releases the memory. Everything
+device-specific is asked of the device's backend (``batchfit.backends``); the ranks that probe
+together are ``batchfit.distributed``'s. The search that drives it is ``batchfit.probe.finder``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Mapping
+from dataclasses import replace
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchfit.backends import Meter, backend_for, resolve_device
+from batchfit.distributed import Solo, ranks_for
+from batchfit.errors import DeviceFailedError, annotate
+from batchfit.interrupts import InterruptGuard
+from batchfit.probe.batches import batch_size_of, tensor_leaves, to_device
+from batchfit.probe.checks import (
+    check_materialised,
+    check_work,
+    fit_memory,
+    fixed_memory_advice,
+    loss_notes,
+    parameter_bytes,
+)
+from batchfit.probe.compiled import compile_notes, compile_seconds, compiled_info
+from batchfit.probe.options import Options, positive_int
+from batchfit.probe.state import Snapshot, take
+from batchfit.probe.trial import run_trial
+from batchfit.probe.workload import AMP_DTYPES, Workload, optimizer_factory, split_pair
+from batchfit.report import DeviceInfo, MemoryModel, Trial, TrialKind, Unit
+from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
+
+__all__ = ["Prober"]
+
+
+class Prober:
+    """Runs trials of one workload on one device, and leaves everything as it found it.
+
+    Use as a context manager::
+
+        with batchfit.Prober(model, sample, memory_limit="8GiB") as prober:
+            trial = prober.trial(64)          # a real Trial: fits, peak_bytes, samples_per_s...
+
+    Keywords are :func:`batchfit.find`'s (an :class:`~batchfit.probe.options.Options` as ``options=``,
+    keywords override it); the search keywords are accepted and ignored here.
+    """
+
+    def __init__(self, model: nn.Module, sample: Any = None, *, options: Options | None = None, **kwargs: Any) -> None:
+        options = Options(**kwargs) if options is None else replace(options, **kwargs)
+        #: Things the probe's set-up wants the result to say (a clipped budget, ...).
+        self.notes: list[str] = []
+        sample = self._first_batch(sample)
+        check_work(model, sample, options)
+        check_materialised(model, sample)
+        if options.criterion is not None and sample is not None:
+            split_pair(sample)  # (inputs, targets) or a clear error now, not in a trial
+        self.options = options
+        self.mode = options.mode
+        self._sample_size = batch_size_of(sample) if sample is not None else None
+        self._user_optimizer = options.optimizer if isinstance(options.optimizer, torch.optim.Optimizer) else None
+        self._new_optimizer = optimizer_factory(options.optimizer)
+        self.device = resolve_device(options.device, model)
+        self.backend = backend_for(self.device)
+        self.device_info: DeviceInfo = self.backend.describe(self.device)
+        self._model = model
+        self.notes += loss_notes(model, sample, options)
+        #: What the trials call: the model itself, or the eager module inside a compiled one.
+        self._run_model = self._runnable(model)
+        #: ``torch.compile`` settings of the model (``batchfit.probe.compiled``), and whether trials run it compiled.
+        self.compiled = compiled_info(model)
+        self._runs_compiled = self.compiled is not None and self._run_model is model
+        self._compile_started = compile_seconds() if self.compiled is not None else 0.0
+        self._raw_sample = sample
+        self.limit_bytes, self.limit_source, self.reserve_bytes = self._resolve_limit()
+        self.budget_bytes: int | None = None
+        self.meter: Meter | None = None
+        self.optimizer_state_bytes = 0
+        self._grad_scale: float | None = None
+        #: The optimizer of the last trial, whose state is live (see ``trial.py``): handed on.
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._interrupts = InterruptGuard()
+        #: The processes that probe together (``batchfit.distributed.ranks``): this one, or every rank.
+        self.ranks: Solo = ranks_for(options.distributed, options.rank_timeout, model, self._interrupts)
+        # Across ranks a Ctrl-C is raised at the next meeting, on every rank at once.
+        self._interrupts.deferred = self.ranks.world_size > 1
+        self._workload: Workload | None = None
+        self._snapshot: Snapshot | None = None
+        self._stack: contextlib.ExitStack | None = None
+
+    def _first_batch(self, sample: Any) -> Any:
+        """The sample itself, or the first batch of a ``DataLoader`` (or of any other iterable of
+        batches that is not itself a batch), as users hold their data; said in a note."""
+        from torch.utils.data import DataLoader
+
+        is_batch = isinstance(sample, (torch.Tensor, Mapping, tuple, list, str, bytes)) or sample is None
+        if is_batch or not (isinstance(sample, DataLoader) or hasattr(sample, "__iter__")):
+            return sample
+        try:
+            first = next(iter(sample))
+        except StopIteration:
+            raise ValueError(f"the sample {type(sample).__name__} yielded no batch: it is empty") from None
+        self.notes.append(
+            f"sample: the first batch of the {type(sample).__name__} (batch size {batch_size_of(first)}), "
+            "repeated along dim 0 to build every size"
+        )
+        return first
+
+    def _runnable(self, model: nn.Module) -> nn.Module:
+        """A ``torch.compile``d model runs eagerly where the backend's meter cannot run compiled
+        code (the CPU's dispatch mode): calling it compiled there would make dynamo skip its
+        frames for good, and the user's model would never compile again in this process."""
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None or self.backend.runs_compiled or not isinstance(inner, nn.Module):
+            return model
+        self.notes.append(
+            f"the torch.compile'd model was probed eagerly on {self.device.type} (its meter cannot run compiled "
+            "code, and dynamo would stop compiling the model for good); compiled code can use less memory"
+        )
+        return inner
+
+    @property
+    def counts(self) -> Unit:
+        """The memory the budget counts on this device (see ``batchfit.backends.base``)."""
+        return self.meter.counts if self.meter is not None else "allocated"
+
+    def _resolve_limit(self) -> tuple[int | None, str, int]:
+        """The limit in bytes (``reserve`` taken off), where it came from, and the reserve."""
+        backend, device, options = self.backend, self.device, self.options
+        if options.memory_limit is None:
+            if options.reserve is not None:
+                raise ValueError("reserve= only applies with a memory_limit (it is taken off the limit)")
+            limit, source = backend.default_limit(device)
+            return limit, source, 0
+        limit = parse_memory_limit(options.memory_limit, backend.limit_total_bytes(device))
+        if options.reserve is None:
+            return limit, "memory_limit", 0
+        parsed = parse_reserve(options.reserve)
+        reserve = backend.outside_allocator_bytes(device) if parsed == "auto" else int(parsed)
+        if reserve >= limit:
+            raise ValueError(
+                f"reserve {format_bytes(reserve)} is not below memory_limit {format_bytes(limit)}: nothing is left"
+            )
+        return limit - reserve, f"memory_limit {format_bytes(limit)} less reserve {format_bytes(reserve)}", reserve
+
+    # lifetime ------------------------------------------------------------------------------------
+    def __enter__(self) -> Prober:
+        # Ctrl-C is deferred to safe points from here until the restore has finished.
+        self._interrupts.__enter__()
+        try:
+            self.ranks.join(self._search_settings())
+            with self.ranks.meet("the probe's set-up"):
+                self._snapshot = take(self._model, self._user_optimizer, self.backend, self.device)
+                self._stack = contextlib.ExitStack()
+                self._prepare()
+            if self.ranks.world_size > 1:
+                self._agree_on_budget()
+        except BaseException as exc:
+            self._finish(device_usable=True, exc=exc)
+            raise
+        return self
+
+    def _search_settings(self) -> dict[str, Any]:
+        """What every rank must search with alike, or the ranks would take different paths."""
+        options, grid = self.options, self.options.grid()
+        return {
+            "init_batch": grid.init,
+            "max_batch": grid.maximum,
+            "multiple_of": grid.multiple_of,
+            "strategy": options.make_strategy().name,
+            "headroom": float(options.headroom),
+            "verify_steps": options.verify_steps,
+            "steps_per_trial": options.steps_per_trial,
+            "mode": options.mode,
+            "amp": options.amp,
+            "time_budget": options.time_budget,
+        }
+
+    def _agree_on_budget(self) -> None:
+        """The budget of the group: the smallest rank's (heterogeneous or partly occupied devices)."""
+        mine = self.budget_bytes
+        self.budget_bytes = self.ranks.smallest(mine)
+        if self.budget_bytes is not None and self.budget_bytes != mine:
+            self.notes.append(
+                f"the budget is {format_bytes(self.budget_bytes)}, the smallest rank's"
+                + (f" (this rank's is {format_bytes(mine)})" if mine is not None else "")
+            )
+
+    def _prepare(self) -> None:
+        model, device, options = self._model, self.device, self.options
+        with torch.no_grad():
+            for param in model.parameters():
+                param.grad = None
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.device != device:
+                    tensor.data = tensor.data.to(device)
+        model.train(self.mode == "train")
+        sample = to_device(self._raw_sample, device) if self._raw_sample is not None else None
+        self._workload = Workload(
+            model=self._run_model,
+            device=device,
+            mode=self.mode,
+            sample=sample,
+            sample_size=self._sample_size,
+            make_batch=options.make_batch,
+            loss_fn=options.loss_fn,
+            step_fn=options.step_fn,
+            new_optimizer=self._new_optimizer,
+            amp=options.amp,
+            dynamic_batch=self._runs_compiled,
+            criterion=options.criterion,
+        )
+        if self.mode == "train" and not self._workload.trainable_parameters() and options.step_fn is None:
+            raise ValueError(
+                "the model has no trainable parameter: a training probe needs one (or use mode='inference')"
+            )
+        if self.mode == "train":
+            # A factory that returns the wrong thing is named now, not as a failure inside a trial.
+            # Optimizers allocate their state in step(), so this one costs no memory.
+            self._new_optimizer(self._workload.trainable_parameters())
+        self.backend.warm_up(device, AMP_DTYPES.get(options.amp or ""))
+        if options.reserve == "auto":  # measured once the warm-up made what the device keeps
+            self.limit_bytes, self.limit_source, self.reserve_bytes = self._resolve_limit()
+        self.budget_bytes = self._budget()
+        held = [*model.parameters(), *model.buffers()] + [t for _, t in tensor_leaves(sample, "sample")]
+        self.meter = self.backend.make_meter(device, self.budget_bytes, self.limit_bytes, tensors=held)
+        self.meter.interrupts = self._interrupts
+        assert self._stack is not None
+        self._stack.enter_context(self.meter.active())
+
+    def _budget(self) -> int | None:
+        """The limit, clipped to what this process can reach on the device (and said so)."""
+        reachable = self.backend.reachable_bytes(self.device)
+        if self.limit_bytes is None:
+            return reachable
+        if reachable is not None and self.limit_bytes > reachable:
+            self.notes.append(
+                f"the memory limit {format_bytes(self.limit_bytes)} is more than this process can reach on "
+                f"{self.device} ({format_bytes(reachable)} free or held by it): the budget is "
+                f"{format_bytes(reachable)}, and batch sizes are what fits there, not under the limit"
+            )
+            return reachable
+        return self.limit_bytes
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        failed = isinstance(exc, DeviceFailedError)
+        self._finish(device_usable=not failed, exc=exc)
+        if failed and exc is not None and self.device.type != "cpu":
+            annotate(
+                exc,
+                f"batchfit: the model's tensors that were on {self.device} were restored to their exact values "
+                "on the CPU: the device cannot be used again in this process",
+            )
+
+    def _finish(self, device_usable: bool, exc: BaseException | None) -> None:
+        """Undo everything (no Ctrl-C can cut it short), then let a Ctrl-C that arrived meanwhile
+        surface. On a failed device nothing is asked of it: every call would raise and the raw
+        device error would replace the one that explains what happened."""
+        try:
+            with self._interrupts.critical():
+                self._undo(device_usable)
+        finally:
+            self._interrupts.__exit__(type(exc) if exc else None, exc, None)
+
+    def _undo(self, device_usable: bool) -> None:
+        self._optimizer = None
+        self.ranks.close()
+        try:
+            if self._stack is not None:
+                if device_usable:
+                    self._stack.close()
+                else:
+                    with contextlib.suppress(Exception):
+                        self._stack.close()
+        finally:
+            self._stack = None
+            self._workload = None
+            if self._snapshot is not None:
+                self._snapshot.restore(device_usable, restore_rng=self.options.restore_rng)
+                self._snapshot = None
+            gc.collect()
+            if device_usable:
+                self.backend.empty_cache(self.device)
+
+    # trials ----------------------------------------------------------------------------------------
+    def trial(
+        self, batch_size: int, steps: int | None = None, kind: TrialKind = "search", fresh_optimizer: bool = False
+    ) -> Trial:
+        """Run one real trial at ``batch_size``.
+
+        The optimizer of the previous trial is kept, state and all, and used again (the state
+        does not depend on the batch size, and a real run holds it from its first step on), so
+        ``steps`` defaults to ``steps_per_trial`` or, without one, to the fewest steps that show
+        the peak with the optimizer state live: one once an earlier trial stepped, else two.
+        ``fresh_optimizer``: drop the kept one first and start as a real run does (step 1
+        allocates the state).
+        """
+        if self._workload is None or self.meter is None:
+            raise RuntimeError("Prober.trial() needs an active probe: use 'with Prober(...) as p:'")
+        batch_size = positive_int("batch_size", batch_size)
+        if fresh_optimizer and self._optimizer is not None:
+            self._optimizer = None
+            self.meter.release()
+        if steps is None:
+            steps = self.options.steps_per_trial or self.verdict_steps
+        else:
+            steps = positive_int("steps", steps)
+        if self._runs_compiled:
+            steps = max(steps, 2)  # step 1 at a new shape may compile: the timed step must not
+        self._interrupts.check()
+        kept, self._optimizer = self._optimizer, None
+        run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept, self.ranks)
+        del kept
+        self._optimizer = run.optimizer
+        self._interrupts.check()
+        self._grad_scale = run.grad_scale
+        self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
+        return self.ranks.combine(run.trial)
+
+    def ranks_notes(self) -> list[str]:
+        """What the ranks have to say about this model (``batchfit.distributed.ranks``)."""
+        return self.ranks.notes(self._run_model)
+
+    def compile_notes(self, trials: list[Trial]) -> list[str]:
+        """What to say about a ``torch.compile``'d model (``batchfit.probe.compiled``)."""
+        seconds = compile_seconds() - self._compile_started if self.compiled is not None else 0.0
+        sizes = len({t.batch_size for t in trials})
+        return compile_notes(self.compiled, sizes, self._runs_compiled, seconds)
+
+    @property
+    def verdict_steps(self) -> int:
+        """The fewest steps whose peak counts the optimizer state: 1 while an earlier trial's
+        optimizer is kept (and in inference), 2 with a fresh one (step 1 allocates the state)."""
+        return 1 if self.mode != "train" or self._optimizer is not None else 2
+
+    def fixed_advice(self) -> str | None:
+        """What to say when not even the first batch fits and the memory that does not depend
+        on the batch (weights, gradients, the optimizer's state) already exceeds the budget."""
+        weights, trainable = parameter_bytes(self._model)
+        return fixed_memory_advice(weights, trainable, self.mode, self.options.optimizer, self.budget_bytes)
+
+    def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
+        """The memory equation of ``trials``, in the unit the budget counts."""
+        weights, trainable = parameter_bytes(self._model)
+        return fit_memory(trials, weights, trainable, self.mode, self.optimizer_state_bytes, self.counts)

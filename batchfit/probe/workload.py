@@ -1,0 +1,216 @@
+"""What one step of the user's work is: batch building, calling the model, the loss, the
+optimizer, autocast. Everything here is about *what* runs; *measuring* it is trial.py's job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from batchfit.probe.batches import batch_size_of, tensor_leaves, tile, to_device
+
+Batch = Any
+LossFn = Callable[[Any, Batch], torch.Tensor]
+StepFn = Callable[[nn.Module, Batch], Any]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Call the model the way the batch suggests: ``model(x)``, ``model(*x)`` or ``model(**x)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def split_pair(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a batch for ``criterion=``; a clear error for anything else."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(
+        f"criterion= takes (inputs, targets) batches: a tuple or list of two, got {type(batch).__name__}"
+        + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
+def call_model_explained(model: nn.Module, batch: Any) -> Any:
+    """:func:`call_model`, with a hint when a tuple sample was spread over too many arguments:
+    ``find(resnet, (x, y))`` calls ``resnet(x, y)``, which is the classic first mistake."""
+    try:
+        return call_model(model, batch)
+    except TypeError as exc:
+        if isinstance(batch, (tuple, list)) and "positional argument" in str(exc):
+            from batchfit.errors import annotate
+
+            annotate(
+                exc,
+                f"batchfit: the sample is a {type(batch).__name__} of {len(batch)}, so the model was called as "
+                f"model(*sample). For (inputs, targets) data pass criterion=, e.g. torch.nn.CrossEntropyLoss(): "
+                "batchfit then calls model(inputs) and criterion(output, targets)",
+            )
+        raise
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """A scalar to backpropagate from whatever the model returned.
+
+    ``output.loss`` / ``output["loss"]`` when it is a tensor (Hugging Face models given labels),
+    else the output itself, or its first tensor for tuples, lists and mappings (logits), reduced
+    with ``mean()`` in float32 so that fp16 outputs cannot overflow.
+    """
+    loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor) and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        leaves = list(tensor_leaves(output, "output"))
+        if not leaves:
+            raise TypeError(
+                f"cannot derive a loss from a model output of type {type(output).__name__}: "
+                "pass loss_fn=(output, batch) -> loss or step_fn=(model, batch) -> loss"
+            )
+        loss = leaves[0][1]
+    return loss if loss.dim() == 0 else loss.float().mean()
+
+
+# Optimizer ------------------------------------------------------------------------------------
+def optimizer_factory(optimizer: Any) -> OptimizerFactory:
+    """Turn ``optimizer=`` into a factory of fresh optimizers for the probe's trials.
+
+    ``None``: AdamW with torch's defaults (its two moments make it a realistic worst case).
+    An optimizer instance: a fresh one of the same class with the same param-group
+    hyperparameters; the user's own instance is never stepped. A callable: called with the list
+    of trainable parameters.
+    """
+    if optimizer is None:
+        return lambda params: torch.optim.AdamW(params)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _cloner(optimizer)
+    if callable(optimizer):
+
+        def from_factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+            made = optimizer(params)
+            if not isinstance(made, torch.optim.Optimizer):
+                raise TypeError(f"optimizer factory returned {type(made).__name__}, expected a torch.optim.Optimizer")
+            return made
+
+        return from_factory
+    raise TypeError(
+        "optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or None, "
+        f"not {type(optimizer).__name__}"
+    )
+
+
+def _cloner(template: torch.optim.Optimizer) -> OptimizerFactory:
+    cls = type(template)
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in template.param_groups]
+    params = [list(group["params"]) for group in template.param_groups]
+    defaults = dict(template.defaults)
+
+    def clone(_: list[nn.Parameter]) -> torch.optim.Optimizer:
+        fresh_groups = [dict(hyper, params=ps) for hyper, ps in zip(groups, params)]
+        try:
+            return cls(fresh_groups)
+        except TypeError:
+            pass
+        try:
+            return cls(fresh_groups, **defaults)
+        except TypeError as exc:
+            raise TypeError(
+                f"cannot create a fresh {cls.__name__} like the given optimizer ({exc}); "
+                "pass optimizer=a factory params -> optimizer instead"
+            ) from None
+
+    return clone
+
+
+# The workload -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """Everything one step needs, resolved and validated."""
+
+    model: nn.Module
+    device: torch.device
+    mode: str
+    sample: Any
+    sample_size: int | None
+    make_batch: Callable[[int], Any] | None
+    loss_fn: LossFn | None
+    step_fn: StepFn | None
+    new_optimizer: OptimizerFactory
+    amp: str | None
+    #: Mark dim 0 of every batch dynamic for ``torch.compile`` (``batchfit.probe.compiled``).
+    dynamic_batch: bool = False
+    #: ``(inputs, targets)`` data: the model gets the inputs, ``criterion(output, targets)`` is the loss.
+    criterion: Callable[[Any, Any], Any] | None = None
+
+    def build_batch(self, batch_size: int) -> Any:
+        """A batch of ``batch_size`` on the probe's device."""
+        if self.make_batch is None:
+            assert self.sample_size is not None
+            batch = tile(self.sample, batch_size, self.sample_size)
+        else:
+            batch = to_device(self.make_batch(batch_size), self.device)
+            got = batch_size_of(batch, f"make_batch({batch_size})")
+            if got != batch_size:
+                raise ValueError(f"make_batch({batch_size}) returned a batch of size {got}")
+        if self.dynamic_batch:
+            from batchfit.probe.compiled import mark_batch_dynamic
+
+            mark_batch_dynamic(batch)
+        return batch
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=AMP_DTYPES[self.amp])
+
+    def grad_scaler(self, init_scale: float | None = None) -> torch.amp.GradScaler | None:
+        """A ``GradScaler`` for fp16 (``None`` otherwise), starting at ``init_scale`` when given."""
+        if self.amp != "fp16":
+            return None
+        if init_scale is None:
+            return torch.amp.GradScaler(self.device.type)
+        return torch.amp.GradScaler(self.device.type, init_scale=init_scale)
+
+    def forward(self, batch: Any) -> tuple[Any, torch.Tensor | None]:
+        """Run forward (and loss): returns ``(output, loss)``; loss is None in inference mode."""
+        with self.autocast():
+            if self.step_fn is not None:
+                output = self.step_fn(self.model, batch)
+                if self.mode == "inference":
+                    return output, None
+                if not isinstance(output, torch.Tensor):
+                    raise TypeError(f"step_fn must return the loss tensor, got {type(output).__name__}")
+                return None, output if output.dim() == 0 else output.float().mean()
+            if self.criterion is not None:
+                inputs, targets = split_pair(batch)
+                output = call_model(self.model, inputs)
+                if self.mode == "inference":
+                    return output, None
+                loss = self.criterion(output, targets)
+            else:
+                output = call_model_explained(self.model, batch)
+                if self.mode == "inference":
+                    return output, None
+                loss = self.loss_fn(output, batch) if self.loss_fn is not None else default_loss(output)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+        if loss.dim() != 0:
+            loss = loss.float().mean()
+        if not loss.requires_grad:
+            raise ValueError(
+                "the loss does not require grad: no trainable parameter contributed to it "
+                "(are all parameters frozen, or does the loss detach the output?)"
+            )
+        return output, loss

@@ -1,0 +1,218 @@
+"""batchfit as a gate: "does batch N still fit within X?" in tests and in CI.
+
+:func:`check_fits` answers with as few trials as the answer needs: one real trial at N (through
+:class:`batchfit.Prober`); only when that runs out of memory, a search below N
+(``find(max_batch=N - 1)``) to say which batch does fit, because "64 no longer fits" is only
+actionable next to "48 still does". :func:`assert_fits` turns a failure into an
+``AssertionError`` for tests, and ``batchfit probe --require-batch N`` uses the same
+:func:`check_fits`, so the CLI gate and a test cannot disagree.
+
+The pytest plugin (the ``cuda`` marker, ``--require-cuda``) is ``batchfit.testing.pytest_plugin``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from batchfit.report import DeviceInfo, Result, Trial, device_text
+from batchfit.units import format_bytes
+
+GATE_SCHEMA = "batchfit.gate/1"
+
+
+@dataclass(frozen=True)
+class GateReport:
+    """The answer of :func:`check_fits`.
+
+    Attributes:
+        batch_size: the batch that is required to fit.
+        fits: it ran its steps without running out of memory within the budget.
+        trial: the trial at ``batch_size``. When it failed, ``peak_bytes`` is the memory that
+            was live plus the failing request: a lower bound of what that batch needs.
+        budget_bytes: the memory limit the trial ran under.
+        device: where it ran.
+        largest_fit: only after a failure: the largest batch that fitted in the search below
+            ``batch_size`` (0 when not even the smallest fitted, ``None`` when no search ran).
+        search: the :class:`Result` of that search, if one ran.
+        elapsed_s: wall time of the whole check.
+    """
+
+    batch_size: int
+    fits: bool
+    trial: Trial
+    budget_bytes: int | None
+    device: DeviceInfo
+    largest_fit: int | None
+    search: Result | None
+    elapsed_s: float
+
+    @property
+    def largest_trial(self) -> Trial | None:
+        """The search trial at :attr:`largest_fit`, for its peak memory."""
+        if self.search is None or not self.largest_fit:
+            return None
+        return self.search.trial(self.largest_fit)
+
+    @property
+    def device_text(self) -> str:
+        return device_text(self.device)
+
+    def explain(self) -> str:
+        """One paragraph: the verdict, the measured peak against the limit, the largest fit."""
+        trial = self.trial
+        limit = format_bytes(self.budget_bytes)
+        if self.fits:
+            return (
+                f"batch {self.batch_size} fits within {limit} on {self.device_text}: "
+                f"peak {format_bytes(trial.capped_peak_bytes)}"
+            )
+        needed = (
+            f"needing at least {format_bytes(trial.capped_peak_bytes)}"
+            if trial.capped_peak_bytes is not None
+            else "(peak unknown)"
+        )
+        where = f" in {trial.phase}" if trial.phase else ""
+        text = (
+            f"batch {self.batch_size} does not fit within {limit} on {self.device_text}: out of memory{where} {needed}"
+        )
+        largest = self.largest_trial
+        if largest is not None:
+            peak = format_bytes(largest.capped_peak_bytes)
+            text += f"; the largest batch that fit is {self.largest_fit} (peak {peak})"
+        elif self.largest_fit == 0:
+            text += "; no smaller batch fits either"
+        return text + "."
+
+    # JSON -----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": GATE_SCHEMA,
+            "batch_size": self.batch_size,
+            "fits": self.fits,
+            "trial": asdict(self.trial),
+            "budget_bytes": self.budget_bytes,
+            "device": asdict(self.device),
+            "largest_fit": self.largest_fit,
+            "search": None if self.search is None else self.search.to_dict(),
+            "elapsed_s": self.elapsed_s,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GateReport:
+        if data.get("schema") != GATE_SCHEMA:
+            raise ValueError(f"not a batchfit gate report: schema is {data.get('schema')!r}, expected {GATE_SCHEMA!r}")
+        return cls(
+            batch_size=data["batch_size"],
+            fits=data["fits"],
+            trial=Trial.from_dict(data["trial"]),
+            budget_bytes=data["budget_bytes"],
+            device=DeviceInfo.from_dict(data["device"]),
+            largest_fit=data["largest_fit"],
+            search=None if data.get("search") is None else Result.from_dict(data["search"]),
+            elapsed_s=data["elapsed_s"],
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> GateReport:
+        import json
+
+        return cls.from_dict(json.loads(text))
+
+
+def check_fits(
+    model: Any,
+    sample: Any = None,
+    *,
+    batch_size: int,
+    memory_limit: int | float | str | None = None,
+    callback: Callable[[Trial], None] | None = None,
+    on_trial_start: Callable[[int, str], None] | None = None,
+    on_start: Callable[[DeviceInfo, int | None], None] | None = None,
+    **options: Any,
+) -> GateReport:
+    """Run the trials needed to say whether ``batch_size`` fits within ``memory_limit``.
+
+    ``options`` are :func:`batchfit.find`'s keywords (``optimizer``, ``loss_fn``, ``amp``,
+    ``device``, ``reserve``, ``multiple_of``, ...), validated as one
+    :class:`~batchfit.probe.options.Options`. Those that describe the work go to the trial at
+    ``batch_size`` too; the search keywords only matter for the search below it. ``max_batch``
+    is set by the gate (``batch_size - 1``), and ``verify_steps`` defaults to 0 there: the gate
+    reports what fits, it does not pick a safe batch.
+    """
+    from batchfit.errors import NothingFitsError
+    from batchfit.probe import Options, Prober, find_with
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if "max_batch" in options:
+        raise TypeError("check_fits() got keyword(s) it cannot pass on: max_batch (the gate sets it to batch_size - 1)")
+    try:
+        settings = Options(memory_limit=memory_limit, **options)
+    except TypeError as exc:
+        raise TypeError(f"check_fits() got keyword(s) it cannot pass on: {exc}") from None
+    started = time.monotonic()
+
+    with Prober(model, sample, options=settings) as prober:
+        if on_start is not None:
+            on_start(prober.device_info, prober.budget_bytes)
+        if on_trial_start is not None:
+            on_trial_start(batch_size, "gate")
+        trial = prober.trial(batch_size, kind="gate")
+        if callback is not None:
+            callback(trial)
+        budget, device = prober.budget_bytes, prober.device_info
+
+    search: Result | None = None
+    largest: int | None = None
+    smallest = settings.init_batch or settings.multiple_of
+    if not trial.fits and batch_size - 1 >= smallest:
+        below = replace(
+            settings,
+            max_batch=batch_size - 1,
+            verify_steps=settings.verify_steps if "verify_steps" in options else 0,
+        )
+        try:
+            search = find_with(model, sample, below, callback=callback, on_trial_start=on_trial_start)
+            largest = search.max_batch
+        except NothingFitsError:
+            largest = 0
+    elif not trial.fits and batch_size == 1:
+        largest = 0  # nothing is smaller than 1; with init_batch above N - 1 nothing was searched
+    return GateReport(
+        batch_size=batch_size,
+        fits=trial.fits,
+        trial=trial,
+        budget_bytes=budget,
+        device=device,
+        largest_fit=largest,
+        search=search,
+        elapsed_s=time.monotonic() - started,
+    )
+
+
+def assert_fits(
+    model: Any,
+    sample: Any = None,
+    *,
+    batch_size: int,
+    memory_limit: int | float | str | None = None,
+    **find_kwargs: Any,
+) -> GateReport:
+    """Assert that ``model`` trains at ``batch_size`` within ``memory_limit``.
+
+    Runs one real trial at ``batch_size``; only if it runs out of memory, a search below it.
+    Raises ``AssertionError`` naming the measured peak, the limit and the largest batch that
+    did fit. Returns the :class:`GateReport` (its ``trial.peak_bytes`` is the measured peak).
+    """
+    report = check_fits(model, sample, batch_size=batch_size, memory_limit=memory_limit, **find_kwargs)
+    if not report.fits:
+        raise AssertionError(report.explain())
+    return report
