@@ -50,7 +50,7 @@ is the same, and the function still gets ``batch_size`` as its first positional 
 * The keywords ``max_batch_size`` (32768), ``multiple_of`` (1) and ``headroom`` (0) are extra.
   ``starting_batch_size`` must be a multiple of ``multiple_of`` and at most ``max_batch_size``.
 * ``reduce_batch_size_fn`` (no arguments, returns the next size) is used only without
-  ``probe``, in place of the bisection. With ``probe`` the search picks every size, so it is not
+  ``probe``, in place of the 10% step down. With ``probe`` the search picks every size, so it is not
   called, and a warning says so. A size it returns that is not below the failed one is an error
   (Accelerate would loop forever).
 * Accelerate remembers the reduced size across calls of the decorated function. Here each
@@ -410,8 +410,9 @@ def find_executable_batch_size(
         train()
 
     With a ``probe`` parameter the size is the exact largest that fits, less ``headroom``, and
-    the real run happens once. Without it the first size that completes wins, searching down
-    by bisection (see the module docs for why, and for the differences from Accelerate).
+    the real run happens once. Without it the first size that completes wins, stepping down 10%
+    after each out-of-memory as Accelerate does, or to what ``reduce_batch_size_fn`` returns (see
+    the module docs for why, and for the differences from Accelerate).
     """
     if function is None:
         return functools.partial(  # type: ignore[return-value]

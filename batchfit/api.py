@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from batchfit.estimation import Plan, plan_for
+from batchfit.estimation import Plan, check_target, plan_for
 from batchfit.probe import DEFAULT_MAX_BATCH, Options
 from batchfit.report import Result
 from batchfit.search import Strategy
@@ -137,8 +137,8 @@ def find(
             out-of-memory (it names the rank, the batch size and the error).
         RanksTimeoutError: across ranks, not every rank reached a meeting point in time.
         TypeError, ValueError: bad arguments, with a message naming the problem.
-        Any exception from the model that is not an out-of-memory, unchanged, with a note that
-        names the batch size.
+        Exception: any exception from the model that is not an out-of-memory, unchanged, with a
+            note that names the batch size.
     """
     options = Options(
         make_batch=make_batch,
@@ -163,6 +163,8 @@ def find(
         distributed=distributed,
         rank_timeout=rank_timeout,
     )
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False, got {type(progress).__name__} {progress!r}")
     from batchfit.probe import find_with  # the algorithm, and torch, only once a probe runs
 
     if not progress:
@@ -203,4 +205,5 @@ def plan(
         raise TypeError(
             f"plan() needs a batchfit Result or a torch.nn.Module to probe, got {type(model_or_result).__name__}"
         )
+    check_target(target_batch, world_size)  # before the probe, not after minutes of it
     return plan_for(find(model_or_result, sample, **find_kwargs), target_batch, world_size)

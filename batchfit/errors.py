@@ -59,6 +59,11 @@ class DeviceFailedError(BatchfitError):
     device-side assert, ...). The probe stops: later trials on that context would lie."""
 
 
+class UncountableMemoryError(BatchfitError):
+    """A step made a tensor whose memory the CPU meter cannot count (an MKL-DNN tensor, a layout
+    without storages). The probe stops rather than answer as if that memory were free."""
+
+
 class LimitError(BatchfitError):
     """A memory limit that cannot be enforced: this process already holds more memory on the
     device than the limit allows, so the allocator's cap would not stop the first trial."""

@@ -29,15 +29,19 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
-from types import FrameType, TracebackType
+from collections.abc import Callable, Iterable, Iterator
+from types import CodeType, FrameType, TracebackType
+from typing import Any
 
 
 class InterruptGuard:
     """Defers SIGINT to :meth:`check` points while active (see the module docs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, exits: Iterable[Callable[..., Any]] = ()) -> None:
+        """``exits``: the owner's own way out (a probe's ``__exit__``), as uninterruptible as the
+        guard's: a Ctrl-C landing there on its way to :meth:`finish` is only recorded."""
         self.pending = False
+        self._exit_code = _EXIT_CODE | {fn.__code__ for fn in exits}
         #: Set for a probe over several ranks: :meth:`check` never raises, and the ranks raise
         #: together at their next meeting point (:meth:`take` hands the flag to it), so no rank
         #: leaves while the others wait for it (``batchfit.distributed.ranks``).
@@ -54,7 +58,7 @@ class InterruptGuard:
         return self
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        if self.pending and not self._critical:
+        if self.pending and not self._critical and not _in_exit(frame, self._exit_code):
             raise KeyboardInterrupt  # the second press: the first never reached a safe point
         self.pending = True
 
@@ -79,13 +83,56 @@ class InterruptGuard:
             self.pending = False
             raise KeyboardInterrupt
 
+    def finish(self, undo: Callable[[], None], exc: BaseException | None = None) -> None:
+        """Run ``undo`` (the restore) to its end and put Python's handler back, as one critical
+        section; then let a Ctrl-C that arrived meanwhile surface, unless one already is (``exc``).
+
+        One section, not a critical one followed by the guard's exit: a second Ctrl-C landing
+        between the two would raise from this guard's handler before Python's was put back, and
+        the handler would stay installed for the rest of the process. The handler also records
+        without raising while it finds itself in this code (:func:`_in_exit`), so a Ctrl-C landing
+        before the section's counter has moved cannot cut the restore short either."""
+        self._critical += 1
+        try:
+            undo()
+        finally:
+            try:
+                if self._installed:
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    self._installed = False
+            finally:
+                self._critical -= 1
+            if self.pending and not isinstance(exc, KeyboardInterrupt):
+                self.pending = False
+                raise KeyboardInterrupt from exc
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         """Put Python's handler back; then a recorded interrupt surfaces, unless one already is."""
-        if self._installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            self._installed = False
-        if self.pending and not isinstance(exc, KeyboardInterrupt):
-            self.pending = False
-            raise KeyboardInterrupt from exc
+        self.finish(_nothing, exc)
+
+
+def _nothing() -> None:
+    """An undo with nothing to undo."""
+
+
+def _in_exit(frame: FrameType | None, codes: frozenset[CodeType], depth: int = 4) -> bool:
+    """Whether the interrupted code is the guard's own way out (:meth:`InterruptGuard.finish`,
+    :meth:`~InterruptGuard.critical`, ``__exit__``): there a Ctrl-C is only recorded, whatever
+    bytecode it lands on. A few frames up, to cover the calls between them."""
+    while frame is not None and depth > 0:
+        if frame.f_code in codes:
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+#: The code of the guard's way out (see :func:`_in_exit`).
+_EXIT_CODE = frozenset(
+    {
+        InterruptGuard.finish.__code__,
+        InterruptGuard.__exit__.__code__,
+        InterruptGuard.critical.__wrapped__.__code__,  # type: ignore[attr-defined]
+    }
+)

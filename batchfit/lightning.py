@@ -52,6 +52,8 @@ INSTALL_HINT = "pip install 'batchfit[lightning]'"
 _FROM_TRAINER = ("sample", "make_batch", "step_fn", "loss_fn", "criterion", "mode", "device")
 #: ``find()`` keywords that are progress hooks rather than :class:`~batchfit.probe.options.Options` fields.
 _HOOKS = ("callback", "on_trial_start", "on_start")
+#: ``find()`` keywords of its front end (``batchfit.api``), checked by ``find()`` itself.
+_FRONT = ("progress",)
 #: Lightning's mixed-precision settings and the autocast batchfit runs its steps under.
 _AMP = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 
@@ -183,7 +185,9 @@ def _checked_find_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     for name in _HOOKS:
         if kwargs.get(name) is not None and not callable(kwargs[name]):
             raise TypeError(f"{name} must be callable, got {type(kwargs[name]).__name__}")
-    Options(**{name: value for name, value in kwargs.items() if name not in _HOOKS})
+    if not isinstance(kwargs.get("progress", False), bool):
+        raise TypeError(f"progress must be True or False, got {kwargs['progress']!r}")
+    Options(**{name: value for name, value in kwargs.items() if name not in (*_HOOKS, *_FRONT)})
     return kwargs
 
 

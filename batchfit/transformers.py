@@ -160,7 +160,7 @@ def autosize(
         ImportError: transformers is not installed.
         TypeError: ``trainer`` is not a ``transformers.Trainer``, or its batch is not a mapping.
         ValueError: the trainer uses DeepSpeed, or its train dataloader yields nothing.
-        batchfit's errors from ``find()`` (``NothingFitsError``, ...), unchanged.
+        BatchfitError: batchfit's errors from ``find()`` (``NothingFitsError``, ...), unchanged.
     """
     transformers = _require_transformers()
     from batchfit.api import find

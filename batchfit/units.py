@@ -32,17 +32,36 @@ def parse_memory_limit(limit: int | float | str, total_bytes: int | None, name: 
     Accepts an ``int`` number of bytes, a ``float`` fraction in (0, 1] of ``total_bytes``,
     or a string: ``"24GiB"``, ``"512 MB"``, ``"0.8"`` (a fraction), ``"1e9"`` is not accepted
     (say ``"1GB"``). Decimal units (GB) are powers of 1000, binary units (GiB) of 1024.
-    Raises ``ValueError`` naming the bad value, ``TypeError`` for other types; messages call
-    the value ``name`` (the argument the user wrote).
+    Raises ``ValueError`` naming the bad value (a fraction of less than one byte too),
+    ``TypeError`` for other types; messages call the value ``name`` (the argument the user wrote).
     """
+    kind, value, shown = _read_limit(limit, name)
+    if kind == "bytes":
+        return int(value)
+    if total_bytes is None:
+        raise ValueError(f"{name} fraction {shown} needs a device whose total memory is known")
+    nbytes = int(value * total_bytes)
+    if nbytes < 1:
+        raise ValueError(f"{name} fraction {shown} of {format_bytes(total_bytes)} is less than one byte")
+    return nbytes
+
+
+def check_memory_limit(limit: int | float | str, name: str = "memory_limit") -> None:
+    """:func:`parse_memory_limit`'s checks that need no device: the syntax, the sign, the range of a
+    fraction. What a fraction comes to is only known on the device."""
+    _read_limit(limit, name)
+
+
+def _read_limit(limit: int | float | str, name: str) -> tuple[str, float, str]:
+    """``("bytes", n, shown)`` or ``("fraction", f, shown)``, checked; see :func:`parse_memory_limit`."""
     if isinstance(limit, bool):
         raise TypeError(f"{name} must be bytes, a size string or a fraction, not {limit!r}")
     if isinstance(limit, int):
         if limit <= 0:
             raise ValueError(f"{name} must be a positive number of bytes, got {limit}")
-        return limit
+        return "bytes", limit, str(limit)
     if isinstance(limit, float):
-        return _fraction(limit, total_bytes, repr(limit), name)
+        return "fraction", _fraction(limit, repr(limit), name), repr(limit)
     if isinstance(limit, str):
         match = _PATTERN.match(limit)
         if not match:
@@ -63,22 +82,20 @@ def parse_memory_limit(limit: int | float | str, total_bytes: int | None, name: 
                 "the device) or a size with a unit ('1GB')"
             )
         if unit == "" and "." in number:
-            return _fraction(value, total_bytes, repr(limit), name)
+            return "fraction", _fraction(value, repr(limit), name), repr(limit)
         nbytes = int(value * _UNITS[unit])
         if nbytes <= 0:
             raise ValueError(f"{name} {limit!r} must be more than zero bytes")
-        return nbytes
+        return "bytes", nbytes, repr(limit)
     raise TypeError(
         f"{name} must be bytes (int), a size string ('24GiB') or a fraction (float), not {type(limit).__name__}"
     )
 
 
-def _fraction(value: float, total_bytes: int | None, shown: str, name: str) -> int:
+def _fraction(value: float, shown: str, name: str) -> float:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"{name} fraction {shown} must be in (0, 1]")
-    if total_bytes is None:
-        raise ValueError(f"{name} fraction {shown} needs a device whose total memory is known")
-    return int(value * total_bytes)
+    return value
 
 
 def parse_reserve(reserve: int | str) -> int | str:

@@ -12,8 +12,8 @@ identical) model under the same memory cap:
 
 * **find**: ``batchfit.find(model, sample, memory_limit=cap, device="cpu")`` with its defaults:
   real steps, the exact maximum, a verified safe batch.
-* **estimate cpu**: ``batchfit.estimate(model, sample, memory=cap, device="cpu")``.
-* **estimate cuda**: ``batchfit.estimate(model, sample, memory=cap, device="cuda", reserve=0)``:
+* **estimate cpu**: ``batchfit.estimate(model, sample, memory_limit=cap, device="cpu")``.
+* **estimate cuda**: ``batchfit.estimate(model, sample, memory_limit=cap, device="cuda", reserve=0)``:
   the same trace fed to the modelled CUDA caching allocator, the budget counting reserved bytes.
   ``reserve=0`` means the whole cap is the allocator's, as on the CPU (if this batchfit refuses
   ``reserve=0``, ``memory`` is the cap plus 512 MiB and ``reserve="512MiB"``, which leaves the
@@ -30,7 +30,7 @@ size, kind and occurrence), and the same for the per-phase peaks; the speedup (f
 (``"extrapolated"`` in ``result.assumptions``); the share of the cores other processes used. Then
 the modelled CUDA rows, and one **big model** row: the built-in GPT (d_model 1024, 12 layers,
 16 heads, vocab 32000, sequence 1024; 185M parameters) built on the ``meta`` device, so no weight
-exists and no ``find()`` can run, estimated for ``memory="80GiB", device="cuda"`` (default
+exists and no ``find()`` can run, estimated for ``memory_limit="80GiB", device="cuda"`` (default
 reserve: 512 MiB for the CUDA context).
 
 Before the cases a tiny ``find()`` and ``estimate()`` run once to pay first-use costs (imports,
@@ -296,7 +296,7 @@ def estimate_cuda(case: Case, memory_bytes: int) -> tuple[batchfit.Result | None
     """The modelled CUDA estimate with the whole of ``memory_bytes`` for the allocator."""
     try:
         result, wall, error = on_fresh_model(
-            case, lambda m, s: batchfit.estimate(m, s, memory=memory_bytes, device="cuda", reserve=0)
+            case, lambda m, s: batchfit.estimate(m, s, memory_limit=memory_bytes, device="cuda", reserve=0)
         )
         return result, wall, error, "reserve=0"
     except ValueError as exc:
@@ -305,7 +305,7 @@ def estimate_cuda(case: Case, memory_bytes: int) -> tuple[batchfit.Result | None
         refused = str(exc).splitlines()[0]
     aside = 512 * 2**20  # any size: memory and reserve both carry it, the budget is memory_bytes
     result, wall, error = on_fresh_model(
-        case, lambda m, s: batchfit.estimate(m, s, memory=memory_bytes + aside, device="cuda", reserve=aside)
+        case, lambda m, s: batchfit.estimate(m, s, memory_limit=memory_bytes + aside, device="cuda", reserve=aside)
     )
     return result, wall, error, f"reserve=0 refused ({refused}): memory = budget + 512 MiB, reserve=512MiB"
 
@@ -317,7 +317,9 @@ def run_case(case: Case) -> dict[str, Any]:
     cpu_at_start = compare._cpu_snapshot()
     cap = case.cap_bytes
     real, real_wall, real_error = on_fresh_model(case, lambda m, s: batchfit.find(m, s, memory_limit=cap, device="cpu"))
-    fake, fake_wall, fake_error = on_fresh_model(case, lambda m, s: batchfit.estimate(m, s, memory=cap, device="cpu"))
+    fake, fake_wall, fake_error = on_fresh_model(
+        case, lambda m, s: batchfit.estimate(m, s, memory_limit=cap, device="cpu")
+    )
     cuda, cuda_wall, cuda_error, how = estimate_cuda(case, cap)
     room = cap + CUBLAS_HANDLES * CUBLAS_WORKSPACE_BYTES
     cuda_room, room_wall, room_error, _ = estimate_cuda(case, room)
@@ -357,7 +359,7 @@ def run_big() -> dict[str, Any]:
     print(f"== {BIG.name}", flush=True)
     model, sample = BIG.build()
     parameters = sum(p.numel() for p in model.parameters())
-    result, wall, error = timed(lambda: batchfit.estimate(model, sample, memory=BIG.memory, device="cuda"))
+    result, wall, error = timed(lambda: batchfit.estimate(model, sample, memory_limit=BIG.memory, device="cuda"))
     return {
         "case": BIG.name,
         "model": (big_gpt.__doc__ or "").strip().rstrip("."),
@@ -374,8 +376,8 @@ def warm_up() -> dict[str, float]:
     """First-use costs (imports, the fake-tensor machinery) paid once, here, and reported."""
     model, sample = examples.mlp(in_features=16, hidden=16, depth=1)
     _, find_s, _ = timed(lambda: batchfit.find(model, sample, memory_limit="8MiB", device="cpu", max_batch=64))
-    _, estimate_s, _ = timed(lambda: batchfit.estimate(model, sample, memory="8MiB", device="cpu", max_batch=64))
-    _, cuda_s, _ = timed(lambda: batchfit.estimate(model, sample, memory="1GiB", device="cuda", max_batch=64))
+    _, estimate_s, _ = timed(lambda: batchfit.estimate(model, sample, memory_limit="8MiB", device="cpu", max_batch=64))
+    _, cuda_s, _ = timed(lambda: batchfit.estimate(model, sample, memory_limit="1GiB", device="cuda", max_batch=64))
     return {"find_s": find_s, "estimate_cpu_s": estimate_s, "estimate_cuda_s": cuda_s}
 
 
@@ -435,7 +437,7 @@ def print_table(cases: list[dict[str, Any]]) -> None:
 def print_big(big: dict[str, Any]) -> None:
     e = big["estimate_cuda"]
     print(f"\nbig model, {big['label']}:")
-    print(f"  {big['model']} ({big['parameters'] / 1e6:.0f}M parameters), memory={big['memory']}, device='cuda'")
+    print(f"  {big['model']} ({big['parameters'] / 1e6:.0f}M parameters), memory_limit={big['memory']}, device='cuda'")
     if e["max_batch"] is None:
         print(f"  {e['error']} in {e['wall_s']:.2f} s")
     else:

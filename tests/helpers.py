@@ -71,3 +71,20 @@ def assert_same_state(before: dict[str, Any], after: dict[str, Any]) -> None:
                 else:
                     assert value == other
         assert before["groups"] == after["groups"]
+
+
+class ItemGate(nn.Module):
+    """Takes a branch on an activation's value (``.item()``): fake tensors have no value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(256, 512)
+        self.drop = nn.Dropout(0.1)
+        self.out = nn.Linear(512, 10)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.inp(x))
+        if h.sum().item() > 0:
+            h = torch.relu(h)
+        return self.out(h)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import ItemGate
 from torch import nn
 
 import batchfit
@@ -98,7 +99,7 @@ def _find_and_estimate(name: str) -> tuple[batchfit.Result, batchfit.Result]:
     model, sample = factory()
     found = batchfit.find(model, sample, memory_limit=memory)
     model, sample = factory()
-    return found, batchfit.estimate(model, sample, memory=memory)
+    return found, batchfit.estimate(model, sample, memory_limit=memory)
 
 
 def _memory_record(trial: batchfit.Trial) -> tuple[Any, ...]:
@@ -115,23 +116,6 @@ def _memory_record(trial: batchfit.Trial) -> tuple[Any, ...]:
         trial.phase_reserved_peaks,
         trial.leaked_bytes,
     )
-
-
-class ItemGate(nn.Module):
-    """Takes a branch on an activation's value (``.item()``): fake tensors have no value."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(256, 512)
-        self.drop = nn.Dropout(0.1)
-        self.out = nn.Linear(512, 10)
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.drop(self.inp(x))
-        if h.sum().item() > 0:
-            h = torch.relu(h)
-        return self.out(h)
 
 
 class MaskSelect(nn.Module):
@@ -171,7 +155,7 @@ def test_a_model_left_in_eval_mode_is_estimated_as_it_trains() -> None:
     """find() trains with train() on (dropout and all); so does the estimate, and the flags come back."""
     model, sample = examples.gpt()
     model.eval()
-    estimate = batchfit.estimate(model, sample, memory="64MiB")
+    estimate = batchfit.estimate(model, sample, memory_limit="64MiB")
     assert not model.training and not any(m.training for m in model.modules())
     real = batchfit.find(model, sample, memory_limit="64MiB")
     assert [(t.batch_size, t.peak_bytes) for t in estimate.trials] == [
@@ -242,7 +226,7 @@ def test_the_model_is_left_untouched(name: str) -> None:
     torch.manual_seed(1234)
     rng = torch.random.get_rng_state()
 
-    result = batchfit.estimate(model, sample, memory="16MiB", max_batch=256)
+    result = batchfit.estimate(model, sample, memory_limit="16MiB", max_batch=256)
 
     assert result.max_batch >= 2
     assert any("ran real CPU steps" in line for line in result.assumptions) == (name == "fallback")
@@ -271,8 +255,8 @@ def test_a_meta_model_estimates_as_its_real_twin() -> None:
     real, sample = examples.gpt()
     with torch.device("meta"):
         meta = examples.GPT(vocab_size=512, seq_len=64, d_model=128, n_layers=2, n_heads=4)
-    on_meta = batchfit.estimate(meta, sample, memory="64MiB")
-    with_weights = batchfit.estimate(real, sample, memory="64MiB")
+    on_meta = batchfit.estimate(meta, sample, memory_limit="64MiB")
+    with_weights = batchfit.estimate(real, sample, memory_limit="64MiB")
 
     assert on_meta.max_batch == with_weights.max_batch == _find_and_estimate("gpt")[0].max_batch
     assert on_meta.safe_batch == with_weights.safe_batch
@@ -288,7 +272,7 @@ def test_a_large_meta_model_is_estimated_without_its_weights() -> None:
     assert params > 100_000_000
     ids = torch.randint(0, 32000, (2, 256), generator=torch.Generator().manual_seed(0))
 
-    result = batchfit.estimate(model, {"input_ids": ids, "labels": ids.clone()}, memory="64GiB")
+    result = batchfit.estimate(model, {"input_ids": ids, "labels": ids.clone()}, memory_limit="64GiB")
 
     assert result.max_batch >= 1 and result.boundary_reached
     assert result.memory is not None
@@ -306,7 +290,7 @@ def test_a_data_dependent_model_under_the_fallback_cap_gets_finds_own_answer(kin
     cls, error = DATA_DEPENDENT[kind]
     torch.manual_seed(0)
     model, sample = cls(), torch.randn(4, 256)
-    result = batchfit.estimate(model, sample, memory="32MiB")
+    result = batchfit.estimate(model, sample, memory_limit="32MiB")
     real = batchfit.find(model, sample, memory_limit="32MiB")
 
     assert result.estimated is True
@@ -328,7 +312,7 @@ def test_a_data_dependent_model_above_the_cap_is_extrapolated_from_real_steps(
     torch.manual_seed(0)
     model, sample = cls(), torch.randn(4, 256)
     monkeypatch.setattr(batchfit.estimation.estimator, "FALLBACK_CAP", 12 * MiB)
-    result = batchfit.estimate(model, sample, memory="48MiB")
+    result = batchfit.estimate(model, sample, memory_limit="48MiB")
     real = batchfit.find(model, sample, memory_limit="48MiB")
 
     said = [line for line in result.assumptions if "extrapolated" in line]
@@ -349,7 +333,7 @@ def test_a_data_dependent_model_on_meta_is_refused(kind: str) -> None:
     with torch.device("meta"):
         model = cls()
     with pytest.raises(ValueError, match="meta"):
-        batchfit.estimate(model, torch.randn(4, 256), memory="32MiB")
+        batchfit.estimate(model, torch.randn(4, 256), memory_limit="32MiB")
 
 
 # 6. Estimates for CUDA: the caching allocator, modelled --------------------------------------------
@@ -372,7 +356,7 @@ def _check_reserved_trials(result: batchfit.Result) -> None:
 
 def test_a_cuda_estimate_counts_reserved_bytes_beside_the_context() -> None:
     model, sample = examples.gpt()
-    result = batchfit.estimate(model, sample, memory="768MiB", device="cuda")
+    result = batchfit.estimate(model, sample, memory_limit="768MiB", device="cuda")
     assert result.budget_bytes == 768 * MiB - 512 * MiB
     assert any("512.00 MiB" in line and "outside the allocator" in line for line in result.assumptions)
     assert result.device.name == "estimate for cuda" and result.device.total_bytes == 768 * MiB
@@ -382,8 +366,8 @@ def test_a_cuda_estimate_counts_reserved_bytes_beside_the_context() -> None:
 
 def test_a_cuda_estimate_fits_no_more_than_the_cpu_one() -> None:
     model, sample = examples.gpt()
-    cuda = batchfit.estimate(model, sample, memory="256MiB", device="cuda", reserve=0)
-    cpu = batchfit.estimate(model, sample, memory="256MiB")
+    cuda = batchfit.estimate(model, sample, memory_limit="256MiB", device="cuda", reserve=0)
+    cpu = batchfit.estimate(model, sample, memory_limit="256MiB")
     assert cuda.budget_bytes == 256 * MiB
     assert not any("512.00 MiB" in line for line in cuda.assumptions)
     _check_reserved_trials(cuda)
@@ -395,21 +379,21 @@ def test_a_cuda_estimate_fits_no_more_than_the_cpu_one() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        pytest.param({"memory": "1GiB", "device": "tpu"}, ValueError, "device", id="device-tpu"),
-        pytest.param({"memory": 0.5}, TypeError, "memory", id="memory-float"),
-        pytest.param({"memory": True}, TypeError, "memory", id="memory-bool"),
-        pytest.param({"memory": "-1GiB"}, ValueError, "not a size", id="memory-negative"),
-        pytest.param({"memory": "lots"}, ValueError, "not a size", id="memory-garbage"),
-        pytest.param({"memory": "8 parsecs"}, ValueError, "unknown unit", id="memory-unit"),
-        pytest.param({"memory": 0}, ValueError, "positive", id="memory-zero"),
-        pytest.param({"memory": "1GiB", "reserve": "auto"}, ValueError, "auto", id="reserve-auto"),
-        pytest.param({"memory": "1GiB", "reserve": "lots"}, ValueError, "reserve", id="reserve-garbage"),
-        pytest.param({"memory": "256MiB", "device": "cuda"}, ValueError, "leaves nothing", id="context-too-big"),
-        pytest.param({"memory": "1GiB", "sample": None}, TypeError, "sample", id="no-sample"),
+        pytest.param({"memory_limit": "1GiB", "device": "tpu"}, ValueError, "device", id="device-tpu"),
+        pytest.param({"memory_limit": 0.5}, TypeError, "memory", id="memory-float"),
+        pytest.param({"memory_limit": True}, TypeError, "memory", id="memory-bool"),
+        pytest.param({"memory_limit": "-1GiB"}, ValueError, "not a size", id="memory-negative"),
+        pytest.param({"memory_limit": "lots"}, ValueError, "not a size", id="memory-garbage"),
+        pytest.param({"memory_limit": "8 parsecs"}, ValueError, "unknown unit", id="memory-unit"),
+        pytest.param({"memory_limit": 0}, ValueError, "positive", id="memory-zero"),
+        pytest.param({"memory_limit": "1GiB", "reserve": "auto"}, ValueError, "auto", id="reserve-auto"),
+        pytest.param({"memory_limit": "1GiB", "reserve": "lots"}, ValueError, "reserve", id="reserve-garbage"),
+        pytest.param({"memory_limit": "256MiB", "device": "cuda"}, ValueError, "leaves nothing", id="context-too-big"),
+        pytest.param({"memory_limit": "1GiB", "sample": None}, TypeError, "sample", id="no-sample"),
         pytest.param(
-            {"memory": "1GiB", "make_batch": lambda size: torch.randn(size, 256)}, TypeError, "sample", id="both"
+            {"memory_limit": "1GiB", "make_batch": lambda size: torch.randn(size, 256)}, TypeError, "sample", id="both"
         ),
-        pytest.param({"memory": "1GiB", "model": "not a model"}, TypeError, "Module", id="not-a-module"),
+        pytest.param({"memory_limit": "1GiB", "model": "not a model"}, TypeError, "Module", id="not-a-module"),
     ],
 )
 def test_bad_input_is_refused(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
@@ -425,7 +409,7 @@ def test_nothing_fits_below_the_weights_with_finds_advice() -> None:
     with pytest.raises(batchfit.NothingFitsError) as real:
         batchfit.find(model, sample, memory_limit="1MiB")
     with pytest.raises(batchfit.NothingFitsError, match="weights") as fake:
-        batchfit.estimate(model, sample, memory="1MiB")
+        batchfit.estimate(model, sample, memory_limit="1MiB")
     assert fake.value.advice is not None and "weights" in fake.value.advice
     assert fake.value.advice == real.value.advice
     assert str(fake.value) == str(real.value)

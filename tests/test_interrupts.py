@@ -134,3 +134,68 @@ def test_a_second_sigint_stops_code_that_never_reaches_a_safe_point() -> None:
         batchfit.find(model, sample, memory_limit="8MiB", max_batch=64)
     assert not model.escaped
     assert_same_state(before, state_of(model))
+
+
+def _exit_with_a_second_sigint_at(nth: int) -> tuple[int, object, bool]:
+    """Exit a probe whose first Ctrl-C is pending, with a second one landing at the ``nth`` line run
+    by the way out (the guard's code, and the probe's ``__exit__`` / ``_finish`` on their way to it;
+    ``nth=0``: none). Returns the lines that way ran, the SIGINT handler in place afterwards, and
+    whether the model came back as it was."""
+    import batchfit.interrupts as interrupts
+    import batchfit.probe.prober as prober_module
+
+    torch.manual_seed(0)
+    model, sample = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(2, 16)
+    before = state_of(model)
+    files = {interrupts.__file__: None, prober_module.__file__: {"__exit__", "_finish"}}
+    seen = 0
+
+    def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+        nonlocal seen
+        names = files.get(frame.f_code.co_filename, ())
+        if names != None and frame.f_code.co_name not in names:  # noqa: E711 (None: every function)
+            return None
+        seen += 1
+        if seen == nth:
+            signal.raise_signal(signal.SIGINT)  # the second Ctrl-C, handled at the next bytecode
+        return tracer
+
+    prober = batchfit.Prober(model, sample, memory_limit="16MiB")
+    prober.__enter__()
+    prober.trial(2)
+    signal.raise_signal(signal.SIGINT)  # the first Ctrl-C: recorded by the guard, not yet raised
+    try:
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                prober.__exit__(None, None, None)
+        finally:
+            sys.settrace(None)
+            handler = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # never leave a broken handler to later tests
+    try:
+        assert_same_state(before, state_of(model))
+        restored = True
+    except AssertionError:
+        restored = False
+    return seen, handler, restored
+
+
+@pytest.mark.skipif(
+    signal.getsignal(signal.SIGINT) is not signal.default_int_handler, reason="needs Python's default SIGINT handler"
+)
+def test_a_second_sigint_anywhere_in_the_way_out_leaves_the_model_restored_and_pythons_handler() -> None:
+    """Issue 19, item 13: the first Ctrl-C is pending when the probe exits, and a second one lands
+    at each line of the way out in turn: the guard's code (the window between the end of the
+    restore's critical section and Python's handler being put back included) and the probe's own
+    ``__exit__`` on its way there. Whatever the point, the probe raises ``KeyboardInterrupt``, the
+    model is restored, and Python's own SIGINT handler is in place afterwards."""
+    lines, _, _ = _exit_with_a_second_sigint_at(0)
+    assert lines >= 5
+    wrong = []
+    for nth in range(1, lines + 1):
+        _, handler, restored = _exit_with_a_second_sigint_at(nth)
+        if handler is not signal.default_int_handler or not restored:
+            wrong.append(f"line {nth} of {lines}: handler {getattr(handler, '__name__', handler)}, restored {restored}")
+    assert not wrong, "\n".join(wrong)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import typing
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import batchfit
 from batchfit import examples
-from batchfit.report import ON_LINE, SCHEMA, DeviceInfo, MemoryModel, Throughput, Trial
+from batchfit.report import DEVICE_TYPES, ON_LINE, PHASES, SCHEMA, DeviceInfo, MemoryModel, Throughput, Trial
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +172,248 @@ def test_a_corrupt_document_is_one_value_error_naming_what_and_where(result: bat
     if not isinstance(corruption, str):  # the same from the parsed document
         with pytest.raises(ValueError, match="not a batchfit result: "):
             batchfit.Result.from_dict(json.loads(text))
+
+
+# Out-of-range and unknown values (issue 19, item 10): each is one ValueError naming the field ---------
+def _corrupted(result: batchfit.Result, *changes: tuple[str, object]) -> str:
+    document = json.loads(result.to_json())
+    for path, value in changes:
+        _set(path, value)(document)
+    return json.dumps(document)
+
+
+def _refused(text: str, *fragments: str) -> str:
+    with pytest.raises(ValueError) as raised:
+        batchfit.Result.from_json(text)
+    message = str(raised.value)
+    assert message.startswith("not a batchfit result: "), message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_a_negative_batch_is_refused(result: batchfit.Result) -> None:
+    batches = {
+        "max_batch": "max_batch",
+        "safe_batch": "safe_batch",
+        "best_throughput_batch": "best_throughput_batch",
+        "world_size": "world_size",
+        "trials.3.batch_size": "trials[3].batch_size",
+        "settings.init_batch": "settings.init_batch",
+        "settings.max_batch": "settings.max_batch",
+        "settings.multiple_of": "settings.multiple_of",
+        "throughput.best_batch": "throughput.best_batch",
+        "throughput.knee_batch": "throughput.knee_batch",
+    }
+    for path, field in batches.items():
+        for value in (-3, 0):
+            fragment = f"field {field!r} must be an int in [1, 2**63), got int {value}"
+            _refused(_corrupted(result, (path, value)), fragment)
+
+
+def test_a_headroom_of_one_and_a_half_is_refused(result: batchfit.Result) -> None:
+    for value in (1.5, 1, -0.1):
+        _refused(
+            _corrupted(result, ("settings.headroom", value)),
+            f"field 'settings.headroom' must be a number in [0, 1), got {type(value).__name__} {value}",
+        )
+
+
+def test_an_unknown_mode_is_refused(result: batchfit.Result) -> None:
+    _refused(
+        _corrupted(result, ("settings.mode", "eval")),
+        "field 'settings.mode' must be one of 'train', 'inference', got str 'eval'",
+    )
+    _refused(
+        _corrupted(result, ("settings.amp", "fp8")),
+        "field 'settings.amp' must be one of 'bf16', 'fp16' or null, got str 'fp8'",
+    )
+
+
+def test_an_unknown_phase_is_refused(result: batchfit.Result) -> None:
+    phases = "'batch', 'forward', 'backward', 'step'"
+    _refused(
+        _corrupted(result, ("trials.0.phase_peaks.1", ["loss", 5])),
+        f"field 'trials[0].phase_peaks[1][0]' must be one of {phases}, got str 'loss'",
+    )
+    _refused(
+        _corrupted(result, ("trials.2.phase_reserved_peaks.0", ["", 5])),
+        f"field 'trials[2].phase_reserved_peaks[0][0]' must be one of {phases}, got str ''",
+    )
+    _refused(
+        _corrupted(result, ("memory.lines.1.phase", "loss")),
+        f"field 'memory.lines[1].phase' must be one of {phases}, got str 'loss'",
+    )
+
+
+def test_an_unknown_device_type_is_refused(result: batchfit.Result) -> None:
+    _refused(_corrupted(result, ("device.type", "tpu")), "field 'device.type' must be one of 'cpu', 'cuda', 'xpu'")
+    _refused(_corrupted(result, ("device.type", "tpu")), "got str 'tpu'")
+
+
+def test_a_budget_of_ten_to_the_four_hundred_bytes_is_refused(result: batchfit.Result) -> None:
+    message = _refused(
+        _corrupted(result, ("budget_bytes", 10**400)),
+        "field 'budget_bytes' must be an int in [0, 2**63) or null, got int 1000",
+    )
+    assert len(message) < 200  # the value is shown cut short
+    _refused(_corrupted(result, ("budget_bytes", 2**63)), "field 'budget_bytes' must be an int in [0, 2**63)")
+    _refused(
+        _corrupted(result, ("trials.1.peak_bytes", -1)), "field 'trials[1].peak_bytes' must be an int in [0, 2**63)"
+    )
+    # A Python int too long even to print (more digits than int-to-str allows) is refused as well.
+    document = json.loads(result.to_json())
+    document["budget_bytes"] = 10**5000
+    with pytest.raises(ValueError) as raised:
+        batchfit.Result.from_dict(document)
+    assert str(raised.value).startswith("not a batchfit result: field 'budget_bytes' must be an int in [0, 2**63)")
+
+
+def _nested(depth: int) -> list:
+    inner: list = []
+    for _ in range(depth):
+        inner = [inner]
+    return inner
+
+
+def test_a_deeply_nested_document_is_refused(result: batchfit.Result) -> None:
+    for text in ("[" * 100_000, '{"schema": "batchfit.result/1", "notes": ' + "[" * 100_000 + "]" * 100_000 + "}"):
+        _refused(text, "nested too deeply")
+    # The same from a parsed document: the field it sits in is named.
+    document = json.loads(result.to_json())
+    document["notes"] = _nested(100_000)
+    with pytest.raises(ValueError) as raised:
+        batchfit.Result.from_dict(document)
+    assert str(raised.value).startswith("not a batchfit result: field 'notes[0]' must be a string, got list [[[")
+
+
+def test_a_safe_batch_above_the_max_batch_is_refused(result: batchfit.Result) -> None:
+    """The code never writes one (the safe batch is picked at or below the largest fit): such a record
+    says nothing. The same for a knee above the best size and an init_batch above max_batch."""
+    _refused(
+        _corrupted(result, ("safe_batch", result.max_batch + 1)),
+        f"field 'safe_batch' must not exceed 'max_batch' ({result.max_batch}), got {result.max_batch + 1}",
+    )
+    assert result.throughput is not None
+    _refused(
+        _corrupted(result, ("throughput.knee_batch", result.throughput.best_batch + 1)),
+        "field 'throughput.knee_batch' must not exceed 'throughput.best_batch'",
+    )
+    _refused(
+        _corrupted(result, ("settings.init_batch", 64), ("settings.max_batch", 32)),
+        "field 'settings.init_batch' must not exceed 'settings.max_batch' (32), got 64",
+    )
+    # Equal is fine, and so is the smallest safe batch.
+    assert (
+        batchfit.Result.from_json(_corrupted(result, ("safe_batch", result.max_batch))).safe_batch == result.max_batch
+    )
+
+
+def test_the_vocabularies_are_the_ones_the_code_writes() -> None:
+    from batchfit.backends.select import SUPPORTED
+    from batchfit.backends.simulated import ESTIMATE_TARGETS
+    from batchfit.probe.options import AMPS, MODES
+    from batchfit.report.records import Amp, Mode
+    from batchfit.search.strategies import STRATEGIES
+
+    assert set(SUPPORTED) | set(ESTIMATE_TARGETS) <= set(DEVICE_TYPES)
+    assert typing.get_args(Mode) == MODES and typing.get_args(Amp) == AMPS
+    assert PHASES == typing.get_args(batchfit.report.Phase)
+    assert batchfit.report.Settings().strategy in STRATEGIES  # any name loads: a custom strategy has its own
+
+
+def _leaves(node: object, path: tuple = ()) -> list[tuple]:
+    """The paths of a document's scalar values (and empty lists)."""
+    if isinstance(node, dict):
+        return [leaf for key, value in node.items() for leaf in _leaves(value, (*path, key))]
+    if isinstance(node, list) and node:
+        return [leaf for i, value in enumerate(node) for leaf in _leaves(value, (*path, i))]
+    return [path]
+
+
+def _get(document: dict, path: tuple) -> object:
+    for key in path:
+        document = document[key]
+    return document
+
+
+def _put(document: dict, path: tuple, value: object) -> None:
+    _get(document, path[:-1])[path[-1]] = value  # type: ignore[index]
+
+
+INTS = st.one_of(
+    st.integers(min_value=1, max_value=64),
+    st.integers(min_value=-2, max_value=2**64),
+    st.integers(min_value=2**63 - 2, max_value=10**400),
+    st.sampled_from([0, -1, 2**63 - 1, 2**63, -(2**63), 10**400]),
+)
+FLOATS = st.one_of(
+    st.floats(min_value=0, max_value=1, exclude_max=True),
+    st.floats(),
+    st.sampled_from([0.0, -0.0, 1e308, -1e308, 5e-324, 0.9999999, 1.0]),
+)
+KNOWN = st.sampled_from([*PHASES, *DEVICE_TYPES, "train", "inference", "bf16", "fp16", "reserved", "binary"])
+WORDS = st.one_of(KNOWN, KNOWN, KNOWN, st.text(max_size=4), st.sampled_from(["tpu", "loss", "eval", "fp8"]))
+ANYTHING = st.one_of(st.none(), st.booleans(), INTS, FLOATS, WORDS, st.lists(st.integers(), max_size=2))
+
+
+def _like(value: object) -> st.SearchStrategy:
+    """Values of the leaf's own type, in range or not."""
+    if isinstance(value, bool):
+        return st.booleans()
+    if isinstance(value, int):
+        return INTS
+    if isinstance(value, float):
+        return st.one_of(FLOATS, INTS)
+    if isinstance(value, str):
+        return WORDS
+    return ANYTHING
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_whatever_loads_prints_and_round_trips(result: batchfit.Result, data: st.DataObject) -> None:
+    """Any change to a real document: refused with one ValueError, or loaded; then str() works and
+    the round trip is exact."""
+    document = json.loads(result.to_json())
+    paths = _leaves(document)
+    records = [path for path in paths if "trials" not in path]  # not only the many trials' fields
+    for _ in range(data.draw(st.integers(1, 4))):
+        path = data.draw(st.sampled_from(records) | st.sampled_from(paths))
+        anything = data.draw(st.integers(0, 9)) == 0  # mostly the leaf's own type, so that many load
+        _put(document, path, data.draw(ANYTHING if anything else _like(_get(document, path))))
+    text = json.dumps(document)
+    try:
+        loaded = batchfit.Result.from_json(text)
+    except ValueError as refused:
+        assert str(refused).startswith("not a batchfit result: ")
+        return
+    assert str(loaded)
+    assert batchfit.Result.from_json(loaded.to_json()) == loaded
+
+
+def test_the_largest_values_allowed_everywhere_load_and_print(result: batchfit.Result) -> None:
+    """Every int at 2**63 - 1, every float at 1e308 (the headroom just below 1): the bounds together
+    leave a record str() can print."""
+    document = json.loads(result.to_json())
+    for path in _leaves(document):
+        value = _get(document, path)
+        if isinstance(value, float):
+            _put(document, path, 0.99 if path == ("settings", "headroom") else 1e308)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            _put(document, path, 2**63 - 1)
+    for path in (
+        ("memory", "per_sample_bytes"),
+        *(("memory", "lines", i, k) for i in range(4) for k in ("fixed_bytes", "per_sample_bytes")),
+    ):
+        _put(document, path, float(2**62))  # a memory line's bytes are bounded too
+    loaded = batchfit.Result.from_json(json.dumps(document))
+    assert loaded.budget_bytes == 2**63 - 1 and "max batch          9223372036854775807" in str(loaded)
+    assert batchfit.Result.from_json(loaded.to_json()) == loaded
+    for path, value in ((("memory", "per_sample_bytes"), 1e308), (("memory", "lines", 0, "fixed_bytes"), -1e300)):
+        _put(document, path, value)
+        _refused(json.dumps(document), "must be a number in [-2**63, 2**63)")
+        _put(document, path, 0.0)
 
 
 def test_documents_without_the_fields_added_later_still_load(result: batchfit.Result) -> None:

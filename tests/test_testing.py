@@ -95,6 +95,52 @@ def test_check_fits_report_round_trips_through_json() -> None:
     assert GateReport.from_json(report.to_json()) == report
 
 
+def test_a_gate_report_is_read_with_the_result_checks() -> None:
+    """GateReport.from_json reads with the codec Result.from_json uses: the same field checks, each one
+    ValueError naming the field (issue 19, item 10)."""
+    import json
+
+    model, sample = wide()
+    report = check_fits(model, sample, batch_size=128, memory_limit=LIMIT, device="cpu", steps_per_trial=2)
+    assert report.search is not None and report.search.throughput is not None
+    text = report.to_json()
+
+    def refused(change: dict | str, fragment: str) -> None:
+        if isinstance(change, str):
+            corrupt = change
+        else:
+            document = json.loads(text)
+            for path, value in change.items():
+                *parents, last = path.split(".")
+                inner = document
+                for key in parents:
+                    inner = inner[int(key) if key.isdigit() else key]
+                inner[int(last) if last.isdigit() else last] = value
+            corrupt = json.dumps(document)
+        with pytest.raises(ValueError) as raised:
+            GateReport.from_json(corrupt)
+        assert str(raised.value).startswith("not a batchfit gate report: "), str(raised.value)
+        assert fragment in str(raised.value), str(raised.value)
+
+    refused({"batch_size": -1}, "field 'batch_size' must be an int in [1, 2**63), got int -1")
+    refused({"largest_fit": -1}, "field 'largest_fit' must be an int in [0, 2**63) or null, got int -1")
+    refused({"budget_bytes": 10**400}, "field 'budget_bytes' must be an int in [0, 2**63) or null, got int 1000")
+    refused({"elapsed_s": -1.0}, "field 'elapsed_s' must be a number >= 0, got float -1.0")
+    refused({"device.type": "tpu"}, "field 'device.type' must be one of 'cpu', 'cuda', 'xpu'")
+    refused({"trial.phase_peaks.0": ["loss", 1]}, "field 'trial.phase_peaks[0][0]' must be one of 'batch'")
+    refused({"search.settings.headroom": 1.5}, "field 'search.settings.headroom' must be a number in [0, 1)")
+    refused({"search.settings.mode": "eval"}, "field 'search.settings.mode' must be one of 'train', 'inference'")
+    refused({"search.max_batch": -2}, "field 'search.max_batch' must be an int in [1, 2**63), got int -2")
+    refused({"search.schema": "batchfit.result/2"}, "field 'search.schema' is 'batchfit.result/2'")
+    refused({"fits": "yes"}, "field 'fits' must be true or false, got str 'yes'")
+    refused({"extra": 1}, "unknown field 'extra'")
+    refused({"schema": "batchfit.gate/2"}, "schema is 'batchfit.gate/2', expected 'batchfit.gate/1'")
+    refused("[]", "the document is a list, not an object")
+    refused("{", "invalid JSON")
+    refused("[" * 100_000, "nested too deeply")
+    assert GateReport.from_json(text) == report
+
+
 def test_check_fits_rejects_keywords_it_cannot_honour() -> None:
     model, sample = wide()
     with pytest.raises(TypeError, match="max_batch"):

@@ -32,7 +32,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from batchfit.errors import UncountableMemoryError
 from batchfit.interrupts import InterruptGuard
 from batchfit.report import DeviceInfo, Unit
 
@@ -78,9 +80,13 @@ class Meter:
         """Memory the allocator holds from the device now (allocated plus its cache)."""
         return self.allocated_bytes()
 
+    def notes(self) -> list[str]:
+        """What a reader of the answer should know about how this meter counted the trials."""
+        return []
+
     def held_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
         """What ``tensors`` add to :meth:`allocated_bytes` (each storage once)."""
-        storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}
+        storages = {s._cdata: s for t in tensors for s in data_storages(t)}
         return sum(self._storage_bytes(storage) for storage in storages.values())
 
     def _storage_bytes(self, storage: torch.UntypedStorage) -> int:
@@ -205,6 +211,39 @@ _REQUEST = re.compile(
     r"(?:tried to allocate|Tried to allocate)\s+([0-9.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)?", re.IGNORECASE
 )
 _SCALE = {"bytes": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def data_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages that hold ``tensor``'s data, whatever its layout.
+
+    A strided tensor has one. A sparse tensor has none of its own: its indices and values do
+    (COO: ``indices``, ``values``; CSR/BSR: ``crow_indices``, ``col_indices``, ``values``;
+    CSC/BSC: ``ccol_indices``, ``row_indices``, ``values``). A wrapper subclass (a jagged nested
+    tensor) holds inner tensors, named by its ``__tensor_flatten__``: their storages, not the
+    wrapper's (which aliases one of them, so counting both counted it twice). Anything else
+    (MKL-DNN) raises :class:`~batchfit.errors.UncountableMemoryError`: memory a meter cannot see
+    must stop a probe, never be taken as free.
+    """
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        inner = [getattr(tensor, name) for name in names]  # a DTensor's names also hold its mesh
+        return [storage for part in inner if isinstance(part, torch.Tensor) for storage in data_storages(part)]
+    layout = tensor.layout
+    if layout == torch.strided:
+        return [tensor.untyped_storage()]
+    if layout == torch.sparse_coo:
+        parts = (tensor._indices(), tensor._values())
+    elif layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+    elif layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+    else:
+        raise UncountableMemoryError(
+            f"batchfit cannot count the memory of a {layout} tensor ({tuple(tensor.shape)}, {tensor.dtype}): "
+            "it has no storage to measure. Keep the training step on strided or sparse tensors "
+            + ("(to_mkldnn() is for inference kernels)" if layout == torch._mkldnn else "")
+        )
+    return [storage for part in parts for storage in data_storages(part)]
 
 
 def requested_bytes(message: str) -> int | None:

@@ -10,10 +10,22 @@ step, as a GPU of that size would. Its message carries the CPU allocator's wordi
 ("DefaultCPUAllocator: can't allocate memory") so other libraries' OOM detection recognises it
 too.
 
+What it counts beyond plain tensors: a sparse tensor's indices and values, and a wrapper
+subclass's inner tensors (a jagged nested tensor's values and offsets), each storage once
+(:func:`~batchfit.backends.base.data_storages`); a storage that grows or shrinks in place
+(``resize_``, ``untyped_storage().resize_()``: seen at its next operation, and at the end of
+each phase); a storage made outside an operation (``torch.UntypedStorage``, a storage's
+``clone()``) once an operation uses it; tensors made on other Python threads started during a
+step (each such thread gets its own observer: dispatch modes are per thread). What it refuses:
+tensors with no storage to measure (``to_mkldnn()``), with an
+:class:`~batchfit.errors.UncountableMemoryError` rather than an answer that takes them as free.
+
 What it does not see: scratch memory that a kernel allocates and frees inside itself (CPU
-convolutions do this), and allocator overheads. The CPU limit is therefore a limit on live
-*tensor* bytes: well defined and repeatable, not the process's resident size. Allocated and
-reserved bytes are the same number here.
+convolutions do this: the result says so when such operators ran, see
+:data:`SCRATCH_OPERATORS`), allocator overheads, threads that were already running when the
+step began, and a storage that grows and shrinks back between two operations. The CPU limit is
+therefore a limit on live *tensor* bytes: well defined and repeatable, not the process's
+resident size. Allocated and reserved bytes are the same number here.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -30,7 +43,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from batchfit.backends.base import Backend, Meter
+from batchfit.backends.base import Backend, Meter, data_storages
+from batchfit.errors import UncountableMemoryError
 from batchfit.report import DeviceInfo
 from batchfit.units import format_bytes
 
@@ -109,15 +123,19 @@ class LiveTensorMeter(Meter):
         self._lock = threading.Lock()
         self._live: dict[int, int] = {}
         self._finalizers: dict[int, weakref.finalize] = {}
+        self._storages: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._tracking = False
+        #: Operators seen in the steps that allocate scratch memory inside themselves (unseen).
+        self.scratch_ops: set[str] = set()
         self._baseline = baseline_bytes
         self._current = baseline_bytes
         self._peak = baseline_bytes
         self._phase: str | None = None
         self._last_failure: int | None = None
         for tensor in tensors:
-            storage = _storage_of(tensor)
-            if storage is not None and storage._cdata not in self._live:
-                self._track(storage)
+            for storage in _storages_of(tensor):
+                if storage._cdata not in self._live:
+                    self._track(storage)
         self._baseline = self._current
 
     # accounting --------------------------------------------------------------------------
@@ -135,6 +153,7 @@ class LiveTensorMeter(Meter):
         key, nbytes = storage._cdata, storage.nbytes()
         self._add(key, nbytes)
         self._finalizers[key] = weakref.finalize(storage, self._release, key)
+        self._storages[key] = weakref.ref(storage)
         return nbytes
 
     def _release(self, key: int) -> None:
@@ -143,39 +162,58 @@ class LiveTensorMeter(Meter):
         with self._lock:
             nbytes = self._live.pop(key, None)
             self._finalizers.pop(key, None)
+            self._storages.pop(key, None)
             if nbytes is not None:
                 self._current -= nbytes
 
     def _observe(self, args: tuple, kwargs: dict, out: Any) -> int:
         """Count the new storages among ``out``, and the growth of known ones (``resize_``,
-        ``out=``); return the bytes they added."""
-        inputs: set[int | None] | None = None  # built only when an output storage is not known yet
+        ``out=``); return the bytes they added (negative where a known storage shrank)."""
+        inputs: set[int] | None = None  # built only when an output storage is not known yet
         added = 0
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor):
                 continue
-            storage = _storage_of(tensor)
-            if storage is None:
-                continue
-            key = storage._cdata
-            known = self._live.get(key)
-            if known is not None:
-                grown = storage.nbytes() - known
-                if grown > 0:
-                    self._add(key, grown)
-                    added += grown
-                continue
-            if inputs is None:
-                inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            if key in inputs:
-                continue
-            added += self._track(storage)
+            for storage in _storages_of(tensor):
+                key = storage._cdata
+                known = self._live.get(key)
+                if known is not None:
+                    grown = storage.nbytes() - known
+                    if grown:
+                        self._add(key, grown)
+                        added += grown
+                    continue
+                if inputs is None:
+                    inputs = _input_keys(args, kwargs)
+                if key in inputs:
+                    continue
+                added += self._track(storage)
         return added
 
-    def _over_limit(self, func: Any, added: int) -> torch.OutOfMemoryError | None:
-        """The error to raise when the bytes just ``added`` took live memory over the limit."""
+    def _adopt(self, tensor: torch.Tensor) -> int:
+        """Count ``tensor``'s storages that are not counted yet; return the bytes added."""
+        return sum(self._track(storage) for storage in _storages_of(tensor) if storage._cdata not in self._live)
+
+    def _settle(self) -> int:
+        """Bring every known storage's count to its size now: growth or frees that no operation
+        reported (``untyped_storage().resize_()`` between operations); return the bytes added."""
+        added = 0
+        for key, ref in list(self._storages.items()):
+            storage = ref()
+            known = self._live.get(key)
+            if storage is None or known is None:
+                continue
+            grown = storage.nbytes() - known
+            if grown:
+                self._add(key, grown)
+                added += grown
+        return added
+
+    def _over_limit(self, func: Any, added: int, anywhere: bool = False) -> torch.OutOfMemoryError | None:
+        """The error to raise when the bytes just ``added`` took live memory over the limit
+        (``anywhere``: when live memory is over it at all, whoever added it)."""
         limit = self.budget_bytes
-        if not added or limit is None or self._current <= limit:
+        if (added <= 0 and not anywhere) or limit is None or self._current <= limit:
             return None
         self._last_failure = self._current
         return torch.OutOfMemoryError(
@@ -201,10 +239,31 @@ class LiveTensorMeter(Meter):
                 finalizer.detach()
             self._finalizers.clear()
 
+    #: What :meth:`notes` says when a scratch-allocating operator ran ({ops}: their names).
+    scratch_note = (
+        "the steps ran {ops}: CPU kernels allocate scratch memory inside such an operation and free it before it "
+        "returns, which the live-tensor meter does not see, so on the CPU the max batch may be a little high "
+        "(resnet18: 67 where the allocator's boundary is 66); the safe batch's headroom covers it"
+    )
+
+    def notes(self) -> list[str]:
+        if not self.scratch_ops:
+            return []
+        ops = ", ".join(sorted(op.removeprefix("aten.").split(".")[0] for op in self.scratch_ops))
+        return [self.scratch_note.format(ops=ops)]
+
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
-        with _DispatchObserver(self):
-            yield
+        self._tracking = True
+        previous = threading.getprofile()
+        threading.setprofile(_ThreadWatch(self, previous))
+        try:
+            with _DispatchObserver(self):
+                yield
+        finally:
+            threading.setprofile(previous)
+            self._tracking = False
+            self._settle()
 
     def allocated_bytes(self) -> int:
         with self._lock:
@@ -227,9 +286,20 @@ class LiveTensorMeter(Meter):
             self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), self._current)
         try:
             yield
-        finally:
+        except BaseException:
             with self._lock:
                 self._phase = None
+            raise
+        # Memory no operation reported (a storage resized between operations, another thread's
+        # tensors) still counts, and over the limit fails the step here, as the next op would.
+        error = self._over_limit(f"the {name} phase", self._settle(), anywhere=True)
+        with self._lock:
+            self._phase = None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error
 
     def failure_bytes(self, message: str) -> tuple[int | None, int | None]:
         # The meter's own limit knows exactly; a real allocator failure states its request.
@@ -241,22 +311,56 @@ class LiveTensorMeter(Meter):
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
-class _DispatchObserver(TorchDispatchMode):
-    """Hands every dispatched operation's outputs to a :class:`LiveTensorMeter`."""
+#: CPU operators whose kernels allocate scratch memory and free it before they return, unseen
+#: by the meter (the oneDNN/im2col convolution buffers): where one ran, the result's note says the
+#: CPU max may be a little high (resnet18 67 where the allocator's boundary is 66).
+SCRATCH_OPERATORS = frozenset(
+    {
+        "aten.convolution.default",
+        "aten.convolution_backward.default",
+        "aten._convolution.default",
+        "aten.mkldnn_convolution.default",
+        "aten.conv_transpose1d.default",
+        "aten.conv_transpose2d.input",
+        "aten.conv_transpose3d.input",
+    }
+)
 
-    def __init__(self, meter: LiveTensorMeter) -> None:
+
+class _DispatchObserver(TorchDispatchMode):
+    """Hands every dispatched operation's outputs to a :class:`LiveTensorMeter`.
+
+    ``main``: on the probing thread the observer enforces the limit and is where a deferred
+    Ctrl-C surfaces; on a thread started during a step it only counts (the probing thread fails
+    the step at its next operation or phase end), and it stops counting once the step is over.
+    """
+
+    def __init__(self, meter: LiveTensorMeter, main: bool = True) -> None:
         super().__init__()
         self._meter = meter
+        self._main = main
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         meter = self._meter
-        if func is _LIFT_FRESH:
+        if func is _LIFT_FRESH or not meter._tracking:
             # torch.tensor(...) hands its new tensor to lift_fresh, which returns it as is: not an
             # allocation the step made (under FakeTensorMode it returns a fake copy: no more one).
             return out
-        error = meter._over_limit(func, meter._observe(args, kwargs, out))
+        name = str(func)
+        if name in SCRATCH_OPERATORS:
+            meter.scratch_ops.add(name)
+        added = 0
+        if name.startswith("aten.set_.source_Storage") and isinstance(out, torch.Tensor):
+            # A storage made outside any operation (torch.UntypedStorage, a storage's clone())
+            # enters the step here; by now it is also its input's storage, so count it before
+            # _observe would take it for the input's own.
+            added += meter._adopt(out)
+        added += meter._observe(args, kwargs, out)
+        if not self._main:
+            return out
+        error = meter._over_limit(func, added)
         if error is not None:
             # A real allocator never hands out the failing block: drop it before raising, so
             # no frame of the traceback keeps it alive while the caller handles the error. And
@@ -273,19 +377,40 @@ class _DispatchObserver(TorchDispatchMode):
         return out
 
 
-def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
-    """A CPU tensor's storage; ``None`` for other devices and storage-less layouts."""
+class _ThreadWatch:
+    """``threading.setprofile`` hook while a step runs: a thread started then gets its own
+    :class:`_DispatchObserver` (dispatch modes are per thread), at its first Python call, and
+    the profile function it would have had back."""
+
+    def __init__(self, meter: LiveTensorMeter, previous: Any) -> None:
+        self._meter = meter
+        self._previous = previous
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        sys.setprofile(self._previous)
+        if self._meter._tracking:
+            # Never exited: the mode lives on the thread's own stack and dies with it; once the
+            # step is over it passes every operation through uncounted.
+            _DispatchObserver(self._meter, main=False).__enter__()
+        return None
+
+
+def _storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """A CPU tensor's data storages (:func:`~batchfit.backends.base.data_storages`); none for
+    other devices."""
     if tensor.device.type != "cpu":
-        return None
-    try:
-        return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse, nested, ... : no plain storage
-        return None
+        return []
+    return data_storages(tensor)
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    storage = _storage_of(tensor)
-    return None if storage is None else storage._cdata
+def _input_keys(args: tuple, kwargs: dict) -> set[int]:
+    """The storages an operation was given: outputs that alias them are not new memory."""
+    keys: set[int] = set()
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            with contextlib.suppress(UncountableMemoryError):
+                keys.update(storage._cdata for storage in _storages_of(leaf))
+    return keys
 
 
 def _cpu_name() -> str:

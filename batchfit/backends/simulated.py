@@ -37,6 +37,10 @@ class SimulatedCudaMeter(LiveTensorMeter):
     """The live-tensor meter's trace, counted as the CUDA caching allocator would (module docs)."""
 
     counts: Unit = "reserved"
+    scratch_note = (
+        "the steps ran {ops}: the workspace cuDNN takes inside such an operation is not modelled, so the "
+        "estimate may be a little high; the safe batch's headroom covers it"
+    )
 
     def __init__(self, budget_bytes: int | None, tensors: Iterable[torch.Tensor] = ()) -> None:
         self.allocator = CachingAllocatorModel()
@@ -80,9 +84,9 @@ class SimulatedCudaMeter(LiveTensorMeter):
             reserved = self.allocator.reserved_bytes
             self._phase_reserved[self._phase] = max(self._phase_reserved.get(self._phase, 0), reserved)
 
-    def _over_limit(self, func: object, added: int) -> torch.OutOfMemoryError | None:
+    def _over_limit(self, func: object, added: int, anywhere: bool = False) -> torch.OutOfMemoryError | None:
         limit = self.budget_bytes
-        if not added or limit is None:
+        if (added <= 0 and not anywhere) or limit is None:
             return None
         with self._lock:
             reserved = self.allocator.reserved_bytes

@@ -72,6 +72,7 @@ def find_kwargs(args: argparse.Namespace, target: Target | None, device: str, li
     for name in ("max_batch", "init_batch", "verify_steps", "strategy"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
-    if args.time_budget is not None:
-        kwargs["time_budget"] = args.time_budget
+    for name in ("time_budget", "rank_timeout"):
+        if getattr(args, name, None) is not None:
+            kwargs[name] = getattr(args, name)
     return kwargs

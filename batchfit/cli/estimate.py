@@ -1,4 +1,4 @@
-"""``batchfit estimate TARGET --memory SIZE``: the probe's answer for a memory size, on fake tensors."""
+"""``batchfit estimate TARGET --memory-limit SIZE``: the probe's answer for a memory size, on fake tensors."""
 
 from __future__ import annotations
 
@@ -24,27 +24,47 @@ from batchfit.version import __version__
 
 
 def estimate_command(args: argparse.Namespace) -> int:
-    from batchfit.backends import DEFAULT_ESTIMATE_TARGET, estimate_target
+    from batchfit.backends import DEFAULT_ESTIMATE_TARGET, default_device, estimate_target
     from batchfit.errors import NothingFitsError
-    from batchfit.estimation import OPTIONS, estimate, what_if
+    from batchfit.estimation import OPTIONS, estimate, split_memory, what_if
+    from batchfit.units import format_bytes
     from batchfit.view import make_view
 
     for option in args.what_if or ():
         if option not in OPTIONS:
             raise UsageError(f"unknown --what-if {option!r}: choose from {', '.join(OPTIONS)}")
-    args.device = args.device or DEFAULT_ESTIMATE_TARGET
+    memory = _memory_limit(args)
+    device_note = ""
+    if args.device is None:
+        args.device = DEFAULT_ESTIMATE_TARGET
+        if default_device() != DEFAULT_ESTIMATE_TARGET:  # say so: the user may expect this machine
+            device_note = (
+                f" (the default; this machine has no {DEFAULT_ESTIMATE_TARGET} device: "
+                "--device cpu estimates for its CPU)"
+            )
     try:
-        estimate_target(args.device)
+        device = estimate_target(args.device)
     except ValueError as exc:
         raise UsageError(f"--device: {exc}") from None
+    total, kept_aside = split_memory(device, memory, args.reserve, "--memory-limit")
+    if total <= kept_aside and args.reserve is None:
+        raise UsageError(
+            f"--memory-limit {memory} leaves nothing after the {format_bytes(kept_aside)} that a CUDA GPU keeps "
+            "outside the allocator for its context (assumed; --reserve sets it): give the memory of a GPU, such "
+            "as --memory-limit 24GiB, or estimate for a CPU with --device cpu"
+        )
+    if total <= kept_aside:
+        raise UsageError(
+            f"--memory-limit {memory} leaves nothing after --reserve {args.reserve}: give a smaller --reserve"
+        )
     check_json_path(args.json)
     human = sys.stderr if args.json == "-" else sys.stdout
     target = load(args)
     if isinstance(target, int):
         return target
     kwargs: dict[str, Any] = {
-        **{k: v for k, v in target.extras.items() if k in ("optimizer", "loss_fn", "step_fn", "make_batch")},
-        "memory": args.memory,
+        **target.extras,  # optimizer, loss_fn, step_fn, make_batch, criterion: the same keys as the probe's
+        "memory_limit": memory,
         "device": args.device,
         "reserve": args.reserve,
         "amp": args.amp,
@@ -55,7 +75,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     if args.max_batch is not None:
         kwargs["max_batch"] = args.max_batch
     print(
-        f"batchfit {__version__}: estimating {args.target} ({args.mode}) for {args.device} with {args.memory}: "
+        f"batchfit {__version__}: estimating {args.target} ({args.mode}) for {args.device}{device_note} with {memory}: "
         "fake tensors, no device and no memory used",
         file=human,
     )
@@ -79,3 +99,16 @@ def estimate_command(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, result.to_json())
     return EXIT_OK
+
+
+def _memory_limit(args: argparse.Namespace) -> str:
+    """``--memory-limit``, the probe's name for the same thing; ``--memory`` (0.1.0's spelling)
+    still works, with a warning on stderr."""
+    if args.memory is not None and args.memory_limit is not None:
+        raise UsageError("give --memory-limit only: --memory is its old name")
+    if args.memory is not None:
+        print("batchfit: warning: --memory is deprecated: use --memory-limit (the probe's name)", file=sys.stderr)
+        return str(args.memory)
+    if args.memory_limit is None:
+        raise UsageError("--memory-limit is required: the memory of the device to estimate for, e.g. 24GiB")
+    return str(args.memory_limit)

@@ -26,7 +26,12 @@ def run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], calls: Calls) -> 
 
     options = Options(**kwargs)
     worker = [args.target, "--device", str(kwargs["device"]), "--mode", args.mode]
-    for flag, value in (("--memory-limit", kwargs["memory_limit"]), ("--reserve", args.reserve), ("--amp", args.amp)):
+    for flag, value in (
+        ("--memory-limit", kwargs["memory_limit"]),
+        ("--reserve", args.reserve),
+        ("--amp", args.amp),
+        ("--rank-timeout", args.rank_timeout),  # the ranks of each job meet, and may wait for a stuck one
+    ):
         if value is not None:
             worker += [flag, str(value)]
     key = {

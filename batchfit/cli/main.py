@@ -7,11 +7,13 @@ Exit codes are the interface a CI pipeline reads, so they are fixed and document
 * 2: a usage error: bad option, or a bad target (no such module or attribute, a factory that
   needs arguments, a value that is not ``(model, sample)``, a sample without tensors, a model
   or sample that ``find()`` rejects before its first trial), or a ``--json`` path that cannot be
-  written.
+  written. (A write that fails only after the probe, on a full disk, saves the JSON to a
+  temporary file and names it in the error: the result is not lost.)
 * 3: does not fit: with ``--require-batch N``, batch N ran out of memory within the limit;
   without it, not even the smallest batch fitted.
-* 130: interrupted by Ctrl-C. Once the probe had started, the model and optimizer were restored
-  (the message says so); while the target was still loading there was nothing to restore.
+* 130: interrupted by Ctrl-C, with one line and no traceback, from start-up on. Once the probe had
+  started, the model and optimizer were restored (the message says so); while batchfit was
+  starting or the target was still loading there was nothing to restore.
 * 141: the reader of stdout went away (``batchfit probe ... | head -1``): the probe stops at its
   next line of output, quietly, with the code a shell gives a tool killed by SIGPIPE (128 + 13),
   so ``set -o pipefail`` sees that the probe did not finish; no JSON file is written.
@@ -27,7 +29,8 @@ Under ``torchrun`` every rank runs this command and exits with these codes; only
 the view and writes ``--json`` (``batchfit.distributed.launch``), and another rank's failure is told by rank 0
 and by the rank that failed.
 
-Human output goes to stdout (to stderr when ``--json -`` puts the JSON on stdout). Every error
+Human output goes to stdout (to stderr when ``--json -`` puts the JSON on stdout), within
+``COLUMNS`` when that is set, piped or not (``batchfit.view``). Every error
 goes to stderr in a line starting with ``batchfit: error:``: batchfit's own are that one line;
 a command line that argparse rejects prints the usage first (argparse's ``batchfit probe:
 error:`` prefix is replaced by the same ``batchfit: error:``). ``--json PATH`` is checked before
@@ -68,9 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch warns "Failed to initialize NumPy" at import when NumPy is missing (it is optional):
     # the first thing a new user sees must be batchfit's own output.
     warnings.filterwarnings("ignore", message=r".*Failed to initialize NumPy", category=UserWarning)
-    parser = build_parser()
-    args = parser.parse_args(argv)  # exits 2 on a usage error, as argparse does
     try:
+        args = build_parser().parse_args(argv)  # exits 2 on a usage error, as argparse does
         return int(COMMANDS[args.command](args))
     except UsageError as exc:
         error(str(exc))
@@ -79,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         error("terminated by SIGTERM")
         return EXIT_TERMINATED
     except KeyboardInterrupt:
-        # Not from inside a probe (probe_command answers those): the target was loading, nothing to restore.
+        # Not from inside a probe (probe_command answers those): batchfit was starting or the
+        # target was loading (importing torch, building the model), so nothing to restore.
         error("interrupted")
         return EXIT_INTERRUPTED
     except BrokenPipeError:

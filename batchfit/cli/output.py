@@ -7,10 +7,12 @@ Every error goes to stderr in a line starting with ``batchfit: error:`` (see ``b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import stat
 import sys
+import tempfile
 import traceback
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from batchfit.errors import first_line
@@ -61,7 +63,8 @@ def report_exception(exc: BaseException, show_traceback: bool, *, cause: bool, t
 def check_json_path(path: str | None) -> None:
     """Refuse (exit 2) a ``--json PATH`` that cannot be written before anything runs: found out
     after the probe, it would cost the whole probe. Permissions as ``os.access`` sees them (root
-    passes); what only the write can find out (a full disk) is still reported by ``write_json``."""
+    passes); what only the write can find out (a full disk, ``/dev/full``) is reported by
+    ``write_json``, which then saves the result elsewhere and says where."""
     if path is None or path == "-":
         return
     folder = os.path.dirname(path) or os.curdir
@@ -80,14 +83,72 @@ def check_json_path(path: str | None) -> None:
 
 
 def write_json(path: str, text: str) -> None:
+    """Write ``--json``'s text: a regular file atomically (a temporary file beside it, then
+    ``os.replace``, so a failed write leaves what was there), anything else (``/dev/stdout``, a
+    pipe) directly. When the write fails after a probe, the JSON goes to a temporary file of its
+    own and the error names it: the result is not lost with the write."""
     if path == "-":
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
         return
+    data = (text + "\n").encode("utf-8")
     try:
-        Path(path).write_text(text + "\n", encoding="utf-8")
+        real = os.path.realpath(path)  # a link to a file: the file is replaced, the link stays
+        if os.path.exists(real) and not os.path.isfile(real):
+            _write_to(real, data)  # a special file: it cannot be replaced, only written
+        else:
+            _replace(real, data)
     except OSError as exc:
-        raise UsageError(f"cannot write --json {path!r}: {exc.strerror or exc}") from None
+        problem = f"cannot write --json {path!r}: {exc.strerror or exc}"
+        raise UsageError(f"{problem}; {_save_elsewhere(data)}") from None
+
+
+def _write_to(path: str, data: bytes) -> None:
+    with open(path, "wb") as stream:
+        stream.write(data)
+
+
+def _replace(path: str, data: bytes) -> None:
+    """``path`` becomes ``data`` at once: written to a temporary file in its folder, then renamed
+    over it. A folder that cannot take a temporary file (a writable file in a read-only folder)
+    gets the file written in place."""
+    folder = os.path.dirname(path) or os.curdir
+    if not os.access(folder, os.W_OK | os.X_OK):
+        _write_to(path, data)
+        return
+    fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            stream.write(data)
+        # mkstemp's file is private (0600): the result gets the mode the old file had, else the umask's.
+        os.chmod(temporary, stat.S_IMODE(os.stat(path).st_mode) if os.path.exists(path) else 0o666 & ~_umask())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _save_elsewhere(data: bytes) -> str:
+    """Save ``data`` to a new temporary file; the words that tell where (or that it could not)."""
+    try:
+        fd, saved = tempfile.mkstemp(prefix="batchfit-result-", suffix=".json")
+    except OSError as exc:
+        return f"the result could not be saved elsewhere either ({exc.strerror or exc})"
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            stream.write(data)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(saved)
+        return f"the result could not be saved elsewhere either ({exc.strerror or exc})"
+    return f"the result was saved to {saved}"
 
 
 def stdout_to_devnull() -> None:

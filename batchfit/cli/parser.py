@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
 from batchfit.cli.output import EXIT_USAGE
-from batchfit.units import parse_memory_limit, parse_reserve
+from batchfit.units import check_memory_limit, parse_reserve
 from batchfit.version import __version__
 
 #: Without ``--memory-limit``, a CPU probe from the command line caps live tensor bytes at this.
@@ -31,7 +32,7 @@ class _Parser(argparse.ArgumentParser):
 # Argument parsing -------------------------------------------------------------------------------
 def _memory_limit(value: str) -> str:
     try:
-        parse_memory_limit(value, 1 << 40)  # syntax only: fractions resolve on the device later
+        check_memory_limit(value)  # syntax only: fractions resolve on the device later
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
@@ -93,6 +94,13 @@ def _seconds(value: str) -> float:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
     if number <= 0:
         raise argparse.ArgumentTypeError(f"{value!r} must be more than 0 seconds")
+    return number
+
+
+def _finite_seconds(value: str) -> float:
+    number = _seconds(value)
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value!r} must be a finite number of seconds")
     return number
 
 
@@ -196,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with --nproc-per-trial: kill a job that gives no answer within this (default 600)",
     )
+    probe.add_argument(
+        "--rank-timeout",
+        type=_finite_seconds,
+        metavar="SECONDS",
+        help="under torchrun (or --nproc-per-trial): how long a rank waits for the others at each meeting point "
+        "before the probe fails, so a stuck rank ends it (default 300)",
+    )
     # A rank's side of a --nproc-per-trial job (started by batchfit under torchrun, not by users).
     probe.add_argument("--trial-batch", type=_positive_int, help=argparse.SUPPRESS)
     probe.add_argument("--trial-steps", type=_positive_int, default=2, help=argparse.SUPPRESS)
@@ -225,8 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("target", metavar="TARGET", help="package.module:attr or path/to/file.py:attr")
     estimate.add_argument(
-        "--memory", required=True, type=_size, metavar="SIZE", help="the device's memory: 80GiB, 24GB"
+        "--memory-limit",
+        type=_size,
+        metavar="SIZE",
+        help="the device's memory: 80GiB, 24GB (required; the same option as the probe's)",
     )
+    # The spelling of 0.1.0; it still works, with a deprecation warning (batchfit.cli.estimate).
+    estimate.add_argument("--memory", type=_size, metavar="SIZE", help=argparse.SUPPRESS)
     estimate.add_argument(
         "--device",
         metavar="cuda|cpu",
@@ -236,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--reserve",
         type=_size,
         metavar="SIZE",
-        help="memory outside the allocator, taken off --memory (default on cuda: 512MiB for the context)",
+        help="memory outside the allocator, taken off --memory-limit (default on cuda: 512MiB for the context)",
     )
     estimate.add_argument("--amp", choices=("bf16", "fp16"), help="under autocast")
     estimate.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")

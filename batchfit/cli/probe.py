@@ -143,7 +143,11 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
         view.summary(outcome)
         code = EXIT_OK
         if args.target_batch is not None and leader:
-            print(plan_line(outcome, args.target_batch), file=human)
+            from batchfit.view import columns, fit_lines
+
+            # Within COLUMNS as the view's lines are; --quiet's lines stay whole, for scripts.
+            for line in fit_lines(plan_line(outcome, args.target_batch), None if args.quiet else columns(), 17):
+                print(line, file=human)
     if args.json and leader:
         write_json(args.json, outcome.to_json())
     return code

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 from batchfit._lazy import lazy_surface
 
 if TYPE_CHECKING:
-    from batchfit.estimation.estimator import FALLBACK_CAP, TARGETS, estimate
+    from batchfit.estimation.estimator import FALLBACK_CAP, TARGETS, estimate, split_memory
     from batchfit.estimation.fake_trials import FakeProbe, Untraceable
-    from batchfit.estimation.planning import ALTERNATIVE_FACTOR, Plan, plan_for
+    from batchfit.estimation.planning import ALTERNATIVE_FACTOR, Plan, check_target, plan_for
     from batchfit.estimation.whatif import (
         DEFAULT_OPTIONS,
         OPTIONS,
@@ -34,11 +34,13 @@ _EXPORTS = {
     "FALLBACK_CAP": "batchfit.estimation.estimator",
     "TARGETS": "batchfit.estimation.estimator",
     "estimate": "batchfit.estimation.estimator",
+    "split_memory": "batchfit.estimation.estimator",
     "FakeProbe": "batchfit.estimation.fake_trials",
     "Untraceable": "batchfit.estimation.fake_trials",
     "ALTERNATIVE_FACTOR": "batchfit.estimation.planning",
     "Plan": "batchfit.estimation.planning",
     "plan_for": "batchfit.estimation.planning",
+    "check_target": "batchfit.estimation.planning",
     "DEFAULT_OPTIONS": "batchfit.estimation.whatif",
     "OPTIONS": "batchfit.estimation.whatif",
     "WhatIf": "batchfit.estimation.whatif",

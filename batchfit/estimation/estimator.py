@@ -19,11 +19,11 @@ from torch import nn
 from batchfit.backends import ESTIMATE_TARGETS, EstimateTarget, estimate_target
 from batchfit.errors import NothingFitsError
 from batchfit.estimation.fake_trials import FakeProbe, Untraceable
-from batchfit.probe import DEFAULT_MAX_BATCH, Options, check_work, find_with, search_with
+from batchfit.probe import DEFAULT_MAX_BATCH, Options, check_work, find_with, first_batch, renamed, search_with
 from batchfit.report import Result, Trial
 from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
 
-__all__ = ["FALLBACK_CAP", "TARGETS", "estimate"]
+__all__ = ["FALLBACK_CAP", "TARGETS", "estimate", "split_memory"]
 
 #: The devices an estimate can be for.
 TARGETS = tuple(ESTIMATE_TARGETS)
@@ -37,12 +37,13 @@ def estimate(
     model: nn.Module,
     sample: Any = None,
     *,
-    memory: int | str,
+    memory_limit: int | str | None = None,
     device: str = "cpu",
     reserve: int | str | None = None,
     make_batch: Callable[[int], Any] | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     step_fn: Callable[[nn.Module, Any], Any] | None = None,
+    criterion: Callable[[Any, Any], torch.Tensor] | None = None,
     optimizer: Any = None,
     amp: str | None = None,
     mode: str = "train",
@@ -52,51 +53,59 @@ def estimate(
     multiple_of: int = 1,
     strategy: str = "interpolate",
     callback: Callable[[Trial], None] | None = None,
+    memory: int | str | None = None,
 ) -> Result:
-    """Estimate :func:`batchfit.find`'s answer for a device with ``memory`` bytes, without it.
+    """Estimate :func:`batchfit.find`'s answer for a device with ``memory_limit`` bytes, without it.
 
     Runs the probe's search over fake trials (see the module docs): no device, no memory, seconds.
     The :class:`~batchfit.report.Result` has ``estimated=True`` and its ``assumptions`` listed;
     ``str()`` says "estimate". No throughput (nothing real is timed).
 
+    The keywords are :func:`batchfit.find`'s, with the same names and the same checks, for the
+    same things (a ``DataLoader`` as the sample, ``criterion=``, an optimizer object...); an
+    estimate has nothing to time, to verify, to interrupt or to spread over ranks, so ``find``'s
+    keywords for those are not taken.
+
     Args:
-        memory: the device's memory: bytes or a size (``"80GiB"``, ``"24GB"``).
+        memory_limit: the device's memory: bytes or a size (``"80GiB"``, ``"24GB"``; a fraction
+            needs a device to be a fraction of). ``memory=`` is its old name, still accepted with
+            a ``DeprecationWarning``.
         device: what to estimate for (:data:`TARGETS`): the CPU (the live-tensor meter's count,
-            equal to what ``find()`` measures there under ``memory_limit=memory``; the default)
+            equal to what ``find()`` measures there under the same ``memory_limit``; the default)
             or CUDA (the caching allocator's reserved bytes, modelled; see the assumptions).
-        reserve: taken off ``memory`` for what lives outside the allocator. Default: nothing on
-            the CPU; on CUDA 512 MiB for the CUDA context (an assumption, stated).
-        The rest: as :func:`batchfit.find`.
+        reserve: taken off ``memory_limit`` for what lives outside the allocator. Default:
+            nothing on the CPU; on CUDA 512 MiB for the CUDA context (an assumption, stated).
+
+    The other keywords are :func:`batchfit.find`'s. A model that cannot be traced on fake tensors
+    is not an error: real CPU steps answer instead (see the module docs).
 
     Raises:
         NothingFitsError: not even ``init_batch`` fits the memory.
         TypeError, ValueError: bad arguments.
-        A model that cannot be traced on fake tensors is not an error: see the module docs.
     """
     started = time.monotonic()
+    memory_limit, limit_name = renamed("estimate", "memory", memory, "memory_limit", memory_limit)
+    if memory_limit is None:
+        raise TypeError("estimate() needs memory_limit=: the memory of the device to estimate for, e.g. '80GiB'")
     target = estimate_target(device)
-    if isinstance(memory, float) or not isinstance(memory, (int, str)):
-        raise TypeError(f"memory must be bytes or a size such as '80GiB', got {type(memory).__name__} {memory!r}")
-    total = parse_memory_limit(memory, None)
+    total, kept_aside = split_memory(target, memory_limit, reserve, limit_name)
     assumptions = _assumptions(target, amp)
-    if reserve is None:
-        kept_aside = target.outside_allocator_bytes
-    elif reserve in (0, "0"):
-        kept_aside = 0  # nothing outside the allocator: the whole memory is the budget
-    else:
-        parsed = parse_reserve(reserve)
-        if parsed == "auto":
-            raise ValueError("reserve='auto' measures a real device: an estimate takes a size")
-        kept_aside = int(parsed)
     if kept_aside:
         assumptions.append(f"{format_bytes(kept_aside)} of the {format_bytes(total)} are outside the allocator")
     budget = total - kept_aside
     if budget <= 0:
-        raise ValueError(f"reserve {format_bytes(kept_aside)} leaves nothing of memory {format_bytes(total)}")
+        assumed = " (the CUDA context a GPU keeps outside the allocator, assumed)" if reserve is None else ""
+        raise ValueError(
+            f"reserve {format_bytes(kept_aside)}{assumed} leaves nothing of {limit_name} {format_bytes(total)}: "
+            f"estimate for a device with more memory, pass reserve= what that device keeps outside the allocator, "
+            f"or device='cpu'"
+        )
+    sample, drawn = first_batch(sample)
     options = Options(
         make_batch=make_batch,
         loss_fn=loss_fn,
         step_fn=step_fn,
+        criterion=criterion,
         optimizer=optimizer,
         amp=amp,  # type: ignore[arg-type]
         mode=mode,  # type: ignore[arg-type]
@@ -113,10 +122,13 @@ def estimate(
 
     try:
         probe = FakeProbe(model, sample, options, target, budget)
+        if drawn is not None:
+            probe.notes.append(drawn)
         result = search_with(probe, options, started, callback=callback)
     except Untraceable as untraceable:
         result, said = _extrapolate(model, sample, options, budget, untraceable, started)
-        assumptions.append(said)
+        # Real steps ran instead: the fake trace's own assumption no longer holds.
+        assumptions = [line for line in assumptions if line != FAKE_TRACE] + [said]
     return replace(
         result,
         device=replace(result.device, name=f"estimate for {device}", total_bytes=total),
@@ -126,8 +138,37 @@ def estimate(
     )
 
 
+#: The first assumption of an estimate that traced the model on fake tensors.
+FAKE_TRACE = "traced on fake tensors: no step ran, no memory was used; nothing is timed, so no throughput"
+
+
+def split_memory(
+    target: EstimateTarget, memory_limit: Any, reserve: int | str | None, limit_name: str = "memory_limit"
+) -> tuple[int, int]:
+    """``(total, kept_aside)``: the device's memory, and what of it lives outside the allocator.
+
+    One reading for :func:`estimate` and ``batchfit estimate`` (which checks it before loading the
+    target, to say what to do in its own option names). ``reserve=None`` takes the target's
+    assumed context (512 MiB on CUDA, nothing on the CPU); ``0`` means nothing is kept aside.
+    """
+    if isinstance(memory_limit, float) or not isinstance(memory_limit, (int, str)):
+        raise TypeError(
+            f"{limit_name} must be bytes or a size such as '80GiB' (an estimate has no device to take a fraction "
+            f"of), got {type(memory_limit).__name__} {memory_limit!r}"
+        )
+    total = parse_memory_limit(memory_limit, None, name=limit_name)
+    if reserve is None:
+        return total, target.outside_allocator_bytes
+    if reserve in (0, "0"):
+        return total, 0  # nothing outside the allocator: the whole memory is the budget
+    parsed = parse_reserve(reserve)
+    if parsed == "auto":
+        raise ValueError("reserve='auto' measures a real device: an estimate takes a size")
+    return total, int(parsed)
+
+
 def _assumptions(target: EstimateTarget, amp: str | None) -> list[str]:
-    said = ["traced on fake tensors: no step ran, no memory was used; nothing is timed, so no throughput"]
+    said = [FAKE_TRACE]
     said += target.assumptions
     if amp is not None and target.amp_assumption:
         said.append(f"amp {amp}: {target.amp_assumption}")
@@ -161,6 +202,8 @@ def _extrapolate(
         raise NothingFitsError(real.max_batch, None, budget, None, "fewer than two sizes fitted to fit memory lines")
     grid = options.grid()
     largest = max(real.max_batch, grid.floor(memory.largest_batch_within(budget, ceiling=grid.top)))
+    # Read off a line, the answer stops where the line leaves the budget, or at max_batch.
+    stop_reason = "max_batch" if largest >= grid.top else "stopped"
     safe = max(grid.init, grid.floor(memory.largest_batch_within(budget * (1 - options.headroom), ceiling=largest)))
     sizes = sorted({t.batch_size for t in real.trials if t.fits})
     result = replace(
@@ -170,7 +213,7 @@ def _extrapolate(
         best_throughput_batch=largest,
         budget_bytes=budget,
         boundary_reached=False,
-        stop_reason="stopped",
+        stop_reason=stop_reason,
         safe_verified=False,
         notes=(
             *real.notes,

@@ -41,6 +41,7 @@ from torch import nn
 from batchfit.backends import EstimateTarget, LiveTensorMeter
 from batchfit.distributed import Solo
 from batchfit.errors import first_line
+from batchfit.interrupts import InterruptGuard
 from batchfit.probe import (
     Options,
     Workload,
@@ -76,29 +77,42 @@ def _fake_errors() -> tuple[type[BaseException], ...]:
 
 
 class _Swap:
-    """Fake parameters and buffers in the model's slots, the originals put back on exit."""
+    """Fake parameters and buffers in the model's slots, the originals put back on exit.
+
+    Every slot is saved before the first is touched, and a swap cut short puts back what it
+    swapped: the user's model never keeps a fake tensor, whatever interrupts the swap."""
 
     def __init__(self, model: nn.Module, mode: Any) -> None:
         self.model = model
         self.mode = mode
         self._saved: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = []
+        #: The fake standing in for each original tensor, by ``id`` (tied weights share one).
+        self.fakes: dict[int, Any] = {}
 
     def __enter__(self) -> _Swap:
-        made: dict[int, Any] = {}  # one fake per original tensor: tied weights stay tied
-        with self.mode:
-            for module in self.model.modules():
-                self._saved.append((module, dict(module._parameters), dict(module._buffers)))
-                for name, param in module._parameters.items():
-                    if param is not None:
-                        if id(param) not in made:
-                            made[id(param)] = nn.Parameter(_fake_like(param), requires_grad=param.requires_grad)
-                        module._parameters[name] = made[id(param)]
-                for name, buffer in module._buffers.items():
-                    if buffer is not None:
-                        if id(buffer) not in made:
-                            made[id(buffer)] = _fake_like(buffer)
-                        module._buffers[name] = made[id(buffer)]
+        self._saved = [(module, dict(module._parameters), dict(module._buffers)) for module in self.model.modules()]
+        made = self.fakes
+        try:
+            with self.mode:
+                for module, parameters, buffers in self._saved:
+                    for name, param in parameters.items():
+                        if param is not None:
+                            if id(param) not in made:
+                                made[id(param)] = nn.Parameter(_fake_like(param), requires_grad=param.requires_grad)
+                            module._parameters[name] = made[id(param)]
+                    for name, buffer in buffers.items():
+                        if buffer is not None:
+                            if id(buffer) not in made:
+                                made[id(buffer)] = _fake_like(buffer)
+                            module._buffers[name] = made[id(buffer)]
+        except BaseException:
+            self.__exit__()
+            raise
         return self
+
+    def fake_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The fake in ``tensor``'s slot (``tensor`` itself when it is not the model's)."""
+        return self.fakes.get(id(tensor), tensor)
 
     def __exit__(self, *exc_info: object) -> None:
         for module, parameters, buffers in self._saved:
@@ -153,20 +167,24 @@ class FakeProbe:
         self._stack: contextlib.ExitStack | None = None
         self._workload: Workload | None = None
         self._fake_mode: Any = None
+        #: Ctrl-C deferred to safe points and never lost, the restore never cut short: as find()'s.
+        self._interrupts = InterruptGuard(exits=(FakeProbe.__exit__, FakeProbe._undo))
 
     def __enter__(self) -> FakeProbe:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
+        self._interrupts.__enter__()
         stack = contextlib.ExitStack()
         try:
-            rng = torch.random.get_rng_state()
-            stack.callback(torch.random.set_rng_state, rng)
-            self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-            stack.enter_context(_Swap(self._model, self._fake_mode))
-            # As a probe does: train() for training, eval() for inference, the flags put back after.
-            flags = [(module, module.training) for module in self._model.modules()]
-            stack.callback(lambda: [setattr(module, "training", flag) for module, flag in flags])
-            self._model.train(self.mode == "train")
+            with self._interrupts.critical():  # the model is swapped whole, or not at all
+                rng = torch.random.get_rng_state()
+                stack.callback(torch.random.set_rng_state, rng)
+                self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+                swap = stack.enter_context(_Swap(self._model, self._fake_mode))
+                # As a probe does: train() for training, eval() for inference, the flags put back after.
+                flags = [(module, module.training) for module in self._model.modules()]
+                stack.callback(lambda: [setattr(module, "training", flag) for module, flag in flags])
+                self._model.train(self.mode == "train")
             with self._fake_mode:
                 sample = _fake_sample(self._sample) if self._sample is not None else None
             self._workload = _FakeWorkload(
@@ -178,16 +196,19 @@ class FakeProbe:
                 make_batch=self.options.make_batch,
                 loss_fn=self.options.loss_fn,
                 step_fn=self.options.step_fn,
-                new_optimizer=optimizer_factory(self.options.optimizer),
+                criterion=self.options.criterion,
+                new_optimizer=optimizer_factory(self.options.optimizer, parameter_of=swap.fake_of),
                 amp=self.options.amp,
             )
             budget = self.budget_bytes
             assert budget is not None
             held = [*self._model.parameters(), *self._model.buffers()] + [t for _, t in tensor_leaves(sample, "s")]
             self.meter = self.target.make_meter(budget, held)
+            self.meter.interrupts = self._interrupts
             stack.enter_context(self.meter.active())
-        except BaseException:
-            stack.close()
+        except BaseException as exc:
+            self._stack = stack
+            self._interrupts.finish(self._undo, exc)
             raise
         self._stack = stack
         return self
@@ -195,6 +216,10 @@ class FakeProbe:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._interrupts.finish(self._undo, exc)
+
+    def _undo(self) -> None:
+        """The model's own tensors, flags and the RNG back (no Ctrl-C can cut it short)."""
         self._optimizer = None
         self._workload = None
         stack, self._stack = self._stack, None
@@ -212,6 +237,7 @@ class FakeProbe:
             self.meter.release()
         if steps is None:
             steps = self.options.steps_per_trial or (1 if self.mode != "train" or self._optimizer is not None else 2)
+        self._interrupts.check()
         kept, self._optimizer = self._optimizer, None
         try:
             with self._fake_mode:
@@ -219,6 +245,7 @@ class FakeProbe:
         except _fake_errors() as exc:
             raise Untraceable(first_line(exc)) from exc
         del kept
+        self._interrupts.check()
         self._optimizer = run.optimizer
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
         # A fake step's wall time says nothing about a real one.
@@ -234,6 +261,10 @@ class FakeProbe:
 
     def ranks_notes(self) -> list[str]:
         return []
+
+    def meter_notes(self) -> list[str]:
+        """What the meter has to say about how it counted (``Meter.notes``)."""
+        return self.meter.notes() if self.meter is not None else []
 
     def compile_notes(self, trials: list[Trial]) -> list[str]:
         info = compiled_info(self._compiled)

@@ -12,12 +12,13 @@ without torch. :func:`batchfit.plan` (``batchfit.api``) also takes a model, and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from batchfit.report import KNEE_FRACTION, Result, Trial
 
-__all__ = ["ALTERNATIVE_FACTOR", "Plan", "plan_for"]
+__all__ = ["ALTERNATIVE_FACTOR", "Plan", "check_target", "plan_for"]
 
 #: A non-exact split is worth mentioning when its micro-batch is at least this many times the exact
 #: one's: below that, the exact split costs little, above it the user may prefer to drop a few samples.
@@ -124,16 +125,10 @@ def plan_for(result: Result, target_batch: int, world_size: int | None = None) -
     """
     if not isinstance(result, Result):
         raise TypeError(f"result must be a batchfit Result, got {type(result).__name__}")
-    _check_positive_int("target_batch", target_batch)
+    check_target(target_batch, world_size)
     if world_size is None:
         world_size = result.world_size
-    _check_positive_int("world_size", world_size)
-    if target_batch % world_size:
-        raise ValueError(
-            f"target_batch {target_batch} is not divisible by world_size {world_size}: every rank must get a whole "
-            f"share (the nearest are {target_batch // world_size * world_size} and "
-            f"{(target_batch // world_size + 1) * world_size})"
-        )
+        check_target(target_batch, world_size)
     safe = result.safe_batch
     if safe < 1:
         raise ValueError(f"the result's safe_batch is {safe}: not even one sample fits, there is nothing to plan")
@@ -141,7 +136,7 @@ def plan_for(result: Result, target_batch: int, world_size: int | None = None) -
     multiple_of = max(1, result.settings.multiple_of)
 
     notes: list[str] = []
-    divisors = [d for d in _divisors(per_rank) if d <= safe]  # never empty: 1 <= safe
+    divisors = _divisors_within(per_rank, safe)  # never empty: 1 <= safe
     candidates = [d for d in divisors if d % multiple_of == 0]
     if not candidates:
         candidates = divisors
@@ -179,6 +174,21 @@ def plan_for(result: Result, target_batch: int, world_size: int | None = None) -
     )
 
 
+def check_target(target_batch: Any, world_size: Any = None) -> None:
+    """The checks of :func:`plan_for` that need no result, so that ``batchfit.plan(model, ...)``
+    refuses a bad target before it spends a probe on it."""
+    _check_positive_int("target_batch", target_batch)
+    if world_size is None:
+        return
+    _check_positive_int("world_size", world_size)
+    if target_batch % world_size:
+        raise ValueError(
+            f"target_batch {target_batch} is not divisible by world_size {world_size}: every rank must get a whole "
+            f"share (the nearest are {target_batch // world_size * world_size} and "
+            f"{(target_batch // world_size + 1) * world_size})"
+        )
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -186,17 +196,15 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be positive, got {value}")
 
 
-def _divisors(n: int) -> list[int]:
-    """The divisors of ``n`` in increasing order (trial division up to the square root)."""
-    small, large = [], []
-    d = 1
-    while d * d <= n:
-        if n % d == 0:
-            small.append(d)
-            if d != n // d:
-                large.append(n // d)
-        d += 1
-    return small + large[::-1]
+def _divisors_within(n: int, limit: int) -> list[int]:
+    """The divisors of ``n`` that are at most ``limit``, increasing. The work is
+    ``min(limit, sqrt(n))`` steps: only micro-batches within the safe batch are candidates, so a
+    huge target (``2**61 - 1``) costs no more than the safe batch, not the square root of it."""
+    root = math.isqrt(n)
+    if limit <= root:
+        return [d for d in range(1, limit + 1) if n % d == 0]
+    small = [d for d in range(1, root + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if n // d != d and n // d <= limit]
 
 
 def _measured_rates(trials: tuple[Trial, ...]) -> dict[int, float]:

@@ -1,6 +1,6 @@
 """What-if: the same estimate under the levers of batch size, in one table.
 
-``batchfit.what_if(model, sample, memory="24GiB")`` runs :func:`batchfit.estimate` once as the
+``batchfit.what_if(model, sample, memory_limit="24GiB")`` runs :func:`batchfit.estimate` once as the
 model is, then once per alternative, and puts max batch and memory side by side:
 
 * ``amp=bf16``, ``amp=fp16``: the steps under autocast (activations in half precision);
@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from batchfit.errors import NothingFitsError
-from batchfit.report import Trial
-from batchfit.units import format_bytes
+from batchfit.probe import renamed
+from batchfit.units import format_bytes, parse_memory_limit
 
 __all__ = ["OPTIONS", "WhatIf", "WhatIfRow", "what_if"]
 
@@ -47,8 +47,9 @@ _OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = 
 @dataclass(frozen=True)
 class WhatIfRow:
     """One option's estimate, or why it does not apply: ``peak_bytes`` is the peak at
-    ``max_batch`` in the unit the budget counts; ``per_sample_bytes`` the slope of live tensor
-    bytes per sample (allocated bytes: reserved ones grow in segment steps)."""
+    ``max_batch`` in the unit the budget counts; ``fixed_bytes`` and ``per_sample_bytes`` the
+    option's memory equation, the same one its result's summary shows (``result.memory``), so a
+    row that fits more with more bytes per sample shows the smaller fixed part that pays for it."""
 
     option: str
     max_batch: int | None = None
@@ -56,6 +57,7 @@ class WhatIfRow:
     peak_bytes: int | None = None
     per_sample_bytes: float | None = None
     note: str | None = None
+    fixed_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -76,18 +78,19 @@ class WhatIf:
     def __str__(self) -> str:
         lines = [
             f"what if (estimates for {self.device} with {format_bytes(self.memory_bytes)}):",
-            f"  {'option':<20} {'max batch':>9} {'safe':>6} {'peak at max':>12} {'per sample':>11}",
+            f"  {'option':<20} {'max batch':>9} {'safe':>6} {'peak at max':>12} {'fixed':>11} {'per sample':>11}",
         ]
         base = self.rows[0].max_batch
         for row in self.rows:
             if row.max_batch is None:
-                lines.append(f"  {row.option:<20} {'-':>9} {'-':>6} {'-':>12} {'-':>11}  {row.note or ''}")
+                lines.append(f"  {row.option:<20} {'-':>9} {'-':>6} {'-':>12} {'-':>11} {'-':>11}  {row.note or ''}")
                 continue
             gain = f"  x{row.max_batch / base:.2f}" if base and row is not self.rows[0] else ""
             peak = format_bytes(row.peak_bytes) if row.peak_bytes is not None else "-"
+            fixed = format_bytes(row.fixed_bytes) if row.fixed_bytes is not None else "-"
             slope = format_bytes(row.per_sample_bytes) if row.per_sample_bytes is not None else "-"
             lines.append(
-                f"  {row.option:<20} {row.max_batch:>9} {row.safe_batch:>6} {peak:>12} {slope:>11}{gain}"
+                f"  {row.option:<20} {row.max_batch:>9} {row.safe_batch:>6} {peak:>12} {fixed:>11} {slope:>11}{gain}"
                 + (f"  {row.note}" if row.note else "")
             )
         return "\n".join(lines)
@@ -106,17 +109,24 @@ def what_if(
     model: nn.Module,
     sample: Any = None,
     *,
-    memory: int | str,
+    memory_limit: int | str | None = None,
     device: str = "cpu",
     options: Sequence[str] = DEFAULT_OPTIONS,
+    memory: int | str | None = None,
     **estimate_kwargs: Any,
 ) -> WhatIf:
     """Estimate the model as it is and under each of ``options`` (see the module docs).
 
-    ``estimate_kwargs`` go to every :func:`batchfit.estimate` call (``optimizer``, ``amp``,
+    ``memory_limit`` is :func:`batchfit.estimate`'s (``memory=``, its old name, still works with
+    a ``DeprecationWarning``); ``estimate_kwargs`` go to every :func:`batchfit.estimate` call
+    with the same names as :func:`batchfit.find` (``optimizer``, ``amp``, ``criterion``,
     ``loss_fn``, ``reserve``...); an option overrides the keyword it is about.
     """
     from batchfit.estimation.estimator import estimate
+
+    memory_limit, limit_name = renamed("what_if", "memory", memory, "memory_limit", memory_limit)
+    if memory_limit is None:
+        raise TypeError("what_if() needs memory_limit=: the memory of the device to estimate for, e.g. '24GiB'")
 
     if isinstance(options, str):
         raise TypeError("options must be a list of option names, e.g. ['amp=bf16', 'checkpointing']")
@@ -137,7 +147,7 @@ def what_if(
             context = checkpointing(model)
         try:
             with context as how:
-                result = estimate(model, sample, memory=memory, device=device, **kwargs)
+                result = estimate(model, sample, memory_limit=memory_limit, device=device, **kwargs)
         except NothingFitsError as exc:
             rows.append(WhatIfRow(option, note=f"nothing fits: batch {exc.batch_size} does not"))
             continue
@@ -148,26 +158,12 @@ def what_if(
                 max_batch=result.max_batch,
                 safe_batch=result.safe_batch,
                 peak_bytes=at_max[-1].peak_in(result.budget_counts) if at_max else None,
-                per_sample_bytes=_slope_near_the_top(result.trials),
+                fixed_bytes=result.memory.fixed_bytes if result.memory is not None else None,
+                per_sample_bytes=result.memory.per_sample_bytes if result.memory is not None else None,
                 note=how if isinstance(how, str) else None,
             )
         )
-    from batchfit.units import parse_memory_limit
-
-    return WhatIf(memory_bytes=parse_memory_limit(memory, None), device=device, rows=tuple(rows))
-
-
-def _slope_near_the_top(trials: Sequence[Trial]) -> float | None:
-    """Live tensor bytes per sample between the largest size that fitted and the largest one at
-    most half of it: the slope that decides the answer, over a span wide enough that the few
-    bytes sizes next to each other differ by do not decide it."""
-    peaks = {t.batch_size: t.peak_bytes for t in trials if t.fits and t.peak_bytes is not None}
-    sizes = sorted(peaks)
-    if len(sizes) < 2:
-        return None
-    high = sizes[-1]
-    low = max((size for size in sizes if size <= high // 2), default=sizes[0])
-    return (peaks[high] - peaks[low]) / (high - low)  # type: ignore[operator]
+    return WhatIf(memory_bytes=parse_memory_limit(memory_limit, None, name=limit_name), device=device, rows=tuple(rows))
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         check_callbacks,
         check_materialised,
         check_work,
+        first_batch,
         fit_memory,
         fixed_memory_advice,
         loss_notes,
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
         verdict,
     )
     from batchfit.probe.jobs import JobPerTrial, run_worker_trial, write_verdict
-    from batchfit.probe.options import DEFAULT_MAX_BATCH, Options, positive_int
+    from batchfit.probe.options import DEFAULT_MAX_BATCH, Options, positive_int, renamed
     from batchfit.probe.prober import Prober
     from batchfit.probe.state import Snapshot, take
     from batchfit.probe.trial import TrialRun, run_trial
@@ -70,6 +71,7 @@ _EXPORTS = {
     "check_callbacks": "batchfit.probe.checks",
     "check_materialised": "batchfit.probe.checks",
     "check_work": "batchfit.probe.checks",
+    "first_batch": "batchfit.probe.checks",
     "fit_memory": "batchfit.probe.checks",
     "fixed_memory_advice": "batchfit.probe.checks",
     "loss_notes": "batchfit.probe.checks",
@@ -92,6 +94,7 @@ _EXPORTS = {
     "DEFAULT_MAX_BATCH": "batchfit.probe.options",
     "Options": "batchfit.probe.options",
     "positive_int": "batchfit.probe.options",
+    "renamed": "batchfit.probe.options",
     "Prober": "batchfit.probe.prober",
     "Snapshot": "batchfit.probe.state",
     "take": "batchfit.probe.state",

@@ -7,15 +7,17 @@ equation are built from (parameter bytes, the fixed memory advice).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from batchfit.probe.batches import tensor_leaves
+from batchfit.probe.batches import batch_size_of, tensor_leaves
 from batchfit.probe.options import Options
+from batchfit.probe.workload import split_pair
 from batchfit.report import MemoryModel, Trial, Unit
 from batchfit.units import format_bytes
 
@@ -32,6 +34,8 @@ def check_work(model: Any, sample: Any, options: Options) -> None:
             if sample is None
             else "pass either sample or make_batch, not both"
         )
+    if options.criterion is not None and sample is not None:
+        split_pair(sample)  # (inputs, targets) or a clear error now, not in a trial
 
 
 def check_materialised(model: nn.Module, sample: Any) -> None:
@@ -62,18 +66,31 @@ def check_callbacks(*callbacks: Any) -> None:
 
 def loss_notes(model: nn.Module, sample: Any, options: Options) -> list[str]:
     """A Hugging Face head model given no ``labels`` returns logits and no loss, and the default
-    loss (``logits.mean()``) skips what the real loss holds (a cross-entropy over a 50k vocabulary
-    is the biggest tensor of a small GPT-2's step): the batch found is then too large. Say so."""
+    loss (``logits.mean()``) skips what the real loss holds. How much that is depends on the head:
+    a language-model head (one with output embeddings) makes vocabulary-sized logits, and their
+    cross-entropy is the biggest tensor of a small GPT-2's step: the batch found is then too large
+    (measured: 7 without labels, 4 with). A classifier's logits are a few numbers per sample, and
+    the answer does not move (a BERT classifier: 66 either way), so the note says so instead of
+    calling it too large."""
     if options.mode != "train" or options.loss_fn or options.step_fn or options.criterion:
         return []
     hugging_face = any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
     if not hugging_face or not isinstance(sample, Mapping) or "labels" in sample:
         return []
+    said = "the sample has no 'labels', so the Hugging Face model returns logits and no loss, and batchfit used "
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if isinstance(head, nn.Module):
+        classes = getattr(head, "out_features", None)
+        over = f"the {classes:,}-word vocabulary" if isinstance(classes, int) else "the vocabulary"
+        return [
+            said + f"logits.mean() as the loss: the real loss (a cross-entropy over {over}) holds much more memory, "
+            "so the batch sizes found are too large. Put labels in the sample (a causal LM takes labels = "
+            "input_ids) or pass loss_fn="
+        ]
     return [
-        "the sample has no 'labels', so the Hugging Face model returns logits and no loss, and batchfit used "
-        "logits.mean() as the loss: a real loss (cross-entropy over the classes or the vocabulary) holds more "
-        "memory, so the batch sizes found are too large. Put labels in the sample (a causal LM takes labels = "
-        "input_ids) or pass loss_fn="
+        said + "logits.mean() as the loss: this model's head makes a few logits per sample, not vocabulary-sized "
+        "ones, so a real loss adds little memory and the answer should hold; put labels in the sample (or pass "
+        "loss_fn=) to measure the real loss"
     ]
 
 
@@ -112,3 +129,51 @@ def fixed_memory_advice(weights: int, trainable: int, mode: str, optimizer: Any,
         f"{parts[0].upper()}{parts[1:]}, more than the budget: lowering init_batch cannot help. Raise "
         "memory_limit, use a smaller model, or an optimizer with less state (SGD, or 8-bit/factored moments)."
     )
+
+
+def first_batch(sample: Any, keep_rng: bool = True) -> tuple[Any, str | None]:
+    """The sample itself, or the first batch of a ``DataLoader`` (or of any other iterable of
+    batches that is not itself a batch), as users hold their data; with the note that says so.
+
+    Drawing a batch moves random generators even without shuffling: a ``DataLoader``'s iterator
+    draws its base seed from torch's CPU generator (or the loader's ``generator``), and a
+    ``RandomSampler`` draws from the global generator or its own. ``keep_rng`` (the probe's
+    ``restore_rng``) draws on copies: every generator is put back as it was, so a probe that
+    restores the RNG restores it to where it stood before the loader was touched.
+    """
+    from torch.utils.data import DataLoader
+
+    is_batch = isinstance(sample, (torch.Tensor, Mapping, tuple, list, str, bytes)) or sample is None
+    if is_batch or not (isinstance(sample, DataLoader) or hasattr(sample, "__iter__")):
+        return sample, None
+    with _generators_kept(sample) if keep_rng else contextlib.nullcontext():
+        try:
+            first = next(iter(sample))
+        except StopIteration:
+            raise ValueError(f"the sample {type(sample).__name__} yielded no batch: it is empty") from None
+    note = (
+        f"sample: the first batch of the {type(sample).__name__} (batch size {batch_size_of(first)}), "
+        "repeated along dim 0 to build every size"
+    )
+    return first, note
+
+
+@contextlib.contextmanager
+def _generators_kept(loader: Any) -> Iterator[None]:
+    """torch's CPU generator and the generators a loader and its samplers own, as they were."""
+    owned = [
+        getattr(holder, "generator", None)
+        for holder in (
+            loader,
+            getattr(loader, "sampler", None),
+            getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+        )
+    ]
+    generators = {id(g): g for g in owned if isinstance(g, torch.Generator)}
+    states = [(g, g.get_state()) for g in generators.values()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            for generator, state in states:
+                generator.set_state(state)

@@ -61,7 +61,8 @@ def search_with(
     """The search, the safe batch and the :class:`Result`, over any ``prober`` that does what
     :class:`Prober` does (a context manager with ``trial()``, ``budget_bytes``, ``counts``,
     ``device_info``, ``notes``, ``ranks``, ``memory_model()``, ``fixed_advice()``,
-    ``ranks_notes()``, ``compile_notes()`` and the limit's ``limit_bytes`` / ``limit_source`` / ``reserve_bytes``):
+    ``ranks_notes()``, ``compile_notes()``, ``meter_notes()`` and the limit's ``limit_bytes`` /
+    ``limit_source`` / ``reserve_bytes``):
     :class:`Prober` here, a job per trial in ``batchfit.probe.jobs``. ``started``: the
     ``time.monotonic()`` the answer's time counts from."""
     check_callbacks(callback, on_trial_start, on_start)
@@ -136,6 +137,7 @@ def search_with(
             [
                 *prober.notes,
                 *prober.compile_notes(trials),
+                *prober.meter_notes(),
                 *ranks_notes(prober),
                 *safe_notes,
                 *trial_notes(trials, report),

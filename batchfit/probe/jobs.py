@@ -238,6 +238,9 @@ class JobPerTrial:
     def fixed_advice(self) -> str | None:
         return self._facts.get("fixed_advice")
 
+    def meter_notes(self) -> list[str]:
+        return []  # each trial's meter lives and dies in its own job
+
     def compile_notes(self, trials: list[Trial]) -> list[str]:
         return []  # each job's rank says nothing back about compilation
 

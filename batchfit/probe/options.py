@@ -11,12 +11,13 @@ Pure Python apart from type hints: no torch import, so the CLI can validate befo
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from batchfit.search import Grid, Strategy, make_strategy
-from batchfit.units import parse_memory_limit, parse_reserve
+from batchfit.units import check_memory_limit, parse_reserve
 
 if TYPE_CHECKING:
     import torch
@@ -88,7 +89,7 @@ class Options:
         _choice("mode", self.mode, MODES)
         _choice("amp", self.amp, (None, *AMPS))
         if self.memory_limit is not None:
-            parse_memory_limit(self.memory_limit, 1)  # syntax and sign; fractions resolve on the device
+            check_memory_limit(self.memory_limit)  # syntax and sign; a fraction resolves on the device
         if self.reserve is not None:
             parse_reserve(self.reserve)
         if not isinstance(self.restore_rng, bool):
@@ -118,6 +119,12 @@ class Options:
         positive_int("max_batch", self.max_batch)
         if self.init_batch is not None:
             positive_int("init_batch", self.init_batch)
+        elif self.multiple_of > self.max_batch:
+            # Without an init_batch the first size is multiple_of itself: name what the user gave.
+            raise ValueError(
+                f"multiple_of={self.multiple_of} is above max_batch={self.max_batch}: no batch size up to "
+                "max_batch is a multiple of it"
+            )
         self.grid()  # init_batch against max_batch and multiple_of
         make_strategy(self.strategy)
 
@@ -142,3 +149,22 @@ class Options:
 def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def renamed(where: str, old: str, old_value: Any, new: str, new_value: Any) -> tuple[Any, str]:
+    """The value of keyword ``new`` of ``where()``, also accepted under its old spelling ``old``
+    with a ``DeprecationWarning``, and the name the user wrote, for messages that name it.
+
+    Every entry point takes the same names for the same things (``find``'s); where one shipped
+    with another name, that name keeps working until it is removed. Both at once is a
+    ``TypeError``: they are one argument."""
+    if old_value is None:
+        return new_value, new
+    if new_value is not None:
+        raise TypeError(f"{where}() got both {old}= and {new}=: they are one argument, pass {new}= only")
+    warnings.warn(
+        f"{where}({old}=...) is now {where}({new}=...), as in batchfit.find(); {old}= will be removed",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old_value, old

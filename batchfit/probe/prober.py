@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Mapping
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -27,6 +26,7 @@ from batchfit.probe.batches import batch_size_of, tensor_leaves, to_device
 from batchfit.probe.checks import (
     check_materialised,
     check_work,
+    first_batch,
     fit_memory,
     fixed_memory_advice,
     loss_notes,
@@ -36,7 +36,7 @@ from batchfit.probe.compiled import compile_notes, compile_seconds, compiled_inf
 from batchfit.probe.options import Options, positive_int
 from batchfit.probe.state import Snapshot, take
 from batchfit.probe.trial import run_trial
-from batchfit.probe.workload import AMP_DTYPES, Workload, optimizer_factory, split_pair
+from batchfit.probe.workload import AMP_DTYPES, Workload, optimizer_factory
 from batchfit.report import DeviceInfo, MemoryModel, Trial, TrialKind, Unit
 from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
 
@@ -59,11 +59,11 @@ class Prober:
         options = Options(**kwargs) if options is None else replace(options, **kwargs)
         #: Things the probe's set-up wants the result to say (a clipped budget, ...).
         self.notes: list[str] = []
-        sample = self._first_batch(sample)
+        sample, drawn = first_batch(sample, keep_rng=options.restore_rng)
+        if drawn is not None:
+            self.notes.append(drawn)
         check_work(model, sample, options)
         check_materialised(model, sample)
-        if options.criterion is not None and sample is not None:
-            split_pair(sample)  # (inputs, targets) or a clear error now, not in a trial
         self.options = options
         self.mode = options.mode
         self._sample_size = batch_size_of(sample) if sample is not None else None
@@ -88,7 +88,7 @@ class Prober:
         self._grad_scale: float | None = None
         #: The optimizer of the last trial, whose state is live (see ``trial.py``): handed on.
         self._optimizer: torch.optim.Optimizer | None = None
-        self._interrupts = InterruptGuard()
+        self._interrupts = InterruptGuard(exits=(Prober.__exit__, Prober._finish))
         #: The processes that probe together (``batchfit.distributed.ranks``): this one, or every rank.
         self.ranks: Solo = ranks_for(options.distributed, options.rank_timeout, model, self._interrupts)
         # Across ranks a Ctrl-C is raised at the next meeting, on every rank at once.
@@ -96,24 +96,6 @@ class Prober:
         self._workload: Workload | None = None
         self._snapshot: Snapshot | None = None
         self._stack: contextlib.ExitStack | None = None
-
-    def _first_batch(self, sample: Any) -> Any:
-        """The sample itself, or the first batch of a ``DataLoader`` (or of any other iterable of
-        batches that is not itself a batch), as users hold their data; said in a note."""
-        from torch.utils.data import DataLoader
-
-        is_batch = isinstance(sample, (torch.Tensor, Mapping, tuple, list, str, bytes)) or sample is None
-        if is_batch or not (isinstance(sample, DataLoader) or hasattr(sample, "__iter__")):
-            return sample
-        try:
-            first = next(iter(sample))
-        except StopIteration:
-            raise ValueError(f"the sample {type(sample).__name__} yielded no batch: it is empty") from None
-        self.notes.append(
-            f"sample: the first batch of the {type(sample).__name__} (batch size {batch_size_of(first)}), "
-            "repeated along dim 0 to build every size"
-        )
-        return first
 
     def _runnable(self, model: nn.Module) -> nn.Module:
         """A ``torch.compile``d model runs eagerly where the backend's meter cannot run compiled
@@ -270,11 +252,7 @@ class Prober:
         """Undo everything (no Ctrl-C can cut it short), then let a Ctrl-C that arrived meanwhile
         surface. On a failed device nothing is asked of it: every call would raise and the raw
         device error would replace the one that explains what happened."""
-        try:
-            with self._interrupts.critical():
-                self._undo(device_usable)
-        finally:
-            self._interrupts.__exit__(type(exc) if exc else None, exc, None)
+        self._interrupts.finish(lambda: self._undo(device_usable), exc)
 
     def _undo(self, device_usable: bool) -> None:
         self._optimizer = None
@@ -334,6 +312,10 @@ class Prober:
     def ranks_notes(self) -> list[str]:
         """What the ranks have to say about this model (``batchfit.distributed.ranks``)."""
         return self.ranks.notes(self._run_model)
+
+    def meter_notes(self) -> list[str]:
+        """What the meter has to say about how it counted (``Meter.notes``)."""
+        return self.meter.notes() if self.meter is not None else []
 
     def compile_notes(self, trials: list[Trial]) -> list[str]:
         """What to say about a ``torch.compile``'d model (``batchfit.probe.compiled``)."""

@@ -5,6 +5,7 @@ optimizer, autocast. Everything here is about *what* runs; *measuring* it is tri
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -81,19 +82,27 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 # Optimizer ------------------------------------------------------------------------------------
-def optimizer_factory(optimizer: Any) -> OptimizerFactory:
+def optimizer_factory(
+    optimizer: Any, parameter_of: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> OptimizerFactory:
     """Turn ``optimizer=`` into a factory of fresh optimizers for the probe's trials.
 
     ``None``: AdamW with torch's defaults (its two moments make it a realistic worst case).
     An optimizer instance: a fresh one of the same class with the same param-group
-    hyperparameters; the user's own instance is never stepped. A callable: called with the list
-    of trainable parameters.
+    hyperparameters over the same parameters; the user's own instance is never stepped. A
+    callable: called with the list of trainable parameters.
+
+    ``parameter_of``: where the probe runs the model's parameters as other tensors (the estimate
+    swaps fake ones into the model's slots), the tensor that stands in for each of the template's
+    parameters. Without it the fresh optimizer would hold the originals, which never get a
+    gradient there, and its step would allocate no state at all.
     """
     if optimizer is None:
         return lambda params: torch.optim.AdamW(params)
     if isinstance(optimizer, torch.optim.Optimizer):
-        return _cloner(optimizer)
+        return _cloner(optimizer, parameter_of)
     if callable(optimizer):
+        _check_factory(optimizer)
 
         def from_factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
             made = optimizer(params)
@@ -108,14 +117,34 @@ def optimizer_factory(optimizer: Any) -> OptimizerFactory:
     )
 
 
-def _cloner(template: torch.optim.Optimizer) -> OptimizerFactory:
+def _check_factory(factory: Callable[..., Any]) -> None:
+    """Name a factory that cannot take the parameters now, not as a bare ``TypeError`` from the
+    first trial (``optimizer=lambda: AdamW(model.parameters())`` is the classic slip)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C callable: its call will say what it needs
+        return
+    try:
+        signature.bind([])
+    except TypeError as exc:
+        name = getattr(factory, "__qualname__", type(factory).__name__)
+        raise TypeError(
+            f"optimizer= takes an optimizer, None, or a factory called with the list of trainable parameters "
+            f"(params -> optimizer); {name}{signature} cannot be called that way: {exc}"
+        ) from None
+
+
+def _cloner(
+    template: torch.optim.Optimizer, parameter_of: Callable[[torch.Tensor], torch.Tensor] | None
+) -> OptimizerFactory:
     cls = type(template)
     groups = [{key: value for key, value in group.items() if key != "params"} for group in template.param_groups]
     params = [list(group["params"]) for group in template.param_groups]
     defaults = dict(template.defaults)
 
     def clone(_: list[nn.Parameter]) -> torch.optim.Optimizer:
-        fresh_groups = [dict(hyper, params=ps) for hyper, ps in zip(groups, params)]
+        standing_in = params if parameter_of is None else [[parameter_of(p) for p in ps] for ps in params]
+        fresh_groups = [dict(hyper, params=ps) for hyper, ps in zip(groups, standing_in)]
         try:
             return cls(fresh_groups)
         except TypeError:

@@ -5,17 +5,24 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
-from batchfit.report.records import Trial, Unit
+from batchfit.report.codec import INT_LIMIT, Bytes, Range
+from batchfit.report.records import PhaseName, Trial, Unit
+
+#: A fitted line's bytes, or bytes a sample: either sign (least squares can give a negative
+#: intercept, a flat phase a slope just below 0), but within what any memory holds, so a
+#: prediction from a document stays a finite number.
+FittedBytes = Annotated[float, Range(-INT_LIMIT, INT_LIMIT)]
 
 
 @dataclass(frozen=True)
 class PhaseLine:
     """``peak(b) = fixed_bytes + per_sample_bytes * b`` for one phase of the step."""
 
-    phase: str
-    fixed_bytes: float
-    per_sample_bytes: float
+    phase: PhaseName
+    fixed_bytes: FittedBytes
+    per_sample_bytes: FittedBytes
 
     def predict(self, batch_size: float) -> float:
         return self.fixed_bytes + self.per_sample_bytes * batch_size
@@ -58,12 +65,12 @@ class MemoryModel:
     """
 
     fixed_bytes: int
-    per_sample_bytes: float
-    phase: str
+    per_sample_bytes: FittedBytes
+    phase: PhaseName
     lines: tuple[PhaseLine, ...]
-    weights_bytes: int = 0
-    gradient_bytes: int = 0
-    optimizer_state_bytes: int = 0
+    weights_bytes: Bytes = 0
+    gradient_bytes: Bytes = 0
+    optimizer_state_bytes: Bytes = 0
     unit: Unit = "allocated"
 
     def predict(self, batch_size: float) -> int:
@@ -122,6 +129,8 @@ class MemoryModel:
 #: A peak within this fraction of a line lies on it (the CPU meter and CUDA's allocated bytes
 #: are exact to the byte; this leaves room for a few bytes of bookkeeping that vary).
 ON_LINE = 0.002
+#: An upper piece's slope must be pinned to within this fraction by its span (see _phase_lines).
+SLOPE_PRECISION = 0.25
 
 
 def _phase_lines(phase: str, points: Sequence[tuple[int, int]]) -> tuple[PhaseLine, ...]:
@@ -132,11 +141,21 @@ def _phase_lines(phase: str, points: Sequence[tuple[int, int]]) -> tuple[PhaseLi
     def within(line: PhaseLine, size: int, peak: int) -> bool:
         return abs(line.predict(size) - peak) <= max(ON_LINE * peak, quantum)
 
+    def determined(line: PhaseLine, run: Sequence[tuple[int, int]]) -> bool:
+        # Peaks known to within the tolerance pin the slope to within 2 x tolerance / span: a
+        # run of neighbouring sizes at the boundary (1376..1379) under CUDA's 2-20 MiB segments
+        # fits any slope from 0 to 4 MiB/sample, so it is no upper piece until it is longer.
+        span = run[-1][0] - run[0][0]
+        tolerance = max(ON_LINE * run[-1][1], quantum)
+        return 2 * tolerance <= SLOPE_PRECISION * line.per_sample_bytes * span
+
     upper: tuple[int, PhaseLine] | None = None
     for start in range(len(points) - 2, -1, -1):  # the run points[start:], longer each time
-        line = _least_squares(phase, points[start:])
-        if line.per_sample_bytes > 0 and all(within(line, size, peak) for size, peak in points[start:]):
-            upper = start, line
+        run = points[start:]
+        line = _least_squares(phase, run)
+        if line.per_sample_bytes > 0 and all(within(line, size, peak) for size, peak in run):
+            if determined(line, run):
+                upper = start, line
         elif upper is not None:
             break
     if upper is None:  # nothing grows (a flat phase): the line through every size

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from batchfit.report.codec import read_document
+from batchfit.report.codec import Batch, Bytes, Count, NotAbove, OneOf, Range, Rate, Seconds, read_document
 
 PHASES = ("batch", "forward", "backward", "step")
 
 #: Where a step was when it ran out of memory, and the phases peaks are recorded for.
 Phase = Literal["batch", "forward", "backward", "step"]
+#: A phase as the meters name it (a plain ``str`` to a type checker, one of :data:`PHASES` in a
+#: document): the keys of ``phase_peaks`` and the phase of a memory line.
+PhaseName = Annotated[str, OneOf(PHASES)]
+#: The device kinds a result can come from: those batchfit probes (``batchfit.backends``), which
+#: include those ``batchfit.estimate`` estimates for, and ``"unknown"``, what a probe of
+#: ``torchrun`` jobs says until its first job has told it.
+DEVICE_TYPES = ("cpu", "cuda", "xpu", "unknown")
+#: A step that trains, or only runs forward.
+Mode = Literal["train", "inference"]
+#: Mixed precision's dtype (``None`` in a record: none).
+Amp = Literal["bf16", "fp16"]
 #: Why a trial ran: the search, the safe batch's verification, or the CI gate's one trial.
 TrialKind = Literal["search", "verify", "gate"]
 #: Which memory a budget, a peak or a memory equation counts: what live tensors hold
@@ -51,21 +62,21 @@ class Trial:
             because the optimizer state is allocated in the first one.
     """
 
-    batch_size: int
+    batch_size: Batch
     fits: bool
     kind: TrialKind = "search"
     phase: Phase | None = None
-    peak_bytes: int | None = None
-    phase_peaks: tuple[tuple[str, int], ...] = ()
-    step_time_s: float | None = None
-    samples_per_s: float | None = None
-    steps: int = 0
-    leaked_bytes: int = 0
+    peak_bytes: Bytes | None = None
+    phase_peaks: tuple[tuple[PhaseName, Bytes], ...] = ()
+    step_time_s: Seconds | None = None
+    samples_per_s: Rate | None = None
+    steps: Count = 0
+    leaked_bytes: Bytes = 0
     message: str | None = None
-    reserved_peak_bytes: int | None = None
-    phase_reserved_peaks: tuple[tuple[str, int], ...] = ()
-    skipped_steps: int = 0
-    step_times_s: tuple[float, ...] = ()
+    reserved_peak_bytes: Bytes | None = None
+    phase_reserved_peaks: tuple[tuple[PhaseName, Bytes], ...] = ()
+    skipped_steps: Count = 0
+    step_times_s: tuple[Seconds, ...] = ()
 
     @property
     def peaks_by_phase(self) -> dict[str, int]:
@@ -107,11 +118,11 @@ class DeviceInfo:
     ``PYTORCH_CUDA_ALLOC_CONF``, TF32, ``cudnn.benchmark``; torch threads on the CPU).
     """
 
-    type: str
-    index: int | None = None
+    type: Annotated[str, OneOf(DEVICE_TYPES)]
+    index: Count | None = None
     name: str = ""
-    total_bytes: int | None = None
-    nvml_total_bytes: int | None = None
+    total_bytes: Bytes | None = None
+    nvml_total_bytes: Bytes | None = None
     config: tuple[tuple[str, str], ...] = ()
 
     @classmethod
@@ -123,18 +134,23 @@ class DeviceInfo:
 
 @dataclass(frozen=True)
 class Settings:
-    """The options the probe ran with, as resolved (limits in bytes)."""
+    """The options the probe ran with, as resolved (limits in bytes).
 
-    mode: str = "train"
-    amp: str | None = None
-    init_batch: int = 2
-    max_batch: int = 32768
-    multiple_of: int = 1
-    steps_per_trial: int | None = None
-    verify_steps: int = 3
-    headroom: float = 0.10
+    ``strategy`` is any name: ``"binary"`` and ``"interpolate"`` are batchfit's, and a strategy
+    object of the user's records its own ``name``. ``init_batch`` never exceeds ``max_batch``
+    (the search's grid refuses it).
+    """
+
+    mode: Mode = "train"
+    amp: Amp | None = None
+    init_batch: Annotated[Batch, NotAbove("max_batch")] = 2
+    max_batch: Batch = 32768
+    multiple_of: Batch = 1
+    steps_per_trial: Batch | None = None
+    verify_steps: Count = 3
+    headroom: Annotated[float, Range(0, 1)] = 0.10
     strategy: str = "interpolate"
-    memory_limit_bytes: int | None = None
+    memory_limit_bytes: Bytes | None = None
     limit_source: str = "device"
-    time_budget_s: float | None = None
-    reserve_bytes: int = 0
+    time_budget_s: Seconds | None = None
+    reserve_bytes: Bytes = 0

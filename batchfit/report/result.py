@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
-from batchfit.report.codec import read_document
+from batchfit.report.codec import Batch, Bytes, NotAbove, Seconds, read_document, read_json
 from batchfit.report.memory import MemoryModel
 from batchfit.report.records import DeviceInfo, Settings, Trial, Unit
 from batchfit.report.throughput import Throughput
@@ -23,7 +23,8 @@ class Result:
         max_batch: the largest batch size that trained (the exact boundary when
             ``boundary_reached``).
         safe_batch: a size whose predicted peak leaves ``settings.headroom`` of the budget free,
-            checked with ``settings.verify_steps`` extra steps (``safe_verified``).
+            checked with ``settings.verify_steps`` extra steps (``safe_verified``); never above
+            ``max_batch``.
         best_throughput_batch: the fitting size with the most samples/s (see ``throughput``
             for the knee and how much of the difference is noise).
         budget_bytes: the memory the probe was allowed to use.
@@ -43,10 +44,13 @@ class Result:
             real steps; ``assumptions`` says what it rests on.
     """
 
-    max_batch: int
-    safe_batch: int
-    best_throughput_batch: int
-    budget_bytes: int | None
+    #: The schema its JSON document names (see :meth:`to_json`).
+    SCHEMA: ClassVar[str] = SCHEMA
+
+    max_batch: Batch
+    safe_batch: Annotated[Batch, NotAbove("max_batch")]
+    best_throughput_batch: Batch
+    budget_bytes: Bytes | None
     boundary_reached: bool
     stop_reason: StopReason
     non_monotone: bool
@@ -55,13 +59,13 @@ class Result:
     memory: MemoryModel | None
     device: DeviceInfo
     settings: Settings
-    elapsed_s: float
+    elapsed_s: Seconds
     torch_version: str
     batchfit_version: str
     notes: tuple[str, ...] = field(default=())
     budget_counts: Unit = "allocated"
     throughput: Throughput | None = None
-    world_size: int = 1
+    world_size: Batch = 1
     estimated: bool = False
     assumptions: tuple[str, ...] = field(default=())
 
@@ -101,24 +105,23 @@ class Result:
         Every field is checked against its type: ints are ints (not bools, floats or strings),
         numbers finite, names within their allowed values, nested records likewise; fields
         with a default may be absent (documents written before they existed), others may not,
-        and unknown fields are refused. Anything else raises one ``ValueError`` that says what
-        is wrong and where, e.g. ``not a batchfit result: field 'trials[2].peak_bytes' must be
-        an int or null, got str '17'``.
+        and unknown fields are refused. Every field is then checked against what it can be:
+        batch sizes and ``world_size`` at least 1, byte counts, steps, times and rates not
+        negative, every int below 2**63 in magnitude, ``settings.headroom`` in [0, 1), the mode,
+        amp, phases and device type among those batchfit writes, ``safe_batch`` not above
+        ``max_batch`` (see :mod:`batchfit.report.codec`). Anything else raises one
+        ``ValueError`` that says what is wrong and where, e.g. ``not a batchfit result: field
+        'trials[2].peak_bytes' must be an int or null, got str '17'`` or ``... field
+        'settings.headroom' must be a number in [0, 1), got float 1.5``. So a result that
+        loads can be printed and compared.
         """
-        if isinstance(data, dict) and data.get("schema") != SCHEMA:
-            raise ValueError(f"not a batchfit result: schema is {data.get('schema')!r}, expected {SCHEMA!r}")
-        if isinstance(data, dict):
-            data = {name: value for name, value in data.items() if name != "schema"}
         return read_document(cls, data, "result")
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Result:
-        """The inverse of :meth:`to_json`; ``ValueError`` for anything else (see :meth:`from_dict`)."""
-        try:
-            data = json.loads(text)
-        except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
-            raise ValueError(f"not a batchfit result: invalid JSON ({error})") from None
-        return cls.from_dict(data)
+        """The inverse of :meth:`to_json`; ``ValueError`` for anything else (see :meth:`from_dict`),
+        a document nested too deeply to parse included."""
+        return read_json(cls, text, "result")
 
     # Text -----------------------------------------------------------------------------------
     def __str__(self) -> str:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
+from batchfit.report.codec import Batch, NotAbove, Range, Rate
 from batchfit.report.records import Trial
 
 #: The knee is the smallest timed size whose samples/s reach this fraction of the best.
@@ -37,7 +39,8 @@ class Throughput:
     Attributes:
         best_batch, best_samples_per_s: the size with the highest rate.
         knee_batch, knee_samples_per_s: the smallest size within 5% of the best rate
-            (:data:`KNEE_FRACTION`): past it, bigger batches stop paying in throughput.
+            (:data:`KNEE_FRACTION`): past it, bigger batches stop paying in throughput. Never
+            above ``best_batch``, which is within 5% of itself.
         spread: the relative spread of repeated step times, ``(slowest - fastest) / median``,
             the largest over the sizes timed more than once (``None``: no size was). Rates that
             differ by less than this are not told apart by the measurement.
@@ -46,11 +49,11 @@ class Throughput:
         single_step_best: the best rate comes from a single timed step.
     """
 
-    best_batch: int
-    best_samples_per_s: float
-    knee_batch: int
-    knee_samples_per_s: float
-    spread: float | None = None
+    best_batch: Batch
+    best_samples_per_s: Rate
+    knee_batch: Annotated[Batch, NotAbove("best_batch")]
+    knee_samples_per_s: Rate
+    spread: Annotated[float, Range(0)] | None = None
     within_noise: bool = False
     single_step_best: bool = False
 

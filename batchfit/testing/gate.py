@@ -15,9 +15,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
-from batchfit.report import DeviceInfo, Result, Trial, device_text
+from batchfit.report import (
+    Batch,
+    Bytes,
+    Count,
+    DeviceInfo,
+    Result,
+    Seconds,
+    Trial,
+    device_text,
+    read_document,
+    read_json,
+)
 from batchfit.units import format_bytes
 
 GATE_SCHEMA = "batchfit.gate/1"
@@ -40,14 +51,17 @@ class GateReport:
         elapsed_s: wall time of the whole check.
     """
 
-    batch_size: int
+    #: The schema its JSON document names (see :meth:`to_json`).
+    SCHEMA: ClassVar[str] = GATE_SCHEMA
+
+    batch_size: Batch
     fits: bool
     trial: Trial
-    budget_bytes: int | None
+    budget_bytes: Bytes | None
     device: DeviceInfo
-    largest_fit: int | None
+    largest_fit: Count | None
     search: Result | None
-    elapsed_s: float
+    elapsed_s: Seconds
 
     @property
     def largest_trial(self) -> Trial | None:
@@ -107,24 +121,17 @@ class GateReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GateReport:
-        if data.get("schema") != GATE_SCHEMA:
-            raise ValueError(f"not a batchfit gate report: schema is {data.get('schema')!r}, expected {GATE_SCHEMA!r}")
-        return cls(
-            batch_size=data["batch_size"],
-            fits=data["fits"],
-            trial=Trial.from_dict(data["trial"]),
-            budget_bytes=data["budget_bytes"],
-            device=DeviceInfo.from_dict(data["device"]),
-            largest_fit=data["largest_fit"],
-            search=None if data.get("search") is None else Result.from_dict(data["search"]),
-            elapsed_s=data["elapsed_s"],
-        )
+        """The inverse of :meth:`to_dict`, read as :meth:`batchfit.Result.from_dict` reads a result:
+        every field checked against its type and what it can be (the trial, the device and the
+        search's result with the same checks); one ``ValueError`` naming the field for anything
+        else, e.g. ``not a batchfit gate report: field 'search.settings.headroom' must be a
+        number in [0, 1), got float 1.5``."""
+        return read_document(cls, data, "gate report")
 
     @classmethod
-    def from_json(cls, text: str) -> GateReport:
-        import json
-
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> GateReport:
+        """The inverse of :meth:`to_json`; ``ValueError`` for anything else (see :meth:`from_dict`)."""
+        return read_json(cls, text, "gate report")
 
 
 def check_fits(

@@ -33,8 +33,8 @@ from batchfit.view.cells import (
     trial_cells,
 )
 from batchfit.view.live import WIDE_COLUMNS, LiveView
-from batchfit.view.plain import OutputClosedError, PlainView, QuietView, View
-from batchfit.view.progress import Progress, make_view, no_color
+from batchfit.view.plain import OutputClosedError, PlainView, QuietView, View, fit_lines
+from batchfit.view.progress import Progress, columns, make_view, no_color
 
 __all__ = [
     "BAR_WIDTH",
@@ -47,7 +47,9 @@ __all__ = [
     "TrialCells",
     "View",
     "ascii_bar",
+    "columns",
     "device_label",
+    "fit_lines",
     "gate_rows",
     "make_view",
     "memory_equation",

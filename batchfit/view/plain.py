@@ -1,7 +1,14 @@
-"""Plain lines for pipes and CI logs, and ``--quiet``'s one line; the protocol every view follows."""
+"""Plain lines for pipes and CI logs, and ``--quiet``'s one line; the protocol every view follows.
+
+A plain view given a ``width`` (``COLUMNS``, see :func:`batchfit.view.make_view`) keeps every line
+within it: narrower than a full trial row, the rows drop the bar of the budget (its share stays) and
+close up; a line still too long is broken at spaces and continues indented. Without a width the
+lines are as wide as their cells.
+"""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TextIO
 
@@ -29,20 +36,35 @@ class View(Protocol):
     def gate(self, report: GateReport) -> None: ...
 
 
+def fit_lines(text: str, width: int | None, indent: int = 4) -> list[str]:
+    """``text`` as lines of at most ``width`` characters: broken at spaces (a word longer than a
+    line is cut), each continuation indented by ``indent`` (less where the width is too small
+    for it). Whole when ``width`` is ``None`` or the text fits."""
+    if width is None or len(text) <= width:
+        return [text]
+    if indent > width // 2:
+        indent = min(4, width // 2)
+    return textwrap.wrap(text, width, subsequent_indent=" " * indent, break_on_hyphens=False) or [""]
+
+
 class PlainView:
     """Plain lines for pipes and CI logs (see module docs)."""
 
     _COLUMNS = ("#", "batch", "kind", "outcome", "peak", "", "step", "samples/s")
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, width: int | None = None) -> None:
         self._out = stream
+        self._width = width
         self._budget: int | None = None
         self._count = 0
         self._header_printed = False
+        # The bar of the budget goes when a full row would not fit (the share says the same).
+        self._bar = width is None or width >= len(self._format(self._COLUMNS, bar="of budget".ljust(BAR_WIDTH + 2)))
 
-    def _line(self, text: str = "") -> None:
+    def _line(self, text: str = "", indent: int = 4) -> None:
         try:
-            self._out.write(text + "\n")
+            for line in fit_lines(text, self._width, indent):
+                self._out.write(line + "\n")
             self._out.flush()
         except BrokenPipeError as exc:
             raise OutputClosedError(exc.errno, exc.strerror) from None
@@ -50,7 +72,7 @@ class PlainView:
     def start(self, header: Sequence[str], budget_bytes: int | None) -> None:
         self._budget = budget_bytes
         for line in header:
-            self._line(line)
+            self._line(line, indent=2)
 
     def set_budget(self, budget_bytes: int | None) -> None:
         self._budget = budget_bytes
@@ -60,12 +82,18 @@ class PlainView:
 
     def trial_finished(self, trial: Trial) -> None:
         if not self._header_printed:
-            self._line(self._format(self._COLUMNS, bar="of budget".ljust(BAR_WIDTH + 2)))
+            if self._bar:
+                self._line(self._format(self._COLUMNS, bar="of budget".ljust(BAR_WIDTH + 2)))
+            else:
+                self._line(self._narrow(("#", "batch", "kind", "outcome", "peak", "budget", "step", "samples/s")))
             self._header_printed = True
         self._count += 1
         cells = trial_cells(self._count, trial, self._budget)
         row = (cells.index, cells.batch, cells.kind, cells.outcome, cells.peak, cells.share, cells.step, cells.rate)
-        self._line(self._format(row, bar=ascii_bar(cells.fraction).ljust(BAR_WIDTH + 2)))
+        if self._bar:
+            self._line(self._format(row, bar=ascii_bar(cells.fraction).ljust(BAR_WIDTH + 2)))
+        else:
+            self._line(self._narrow(row))
 
     @staticmethod
     def _format(cells: Sequence[str], bar: str) -> str:
@@ -73,6 +101,12 @@ class PlainView:
         return (
             f"{i:>3}  {batch:>7}  {kind:<6}  {outcome:<16}  {peak:>13}  {bar} {share:>5}  {step:>10}  {rate:>11}"
         ).rstrip()
+
+    @staticmethod
+    def _narrow(cells: Sequence[str]) -> str:
+        """A row without the bar, closed up: 79 columns."""
+        i, batch, kind, outcome, peak, share, step, rate = cells
+        return f"{i:>3} {batch:>7} {kind:<6} {outcome:<16} {peak:>13} {share:>6} {step:>10} {rate:>11}".rstrip()
 
     def stop(self) -> None:
         """Nothing to take down."""
@@ -88,7 +122,7 @@ class PlainView:
     def _rows(self, rows: Sequence[tuple[str, str]]) -> None:
         width = max(len(label) for label, _ in rows)
         for label, value in rows:
-            self._line(f"{label:<{width}}  {value}".rstrip())
+            self._line(f"{label:<{width}}  {value}".rstrip(), indent=width + 2)  # continued under the value
 
 
 class QuietView(PlainView):

@@ -17,15 +17,24 @@ if TYPE_CHECKING:
 def make_view(stream: TextIO, *, quiet: bool = False, plain: bool | None = None) -> View:
     """The view for ``stream``: live on an interactive terminal, plain lines anywhere else.
 
-    ``plain=None`` decides from the stream: not a TTY, or ``TERM=dumb``, means plain.
+    ``plain=None`` decides from the stream: not a TTY, or ``TERM=dumb``, means plain. A plain
+    view keeps its lines within ``COLUMNS`` when it is set (:func:`columns`); the live view's
+    console reads ``COLUMNS`` itself. ``--quiet``'s one line stays one line.
     """
     if quiet:
         return QuietView(stream)
     if plain is None:
         plain = not _is_tty(stream) or os.environ.get("TERM") == "dumb"
     if plain:
-        return PlainView(stream)
+        return PlainView(stream, width=columns())
     return LiveView(stream, no_color=no_color())
+
+
+def columns() -> int | None:
+    """``COLUMNS`` when it is set to a positive whole number: the width plain lines keep within
+    (piped output has no terminal to ask). ``None`` otherwise: lines as wide as their cells."""
+    value = os.environ.get("COLUMNS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def no_color() -> bool:

@@ -1,0 +1,232 @@
+"""The command line's contract at its edges (issue 19): ``--rank-timeout``, ``--json`` targets
+that cannot take the result, Ctrl-C at start-up, and ``COLUMNS`` for piped output.
+
+Each probe is real and tiny (``batchfit.examples:mlp`` on CPU under a small limit); in-process
+through ``main()`` where that shows the behaviour, in a subprocess where the process's own exit
+(its code, its stderr, Python's start-up) is what is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchfit import Result
+from batchfit.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: A probe of a few seconds at most: the example MLP, a small limit, a few sizes, no verification.
+FAST = ["--device", "cpu", "--memory-limit", "64MiB", "--max-batch", "8", "--verify-steps", "0"]
+
+
+def run_cli(*args: str, pythonpath: Path | None = None, **popen: Any) -> subprocess.CompletedProcess[str]:
+    """``python -m batchfit ARGS`` from the repository, installed or not, with one intra-op
+    thread (tiny steps on a busy machine), SIGINT at its default as a terminal's shell leaves it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR", "NO_COLOR")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath or ""), str(REPO), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(popen.pop("env", {}))
+    preexec = popen.pop("preexec_fn", None)
+
+    def child() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if preexec is not None:
+            preexec()
+
+    return subprocess.run(
+        [sys.executable, "-m", "batchfit", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+        preexec_fn=child,
+        **popen,
+    )
+
+
+def error_line(err: str) -> str:
+    """The one ``batchfit: error:`` line of stderr (argparse prints its usage before it)."""
+    lines = [line for line in err.splitlines() if line.startswith("batchfit: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# a. --rank-timeout ------------------------------------------------------------------------------
+def test_rank_timeout_reaches_the_probe(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import batchfit.probe
+
+    seen: list[float] = []
+    real = batchfit.probe.find_with
+
+    def spy(model: Any, sample: Any, options: Any, **kwargs: Any) -> Any:
+        seen.append(options.rank_timeout)
+        return real(model, sample, options, **kwargs)
+
+    monkeypatch.setattr(batchfit.probe, "find_with", spy)
+
+    code = main(["probe", "batchfit.examples:mlp", *FAST, "--rank-timeout", "12.5"])
+
+    assert code == 0, capsys.readouterr().err
+    assert seen == [12.5]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_rank_timeout_must_be_a_positive_finite_number(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["probe", "batchfit.examples:mlp", *FAST, "--rank-timeout", value])
+
+    assert exited.value.code == 2
+    assert error_line(capsys.readouterr().err).startswith("batchfit: error: argument --rank-timeout: ")
+
+
+# b. --json PATH ------------------------------------------------------------------------------------
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_json_to_a_full_device_saves_the_result_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["probe", "batchfit.examples:mlp", *FAST, "--json", "/dev/full"])
+
+    line = error_line(capsys.readouterr().err)
+    assert code == 2
+    assert line.startswith("batchfit: error: cannot write --json '/dev/full': ")
+    saved = re.search(r"the result was saved to (\S+\.json)$", line)
+    assert saved, line
+    path = Path(saved.group(1))
+    try:
+        result = Result.from_json(path.read_text())
+        assert result.max_batch >= 1 and json.loads(path.read_text())
+    finally:
+        path.unlink()
+
+
+def test_json_in_a_missing_folder_fails_before_probing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    loaded = tmp_path / "loaded"
+    target = tmp_path / "marked.py"
+    target.write_text(f"from pathlib import Path\nPath({str(loaded)!r}).touch()\nfrom batchfit.examples import mlp\n")
+    out = str(tmp_path / "no-such-folder" / "x.json")
+
+    code = main(["probe", f"{target}:mlp", *FAST, "--json", out])
+
+    assert code == 2
+    assert error_line(capsys.readouterr().err).startswith(f"batchfit: error: cannot write --json {out!r}: ")
+    assert not loaded.exists()  # refused before the target was even imported
+
+
+def test_json_file_is_written_whole_and_nothing_else(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    out.write_text("the previous result\n")
+
+    assert main(["probe", "batchfit.examples:mlp", *FAST, "--json", str(out)]) == 0
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no temporary file left beside it
+    assert Result.from_json(out.read_text()).max_batch >= 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE as Linux applies it")
+def test_a_failed_json_write_leaves_the_previous_file_whole(tmp_path: Path) -> None:
+    """A write that fails part-way (here: the process may not write files over 1 KiB, so the
+    result's few KiB fail, as on a full disk) must not leave a truncated file where the last
+    result was."""
+    import resource
+
+    out = tmp_path / "r.json"
+    out.write_text("the previous result\n")
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG, the process lives
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+    proc = run_cli("probe", "batchfit.examples:mlp", *FAST, "--json", str(out), preexec_fn=small_files)
+
+    assert proc.returncode == 2, proc.stderr
+    assert error_line(proc.stderr).startswith(f"batchfit: error: cannot write --json {str(out)!r}: ")
+    assert out.read_text() == "the previous result\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+# c. Ctrl-C at start-up --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "source",
+    ["raise KeyboardInterrupt\n", "def build():\n    raise KeyboardInterrupt\n"],
+    ids=["at-import", "in-factory"],
+)
+def test_ctrl_c_while_the_target_loads_exits_130_without_a_traceback(tmp_path: Path, source: str) -> None:
+    (tmp_path / "interrupted_target.py").write_text(source + "\n\ndef build():\n    raise KeyboardInterrupt\n")
+
+    proc = run_cli("probe", "interrupted_target:build", *FAST, pythonpath=tmp_path)
+
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "batchfit: error: interrupted"
+
+
+def test_ctrl_c_while_batchfit_itself_imports_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C before ``main()`` runs: while ``python -m batchfit`` imports the command line. A
+    module the command line imports (argparse, first on the path here) stands for the one that
+    was importing when the key was pressed."""
+    (tmp_path / "argparse.py").write_text("raise KeyboardInterrupt\n")
+
+    proc = run_cli("probe", "batchfit.examples:mlp", *FAST, pythonpath=tmp_path)
+
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "batchfit: error: interrupted"
+
+
+def test_ctrl_c_before_the_command_runs_exits_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted() -> Any:
+        raise KeyboardInterrupt
+
+    # The module, not the function that batchfit.cli's surface names the same.
+    monkeypatch.setattr(sys.modules["batchfit.cli.main"], "build_parser", interrupted)
+
+    try:
+        code = main(["probe", "batchfit.examples:mlp", *FAST])
+    except KeyboardInterrupt:  # left to escape, it would stop the whole test run
+        pytest.fail("the KeyboardInterrupt escaped main()")
+    assert code == 130
+    assert capsys.readouterr().err.strip() == "batchfit: error: interrupted"
+
+
+# d. COLUMNS for piped output ----------------------------------------------------------------------
+PLAN = ["--target-batch", "1000"]  # the plan line is the longest one
+
+
+@pytest.mark.parametrize("columns", [60, 80])
+def test_piped_output_keeps_within_columns(
+    columns: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", str(columns))
+
+    assert main(["probe", "batchfit.examples:mlp", *FAST, *PLAN]) == 0
+
+    out = capsys.readouterr().out
+    too_long = [line for line in out.splitlines() if len(line) > columns]
+    assert not too_long, "\n".join(too_long)
+    assert re.search(r"^max batch\s+8\b", out, re.MULTILINE)
+    assert "[#" not in out  # the bar of the budget went; the share stays
+    assert re.search(r"^plan\s+global batch 1000 ", out, re.MULTILINE)
+
+
+def test_piped_output_without_columns_is_as_wide_as_its_cells(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+    assert main(["probe", "batchfit.examples:mlp", *FAST, *PLAN]) == 0
+
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if re.match(r"^\s+\d+\s+\d+\s+search\s+fits", line)]
+    assert rows and all("[" in row and len(row) > 100 for row in rows)  # the bar is there, nothing wrapped
+    assert len([line for line in lines if line.startswith("plan ")]) == 1
+    assert max(map(len, lines)) > 200  # the plan line stays one line
