@@ -126,7 +126,7 @@ class LiveTensorMeter(Meter):
         self._storages: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._tracking = False
         #: Operators seen in the steps that allocate scratch memory inside themselves (unseen).
-        self.scratch_ops: set[str] = set()
+        self.scratch_ops: set[torch._ops.OpOverload] = set()
         self._baseline = baseline_bytes
         self._current = baseline_bytes
         self._peak = baseline_bytes
@@ -178,10 +178,7 @@ class LiveTensorMeter(Meter):
                 key = storage._cdata
                 known = self._live.get(key)
                 if known is not None:
-                    grown = storage.nbytes() - known
-                    if grown:
-                        self._add(key, grown)
-                        added += grown
+                    added += self._resize(key, storage, known)
                     continue
                 if inputs is None:
                     inputs = _input_keys(args, kwargs)
@@ -201,13 +198,16 @@ class LiveTensorMeter(Meter):
         for key, ref in list(self._storages.items()):
             storage = ref()
             known = self._live.get(key)
-            if storage is None or known is None:
-                continue
-            grown = storage.nbytes() - known
-            if grown:
-                self._add(key, grown)
-                added += grown
+            if storage is not None and known is not None:
+                added += self._resize(key, storage, known)
         return added
+
+    def _resize(self, key: int, storage: torch.UntypedStorage, known: int) -> int:
+        """Bring a counted storage from ``known`` bytes to its size now; return the change."""
+        grown = storage.nbytes() - known
+        if grown:
+            self._add(key, grown)
+        return grown
 
     def _over_limit(self, func: Any, added: int, anywhere: bool = False) -> torch.OutOfMemoryError | None:
         """The error to raise when the bytes just ``added`` took live memory over the limit
@@ -249,7 +249,7 @@ class LiveTensorMeter(Meter):
     def notes(self) -> list[str]:
         if not self.scratch_ops:
             return []
-        ops = ", ".join(sorted(op.removeprefix("aten.").split(".")[0] for op in self.scratch_ops))
+        ops = ", ".join(sorted({op.overloadpacket.__name__ for op in self.scratch_ops}))
         return [self.scratch_note.format(ops=ops)]
 
     @contextlib.contextmanager
@@ -308,7 +308,8 @@ class LiveTensorMeter(Meter):
         return super().failure_bytes(message)
 
 
-_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_ATEN = torch.ops.aten
+_LIFT_FRESH = _ATEN.lift_fresh.default
 
 
 #: CPU operators whose kernels allocate scratch memory and free it before they return, unseen
@@ -316,15 +317,17 @@ _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 #: CPU max may be a little high (resnet18 67 where the allocator's boundary is 66).
 SCRATCH_OPERATORS = frozenset(
     {
-        "aten.convolution.default",
-        "aten.convolution_backward.default",
-        "aten._convolution.default",
-        "aten.mkldnn_convolution.default",
-        "aten.conv_transpose1d.default",
-        "aten.conv_transpose2d.input",
-        "aten.conv_transpose3d.input",
+        _ATEN.convolution.default,
+        _ATEN.convolution_backward.default,
+        _ATEN._convolution.default,
+        _ATEN.mkldnn_convolution.default,
+        _ATEN.conv_transpose1d.default,
+        _ATEN.conv_transpose2d.input,
+        _ATEN.conv_transpose3d.input,
     }
 )
+#: The operators through which a storage made outside any operation enters a tensor.
+_SET_STORAGE = frozenset({_ATEN.set_.source_Storage, _ATEN.set_.source_Storage_storage_offset})
 
 
 class _DispatchObserver(TorchDispatchMode):
@@ -348,11 +351,11 @@ class _DispatchObserver(TorchDispatchMode):
             # torch.tensor(...) hands its new tensor to lift_fresh, which returns it as is: not an
             # allocation the step made (under FakeTensorMode it returns a fake copy: no more one).
             return out
-        name = str(func)
-        if name in SCRATCH_OPERATORS:
-            meter.scratch_ops.add(name)
+        # Operators compare as objects: str(func) would cost a string per operation of every step.
+        if func in SCRATCH_OPERATORS:
+            meter.scratch_ops.add(func)
         added = 0
-        if name.startswith("aten.set_.source_Storage") and isinstance(out, torch.Tensor):
+        if func in _SET_STORAGE and isinstance(out, torch.Tensor):
             # A storage made outside any operation (torch.UntypedStorage, a storage's clone())
             # enters the step here; by now it is also its input's storage, so count it before
             # _observe would take it for the input's own.
