@@ -5,7 +5,7 @@ missing gets a row that says so)::
 
     python benchmarks/compare.py                               # the six CPU cases
     python benchmarks/compare.py --case cnn --cap 2MB --steps 1  # one small case
-    python benchmarks/gpu.py                                   # the CUDA comparison
+    python benchmarks/gpu_compare.py                           # the CUDA comparison
 
 For every case (a built-in example model and a memory cap) the finders run one after another
 in this process, each on a freshly built (seeded, identical) model:
@@ -777,7 +777,7 @@ def main(
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and cases is CPU_CASES and args.cap is None:
-        raise SystemExit("the CPU caps mean nothing on a GPU: run benchmarks/gpu.py (or pass --case and --cap)")
+        raise SystemExit("the CPU caps mean nothing on a GPU: run benchmarks/gpu_compare.py (or pass --case and --cap)")
     finders = {f.strip() for f in args.finders.split(",") if f.strip()}
     unknown = finders - {"batchfit", "lightning", "accelerate"}
     if unknown:

@@ -31,7 +31,7 @@ size, kind and occurrence), and the same for the per-phase peaks; the speedup (f
 the modelled CUDA rows, and one **big model** row: the built-in GPT (d_model 1024, 12 layers,
 16 heads, vocab 32000, sequence 1024; 185M parameters) built on the ``meta`` device, so no weight
 exists and no ``find()`` can run, estimated for ``memory_limit="80GiB", device="cuda"`` (default
-reserve: 512 MiB for the CUDA context).
+reserve: 1 GiB for the CUDA context, the top of its 0.5-1 GiB range).
 
 Before the cases a tiny ``find()`` and ``estimate()`` run once to pay first-use costs (imports,
 the fake-tensor machinery); their times are reported apart. Benchmarks are not tests: nothing

@@ -3,7 +3,9 @@
 Benchmarks are not tests: nothing here looks at a timing. It checks that the script runs, that
 the exhaustive scan and both batchfit strategies agree on the boundary (the CPU meter is
 deterministic), and that Lightning and Accelerate rows either ran or say they were skipped
-because the package is not installed (CI installs only the dev extra).
+because the package is not installed (CI installs only the dev extra). The GPU proof command,
+``benchmarks/gpu.py``, only has its ``--help`` checked here: its CPU smoke run is a step of
+``.ci/run``.
 """
 
 from __future__ import annotations
@@ -72,3 +74,16 @@ def test_peers_run_or_are_skipped_cleanly(smoke: tuple[str, dict], module: str, 
     else:
         assert all(r["skipped"] is None and r["trials"] for r in rows)
         assert all(document["oom_recognition"][module].values()), "peer does not recognise the cap's OOM"
+
+
+def test_gpu_proof_command_starts() -> None:
+    """``benchmarks/gpu.py --help`` runs without torch or a GPU (its parent process never imports torch)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--deadline" in done.stdout and "--quick" in done.stdout and "--out" in done.stdout

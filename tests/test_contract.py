@@ -538,9 +538,10 @@ def test_a_cuda_equation_is_not_fitted_to_neighbouring_sizes_at_the_boundary() -
     assert bf16.memory.per_sample_bytes < base.memory.per_sample_bytes
     for result in (base, bf16):
         assert result.memory is not None and result.memory.fixed_bytes > 0
-        # ... and the equation predicts the boundary it was fitted to, within a few segments
+        # ... and the equation predicts the boundary, within a few segments: it is fitted on the
+        # trials that did not press against the cap (2% of the budget or a segment below it)
         predicted = result.memory.predict(result.max_batch)
-        assert abs(predicted - result.budget_bytes) <= 0.02 * result.budget_bytes  # type: ignore[operator]
+        assert abs(predicted - result.budget_bytes) <= 0.03 * result.budget_bytes  # type: ignore[operator]
 
 
 def _hugging_face(kind: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:

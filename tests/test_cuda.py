@@ -261,7 +261,9 @@ def test_fp16_trials_hold_the_optimizer_state_although_the_scaler_skipped_steps(
     assert result.trials[0].skipped_steps > 0
     assert any("GradScaler" in note for note in result.notes)
     for trial in _fitting(result):
-        assert trial.steps == (3 if trial.kind == "search" else 1)
+        # Search trials run a warm step before the timed one on CUDA (the first after a release
+        # runs cold); the verification runs the verify_steps=1 asked for.
+        assert trial.steps == (2 if trial.kind == "search" else 1)
         # During the optimizer step: weights, gradients and both moments (fp32) are all live.
         assert dict(trial.phase_peaks)["step"] >= 4 * weights, f"batch {trial.batch_size}: no optimizer state"
     assert_same_state(before, state_of(model))
@@ -286,7 +288,11 @@ def test_the_budget_counts_reserved_bytes_and_the_safe_batch_keeps_its_headroom_
     result = batchfit.find(model.cuda(), sample, memory_limit="2GiB")
     assert result.budget_counts == "reserved"
     assert result.memory is not None and result.memory.unit == "reserved"
-    assert result.memory.lines == MemoryModel.fit(result.search_trials, unit="reserved").lines
+    # Fitted on the trials whose reserved peak did not press against the cap (it piles up there).
+    pressed = result.budget_bytes - max(20 * MiB, 0.02 * result.budget_bytes)
+    free = [t for t in result.search_trials if t.fits and t.reserved_peak_bytes < pressed]
+    fitted = free if len({t.batch_size for t in free}) >= 2 else result.search_trials
+    assert result.memory.lines == MemoryModel.fit(fitted, unit="reserved").lines
     for trial in result.trials:
         if trial.reserved_peak_bytes is not None and trial.peak_bytes is not None:
             assert trial.reserved_peak_bytes >= trial.peak_bytes, f"batch {trial.batch_size}"

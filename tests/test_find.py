@@ -8,6 +8,7 @@ from helpers import exhaustive_boundary
 
 import batchfit
 from batchfit import examples
+from batchfit.probe.safe_batch import ATTEMPTS
 
 # (factory, kwargs, cap): caps chosen so that the true boundary is a few dozen samples, which
 # keeps the exhaustive scan (the truth) cheap on a 2-core CPU.
@@ -240,7 +241,7 @@ def test_when_no_safe_batch_verifies_only_a_size_that_ran_is_returned_and_said_l
         model, torch.randn(2, 64), memory_limit="4MiB", max_batch=1024, on_trial_start=on_trial_start
     )
     verifies = [t for t in result.trials if t.kind == "verify"]
-    assert len(verifies) == 3 and not any(t.fits for t in verifies)
+    assert len(verifies) == ATTEMPTS and not any(t.fits for t in verifies)
     assert not result.safe_verified
     assert result.safe_batch in {t.batch_size for t in result.trials if t.fits}
     assert any("NO SAFE BATCH WAS VERIFIED" in note for note in result.notes)

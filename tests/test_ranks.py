@@ -193,6 +193,89 @@ def test_fsdp_runs_a_job_per_trial_and_a_rank_that_ooms_alone_ends_it(tmp_path: 
     assert any("reused from the trial log" in note for note in json.loads(out.read_text())["notes"])
 
 
+#: A job of two gloo ranks whose rank 1 fails a collective in forward at batch 16 and above with
+#: the DistBackendError that ProcessGroupNCCL raises (C10D_NCCL_CHECK, NCCLUtils.hpp), one search
+#: per "Last error" below. Written out by the test: only the message is made up, not the ranks.
+NCCL_JOB = """
+import datetime, json, sys
+from pathlib import Path
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+import batchfit
+
+LAST_ERRORS = json.loads(sys.argv[2])
+
+class NcclFailsAt16(nn.Module):
+    def __init__(self, last_error):
+        super().__init__()
+        self.net, self.last_error = nn.Linear(8, 4), last_error
+
+    def forward(self, x):
+        if dist.get_rank() == 1 and x.shape[0] >= 16:
+            raise dist.DistBackendError(
+                "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:133, unhandled cuda error "
+                "(run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\\nncclUnhandledCudaError: Call to "
+                "CUDA function failed.\\nLast error:\\n" + self.last_error
+            )
+        return self.net(x)
+
+def run(rank, out):
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    records = []
+    for last_error in LAST_ERRORS:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(NcclFailsAt16(last_error))
+        try:
+            result = batchfit.find(model, torch.randn(4, 8), strategy="binary", max_batch=64, verify_steps=0,
+                                   rank_timeout=20.0)
+        except Exception as exc:
+            records.append({"raised": type(exc).__name__, "message": str(exc)})
+        else:
+            failed = [[t.batch_size, t.phase, t.message] for t in result.trials if not t.fits]
+            records.append({"max_batch": result.max_batch, "failed": failed})
+    Path(out, f"rank{rank}.json").write_text(json.dumps(records))
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(sys.argv[1],), nprocs=2, join=True)
+"""
+
+
+def test_nccls_out_of_memory_in_a_collective_fails_the_trial_not_the_probe(tmp_path: Path) -> None:
+    """NCCL out of device memory for its buffers (runtime API, or its calloc's own warning) is rank
+    1's out-of-memory: a failed trial on both ranks (PeerOutOfMemory on rank 0), the search goes
+    on below it. NCCL's other failures stay errors: RankFailedError on rank 0, the error on rank 1."""
+    last_errors = [
+        "Cuda failure 'out of memory'",
+        "Failed to CUDA calloc async 4 bytes",
+        "Cuda failure 'an illegal memory access was encountered'",
+        "Cuda failure 'invalid argument'",
+    ]
+    (tmp_path / "job.py").write_text(NCCL_JOB)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "job.py"), str(tmp_path), json.dumps(last_errors)],
+        capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for oom in (0, 1):
+        for rank in (0, 1):
+            record = ranks[rank][oom]
+            assert record.get("max_batch") == 15, record  # the search went on below rank 1's failure
+            assert [(batch, phase) for batch, phase, _ in record["failed"]] == [(16, "forward")]
+            message = record["failed"][0][2]
+            assert message.startswith("rank 1: DistBackendError: NCCL error in:")
+            assert message.endswith(f"({last_errors[oom]})")  # why it counted as an out-of-memory
+    for case in (2, 3):
+        assert ranks[0][case]["raised"] == "RankFailedError", ranks[0][case]
+        assert "rank 1" in ranks[0][case]["message"] and "batch size 16" in ranks[0][case]["message"]
+        assert ranks[0][case]["message"].endswith(f"({last_errors[case]})")  # NCCL's reason, not only its call
+    assert ranks[1][2]["raised"] == "DeviceFailedError"  # sticky: the context is gone
+    assert ranks[1][3]["raised"] == "DistBackendError"  # propagated as it was
+
+
 # One process --------------------------------------------------------------------------------------
 def _trial(**fields: Any) -> Trial:
     return Trial(**{"batch_size": 8, "fits": True, "steps": 1, **fields})

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from batchfit.backends.base import Backend, Meter, requested_bytes
+from batchfit.backends.alloc_conf import AllocatorConfig
+from batchfit.backends.allocator_snapshot import block_bytes_by_address
+from batchfit.backends.base import Backend, Meter, data_storages, requested_bytes
 from batchfit.errors import LimitError
 from batchfit.report import DeviceInfo
 from batchfit.units import format_bytes
@@ -36,6 +38,8 @@ _PROCESS_GROUP_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
 
 class AcceleratorBackend(Backend):
     """A device type whose torch module has the caching-allocator API (``torch.cuda``, ``torch.xpu``)."""
+
+    cold_after_release = True
 
     def __init__(self, device_type: str) -> None:
         self.type = device_type
@@ -117,6 +121,14 @@ class AcceleratorBackend(Backend):
         if state is not None:
             self.module.set_rng_state_all(state)
 
+    def memory_snapshot(self) -> list[Any]:
+        """The allocator's segments and blocks (``torch.cuda.memory_snapshot()``'s format)."""
+        return list(self.module.memory_snapshot())
+
+    def allocator_settings(self) -> AllocatorConfig:
+        """The caching allocator's configuration (``PYTORCH_ALLOC_CONF``): the defaults here."""
+        return AllocatorConfig()
+
     # the memory fraction ----------------------------------------------------------------------
     def get_fraction(self, device: torch.device) -> float | None:
         """The fraction in force, or ``None`` where this torch cannot say (older than 2.6)."""
@@ -131,6 +143,7 @@ class AllocatorMeter(Meter):
     """Caching-allocator statistics, and a limit through the per-process memory fraction."""
 
     counts = "reserved"
+    layout_carries = True
 
     def __init__(
         self, backend: AcceleratorBackend, device: torch.device, budget_bytes: int | None, limit_bytes: int | None
@@ -141,6 +154,12 @@ class AllocatorMeter(Meter):
         self.total_bytes = backend.limit_total_bytes(device)
         self.budget_bytes = budget_bytes
         self._limit = limit_bytes
+        #: The cap in force (the limit, or a lower one from :meth:`capped`), ``None`` without one.
+        self._cap: int | None = None
+        #: ``backend:cudaMallocAsync`` caps the bytes requested, not the pool it reserves (see :meth:`phase`).
+        self._caps_requested = backend.allocator_settings().backend == "cudaMallocAsync"
+        self._notes: list[str] = []
+        self._async_failure: tuple[int, int] | None = None
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -162,11 +181,45 @@ class AllocatorMeter(Meter):
             )
         previous = backend.get_fraction(device)
         ours = min(1.0, limit / self.total_bytes) if self.total_bytes else 1.0
+        if (previous is None or previous >= 1.0) and backend.allocator_settings().garbage_collection_threshold:
+            # torch has no call that switches a fraction off again: restoring 1.0 leaves it on,
+            # and with it the garbage_collection_threshold that only acts under a fraction.
+            self._notes.append(
+                "the memory limit set a per-process memory fraction, and torch cannot unset one: the "
+                "garbage_collection_threshold in the allocator's configuration stays active in this process "
+                "from now on (probe in a process of its own to avoid that)"
+            )
         # Never raise a lower fraction the user set; without a getter assume none was set.
         backend.set_fraction(ours if previous is None else min(previous, ours), device)
+        self._cap = limit
         try:
             yield
         finally:
+            self._cap = None
+            backend.set_fraction(1.0 if previous is None else previous, device)
+
+    @contextlib.contextmanager
+    def capped(self, cap_bytes: int | None) -> Iterator[None]:
+        """Lower the allocator's cap to ``cap_bytes`` for the code inside (see :meth:`Meter.capped`).
+
+        The cache is emptied first: a cached block is handed out without a check against the cap.
+        """
+        current = self._cap if self._cap is not None else self.budget_bytes
+        if cap_bytes is None or (current is not None and cap_bytes >= current) or not self.total_bytes:
+            yield
+            return
+        backend, device = self.backend, self.device
+        gc.collect()
+        backend.empty_cache(device)
+        previous = backend.get_fraction(device)
+        lowered = min(1.0, cap_bytes / self.total_bytes)
+        backend.set_fraction(lowered if previous is None else min(previous, lowered), device)
+        cap, budget = self._cap, self.budget_bytes
+        self._cap, self.budget_bytes = cap_bytes, cap_bytes
+        try:
+            yield
+        finally:
+            self._cap, self.budget_bytes = cap, budget
             backend.set_fraction(1.0 if previous is None else previous, device)
 
     def allocated_bytes(self) -> int:
@@ -174,6 +227,19 @@ class AllocatorMeter(Meter):
 
     def reserved_bytes(self) -> int:
         return int(self.backend.memory.memory_reserved(self.device))
+
+    def held_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
+        """What ``tensors`` hold in the allocator's *blocks*: the large pool does not split off a
+        remainder of 1 MiB or less, which then counts in ``memory_allocated`` too, so 512-byte
+        rounding would leave it as a false leak (read from the allocator's snapshot)."""
+        storages = {s._cdata: s for t in tensors for s in data_storages(t)}
+        if not storages:
+            return 0
+        try:
+            blocks = block_bytes_by_address(self.backend.memory_snapshot())
+        except Exception:  # noqa: BLE001 (cudaMallocAsync keeps no snapshot: 512-byte rounding)
+            blocks = {}
+        return sum(blocks.get(s.data_ptr(), self._storage_bytes(s)) for s in storages.values())
 
     def _storage_bytes(self, storage: torch.UntypedStorage) -> int:
         # The caching allocator hands out blocks in multiples of 512 bytes (kMinBlockSize).
@@ -195,6 +261,17 @@ class AllocatorMeter(Meter):
             reserved = int(memory.max_memory_reserved(self.device))
             self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), allocated)
             self._phase_reserved[name] = max(self._phase_reserved.get(name, 0), reserved)
+        if self._caps_requested and self._cap is not None and reserved > self._cap:
+            # Under backend:cudaMallocAsync the fraction caps the bytes requested, while the pool
+            # the driver reserves (what a card of that size must hold) can be larger: a step
+            # whose pool went over the cap fails here, as it would on that card.
+            self._async_failure = (allocated, reserved)
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (cudaMallocAsync pool): the {name} phase reserved {format_bytes(reserved)}, "
+                f"more than the limit of {format_bytes(self._cap)} ({format_bytes(allocated)} requested); the "
+                "memory fraction caps only requested bytes under this backend, so batchfit fails the step as a "
+                "device of the limit's size would"
+            )
 
     def failure_bytes(self, message: str) -> tuple[int | None, int | None]:
         """``(allocated, reserved)`` lower bounds of a failed step's need.
@@ -204,9 +281,25 @@ class AllocatorMeter(Meter):
         (reserved now plus that segment, which the cap refused), not the allocated one: what
         live tensors held when the step failed is the allocated bound.
         """
+        failure, self._async_failure = self._async_failure, None
+        if failure is not None:
+            return failure
+        if self._caps_requested:  # its size is checked against the bytes in use, not the pool
+            requested = requested_bytes(message)
+            return self.allocated_bytes() + (requested or 0), None
         segment = requested_bytes(message)
         reserved = None if segment is None else self.reserved_bytes() + segment
         return self.allocated_bytes(), reserved
+
+    def notes(self) -> list[str]:
+        notes = list(self._notes)
+        if self._caps_requested and self._cap is not None:
+            notes.append(
+                "the allocator is backend:cudaMallocAsync, whose memory fraction caps requested bytes, not the "
+                "pool it reserves: batchfit failed every step whose pool went over the limit at the end of its "
+                "phase, so the answer holds for a device of the limit's size"
+            )
+        return notes
 
     def synchronize(self) -> None:
         self.backend.synchronize(self.device)

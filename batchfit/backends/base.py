@@ -50,6 +50,9 @@ class Meter:
     device: torch.device
     budget_bytes: int | None
     counts: Unit = "allocated"
+    #: Whether memory kept from one trial shapes the next one's layout (a caching allocator
+    #: carves later blocks around it): then the largest fit is confirmed from scratch.
+    layout_carries: bool = False
 
     def __init__(self) -> None:
         self._phase_peaks: dict[str, int] = {}
@@ -71,6 +74,24 @@ class Meter:
     def tracking(self) -> Iterator[None]:
         """Measure the code inside (a trial's steps)."""
         yield
+
+    @contextlib.contextmanager
+    def capped(self, cap_bytes: int | None) -> Iterator[None]:
+        """Run the code inside under a lower limit, ``cap_bytes`` (``None``: no change).
+
+        What a headroom means: the safe batch must *run* under ``(1 - headroom) x budget``, not
+        merely show a peak below it under the full budget (an allocator that caches until the cap
+        shows a peak of about the cap at every size near it). Meters whose limit is
+        ``budget_bytes`` lower it for the duration; the allocator meter lowers its cap.
+        """
+        if cap_bytes is None or (self.budget_bytes is not None and cap_bytes >= self.budget_bytes):
+            yield
+            return
+        budget, self.budget_bytes = self.budget_bytes, cap_bytes
+        try:
+            yield
+        finally:
+            self.budget_bytes = budget
 
     def allocated_bytes(self) -> int:
         """Memory that live tensors hold on the device now, as this meter counts it."""
@@ -145,6 +166,9 @@ class Backend:
     #: meter is a dispatch mode: dynamo skips frames under it and remembers the skip, so a
     #: compiled model probed there would never compile again in the process.
     runs_compiled: bool = True
+    #: Whether the first step after the memory was released runs cold (device allocations,
+    #: first use of each shape, kernels loaded on first launch): then it is not the one timed.
+    cold_after_release: bool = False
 
     def validate(self, device: torch.device) -> torch.device:
         """``device`` with its index resolved; ``ValueError`` when it is not there."""
@@ -207,12 +231,6 @@ class Backend:
         """Restore what :meth:`get_rng_state` returned."""
 
 
-_REQUEST = re.compile(
-    r"(?:tried to allocate|Tried to allocate)\s+([0-9.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)?", re.IGNORECASE
-)
-_SCALE = {"bytes": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
 def data_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages that hold ``tensor``'s data, whatever its layout.
 
@@ -249,12 +267,26 @@ def data_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
 def requested_bytes(message: str) -> int | None:
     """The size an allocator message says it tried to allocate, if it states one.
 
-    On CUDA this is the rounded segment the caching allocator tried to reserve (a 3 MiB
-    request reads "Tried to allocate 20.00 MiB"), not the tensor's size: a bound in reserved
-    bytes, not in allocated bytes.
+    On CUDA's native allocator this is the rounded segment the caching allocator tried to
+    reserve (a 3 MiB request reads "Tried to allocate 20.00 MiB"), not the tensor's size: a bound
+    in reserved bytes, not in allocated bytes. Under ``backend:cudaMallocAsync`` it is the request
+    itself, unrounded, from the "Requested               : 20.00 MiB" line of its "would exceed
+    allowed memory" message (c10/cuda/CUDAMallocAsyncAllocator.cpp), which that allocator checks
+    against the bytes in use. The CPU allocator states bytes ("you tried to allocate 4398046511104
+    bytes"). Every unit is binary: torch's ``format_size`` divides by 1024, also where older MPS
+    builds printed "KB", "MB", "GB".
     """
-    match = _REQUEST.search(message)
+    match = _REQUESTED.search(message)
     if not match:
         return None
-    unit = (match.group(2) or "bytes").lower()
-    return int(float(match.group(1)) * _SCALE[unit])
+    return int(float(match.group(1)) * _UNITS[match.group(2) or "bytes"])
+
+
+#: "Tried to allocate N UNIT" (native allocators of CUDA, HIP, XPU, MPS; the CPU allocator in
+#: lower case) or cudaMallocAsync's "Requested : N UNIT" line, with ``format_size``'s units.
+_REQUESTED = re.compile(
+    r"(?:(?i:tried to allocate)|\bRequested\s*:)\s*([0-9]+(?:\.[0-9]+)?)\s*(bytes|[KMGT]i?B|B)?(?![A-Za-z])"
+)
+_UNITS = {"bytes": 1, "B": 1} | {
+    f"{prefix}{infix}B": 1024 ** (power + 1) for power, prefix in enumerate("KMGT") for infix in ("i", "")
+}

@@ -10,11 +10,13 @@ makes them before anything is measured. Training pays them too, so they stay in 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
 from batchfit.backends.accelerator import AcceleratorBackend
+from batchfit.backends.alloc_conf import AllocatorConfig
 from batchfit.report import DeviceInfo
 
 
@@ -37,6 +39,15 @@ class CudaBackend(AcceleratorBackend):
             nvml_total_bytes=None if identity is None else identity.total_bytes,
             config=cuda_config(),
         )
+
+    def allocator_settings(self) -> AllocatorConfig:
+        """What ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` set, with the backend torch reports
+        (the environment is read once, when CUDA initialises: torch's answer wins)."""
+        settings = AllocatorConfig.from_environ(os.environ)
+        backend = getattr(torch.cuda, "get_allocator_backend", None)
+        if backend is not None and torch.cuda.is_initialized() and backend() != settings.backend:
+            settings = dataclasses.replace(settings, backend=backend())
+        return settings
 
     def warm_up(self, device: torch.device, amp_dtype: torch.dtype | None) -> None:
         with torch.cuda.device(device):

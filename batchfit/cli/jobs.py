@@ -65,7 +65,7 @@ def trial_worker(args: argparse.Namespace, launch: Launch) -> int:
         return EXIT_ERROR
     try:
         return run_worker_trial(
-            target.model, target.sample, options, args.trial_batch, args.trial_steps, out, launch.rank
+            target.model, target.sample, options, args.trial_batch, args.trial_steps, out, launch.rank, args.trial_cap
         )
     finally:
         launch.finish(owned)

@@ -215,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--trial-batch", type=_positive_int, help=argparse.SUPPRESS)
     probe.add_argument("--trial-steps", type=_positive_int, default=2, help=argparse.SUPPRESS)
     probe.add_argument("--trial-dir", help=argparse.SUPPRESS)
+    probe.add_argument("--trial-cap", type=_positive_int, help=argparse.SUPPRESS)
     probe.add_argument(
         "--require-batch",
         type=_positive_int,
@@ -249,14 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--memory", type=_size, metavar="SIZE", help=argparse.SUPPRESS)
     estimate.add_argument(
         "--device",
-        metavar="cuda|cpu",
-        help="what to estimate for: cuda (the caching allocator modelled; default) or cpu (live tensor bytes)",
+        metavar="cuda|rocm|cpu",
+        help="what to estimate for: cuda (the caching allocator modelled; default), rocm (the same with "
+        "hipBLAS/hipBLASLt workspaces) or cpu (live tensor bytes)",
     )
     estimate.add_argument(
         "--reserve",
         type=_size,
         metavar="SIZE",
-        help="memory outside the allocator, taken off --memory-limit (default on cuda: 512MiB for the context)",
+        help="memory outside the allocator, taken off --memory-limit (default on cuda and rocm: 1GiB, the top "
+        "of the CUDA context's 0.5-1 GiB)",
     )
     estimate.add_argument("--amp", choices=("bf16", "fp16"), help="under autocast")
     estimate.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")

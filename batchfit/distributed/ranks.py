@@ -8,7 +8,9 @@ wins on every rank at once:
 
 * an out-of-memory on any rank fails the trial on every rank (:class:`PeerOutOfMemory` where the
   rank itself was fine), so every rank feeds the same verdict to the same search and takes the
-  same next step;
+  same next step. NCCL running out of device memory for its own buffers in a collective of the
+  data group (``DistBackendError`` "... Cuda failure 'out of memory'") is this rank's out-of-memory
+  too, by the same rule as any other (``batchfit.backends.is_oom``), not another error;
 * another error on any rank makes every other rank raise :class:`~batchfit.errors.RankFailedError`
   naming that rank, the batch size, the phase and the original message;
 * a Ctrl-C on any rank raises ``KeyboardInterrupt`` on every rank (the probe's interrupt guard
@@ -108,7 +110,7 @@ class Group(Solo):
                 status = INTERRUPTED
             elif is_oom(exc):
                 status = OUT_OF_MEMORY
-            self._meet(status, phase, batch_size, first_line(exc))
+            self._meet(status, phase, batch_size, _report(exc))
             raise
         self._meet(OK, phase, batch_size, "")
 
@@ -216,12 +218,17 @@ class Group(Solo):
         if ddp is None:
             return
         grads = [p.grad for p in ddp.parameters() if p.grad is not None]
-        works = [self._dist.all_reduce(g, group=ddp.process_group, async_op=True) for g in grads]
-        for work in works:
-            work.wait()
         size = self._dist.get_world_size(ddp.process_group)
-        for grad in grads:
-            grad.div_(size)
+        # In buckets of DDP's own size, as DDP reduces them (one collective per gradient would
+        # make the timed step far slower than training's); without DDP's overlap with backward,
+        # so a step under DDP is timed a little slower than training runs it.
+        for bucket in _buckets(grads, int(getattr(ddp, "bucket_bytes_cap", 25 * 2**20))):
+            flat = torch._utils._flatten_dense_tensors(bucket)
+            self._dist.all_reduce(flat, group=ddp.process_group)
+            flat.div_(size)
+            for grad, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(synced)
+            del flat
 
     def notes(self, model: nn.Module) -> list[str]:
         ddp = _ddp(model)
@@ -292,6 +299,17 @@ def combine_trials(trials: list[Trial], out_of_memory: tuple[int, str] | None = 
     )
 
 
+def _report(exc: BaseException) -> str:
+    """What this rank tells the others about its failed phase: the first line of ``exc``, and for
+    an NCCL error its "Last error" too. NCCL's first line names only the call and "unhandled cuda
+    error"; the reason ("Cuda failure 'out of memory'", which made it an out-of-memory) follows
+    ``getNcclErrorDetailStr``'s "Last error:" line, so the record on every rank says why."""
+    said = first_line(exc)
+    _, marker, last_error = str(exc).partition("\nLast error:\n")
+    reason = last_error.strip().splitlines()[0].strip() if marker and last_error.strip() else ""
+    return f"{said} ({reason})" if reason else said
+
+
 def _max_phases(per_rank: Any) -> tuple[tuple[str, int], ...]:
     merged: dict[str, int] = {}
     for peaks in per_rank:
@@ -343,3 +361,20 @@ def ranks_for(distributed: bool | None, rank_timeout: float, model: nn.Module, i
                 "distributed=False"
             )
     return Group(rank_timeout, interrupts)
+
+
+def _buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """``grads`` in order, in runs of one dtype and device of at most ``cap_bytes`` (a gradient
+    larger than the cap is a bucket of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for grad in grads:
+        nbytes = grad.numel() * grad.element_size()
+        last = buckets[-1] if buckets else None
+        if last is None or size + nbytes > cap_bytes or (last[0].dtype, last[0].device) != (grad.dtype, grad.device):
+            buckets.append([grad])
+            size = nbytes
+        else:
+            last.append(grad)
+            size += nbytes
+    return buckets

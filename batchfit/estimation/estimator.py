@@ -25,8 +25,8 @@ from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
 
 __all__ = ["FALLBACK_CAP", "TARGETS", "estimate", "split_memory"]
 
-#: The devices an estimate can be for.
-TARGETS = tuple(ESTIMATE_TARGETS)
+#: The devices an estimate can be for: the device types, and the variants of one (``"rocm"``).
+TARGETS = tuple(target.name for base in ESTIMATE_TARGETS.values() for target in (base, *base.variants))
 
 
 #: Live tensor bytes the real CPU steps of the fallback may use (see :func:`_extrapolate`).
@@ -71,10 +71,15 @@ def estimate(
             needs a device to be a fraction of). ``memory=`` is its old name, still accepted with
             a ``DeprecationWarning``.
         device: what to estimate for (:data:`TARGETS`): the CPU (the live-tensor meter's count,
-            equal to what ``find()`` measures there under the same ``memory_limit``; the default)
-            or CUDA (the caching allocator's reserved bytes, modelled; see the assumptions).
+            equal to what ``find()`` measures there under the same ``memory_limit``; the default),
+            CUDA (the caching allocator's reserved bytes, modelled; see the assumptions), or
+            ``"rocm"``: the same allocator with hipBLAS/hipBLASLt's workspaces (2 x (128 + 76) MiB,
+            not cuBLAS's 2 x 33 MiB). On a GPU target an optimizer that leaves ``foreach`` to torch
+            steps with the foreach implementation, as torch's does there (an assumption, stated).
         reserve: taken off ``memory_limit`` for what lives outside the allocator. Default:
-            nothing on the CPU; on CUDA 512 MiB for the CUDA context (an assumption, stated).
+            nothing on the CPU; on a GPU 1 GiB for the context with its kernels and handles, the
+            top of the 0.5-1 GiB that CUDA 12 takes, so the estimate errs safe (an assumption,
+            stated with the range; ``reserve=`` sets what a measured card keeps).
 
     The other keywords are :func:`batchfit.find`'s. A model that cannot be traced on fake tensors
     is not an error: real CPU steps answer instead (see the module docs).
@@ -91,7 +96,8 @@ def estimate(
     total, kept_aside = split_memory(target, memory_limit, reserve, limit_name)
     assumptions = _assumptions(target, amp)
     if kept_aside:
-        assumptions.append(f"{format_bytes(kept_aside)} of the {format_bytes(total)} are outside the allocator")
+        said = f"{format_bytes(kept_aside)} of the {format_bytes(total)} are outside the allocator"
+        assumptions.append(f"{said}: {target.context_note}" if reserve is None and target.context_note else said)
     budget = total - kept_aside
     if budget <= 0:
         assumed = " (the CUDA context a GPU keeps outside the allocator, assumed)" if reserve is None else ""
@@ -125,6 +131,8 @@ def estimate(
         if drawn is not None:
             probe.notes.append(drawn)
         result = search_with(probe, options, started, callback=callback)
+        if probe.foreach_switched:
+            assumptions.append(_foreach_assumption(sorted(probe.foreach_switched)))
     except Untraceable as untraceable:
         result, said = _extrapolate(model, sample, options, budget, untraceable, started)
         # Real steps ran instead: the fake trace's own assumption no longer holds.
@@ -142,6 +150,15 @@ def estimate(
 FAKE_TRACE = "traced on fake tensors: no step ran, no memory was used; nothing is timed, so no throughput"
 
 
+def _foreach_assumption(optimizers: list[str]) -> str:
+    """The line that says the trace stepped ``optimizers`` with foreach, as a GPU would (``foreach_as_on``)."""
+    return (
+        f"foreach optimizer as on CUDA: {', '.join(optimizers)} left foreach to torch, which picks the foreach "
+        "implementation for GPU parameters (one intermediate per parameter live at once in the step, the "
+        "trainable weights' size for AdamW); the CPU would run the for-loop"
+    )
+
+
 def split_memory(
     target: EstimateTarget, memory_limit: Any, reserve: int | str | None, limit_name: str = "memory_limit"
 ) -> tuple[int, int]:
@@ -149,7 +166,8 @@ def split_memory(
 
     One reading for :func:`estimate` and ``batchfit estimate`` (which checks it before loading the
     target, to say what to do in its own option names). ``reserve=None`` takes the target's
-    assumed context (512 MiB on CUDA, nothing on the CPU); ``0`` means nothing is kept aside.
+    assumed context (1 GiB on a GPU, the top of CUDA 12's range; nothing on the CPU); ``0`` means
+    nothing is kept aside.
     """
     if isinstance(memory_limit, float) or not isinstance(memory_limit, (int, str)):
         raise TypeError(

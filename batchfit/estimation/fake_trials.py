@@ -18,7 +18,9 @@ How the parts fit:
   (``batchfit.backends.allocator_model``: 512-byte rounding, 2 MiB / 20 MiB segments, cached blocks), the
   budget counting reserved bytes as a real CUDA probe does, with the fixed costs that live beside
   the model (the cuBLAS workspaces, the CUDA context) as stated assumptions. The trace itself runs
-  on the CPU: fake CUDA tensors cannot run autograd on a CPU-only build of torch.
+  on the CPU: fake CUDA tensors cannot run autograd on a CPU-only build of torch. What torch decides
+  by the device, the trace decides as the target's would: an optimizer that leaves ``foreach`` to
+  torch steps with the foreach implementation on a GPU (:func:`foreach_as_on`), not the CPU's loop.
 * Models that do data-dependent work (``.item()``, ``nonzero``, masks checked on their values) stop
   a fake trace. Then a real probe runs on the CPU under the live meter, capped at
   :data:`FALLBACK_CAP` of live tensors: within the cap it is the answer; above it the answer is
@@ -31,6 +33,7 @@ Nothing here is timed: a fake step's wall time means nothing, so an estimate has
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -58,7 +61,7 @@ from batchfit.probe import (
 )
 from batchfit.report import DeviceInfo, MemoryModel, Trial, TrialKind, Unit
 
-__all__ = ["FakeProbe", "Untraceable"]
+__all__ = ["FakeProbe", "Untraceable", "foreach_as_on"]
 
 
 class Untraceable(Exception):
@@ -140,6 +143,48 @@ class _FakeWorkload(Workload):
         return None
 
 
+#: Builds a fresh optimizer over the trainable parameters (``batchfit.probe.optimizer_factory``'s kind).
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def foreach_as_on(device_type: str, factory: OptimizerFactory, switched: set[str]) -> OptimizerFactory:
+    """``factory``, its optimizers stepping as torch's would on ``device_type`` (names added to ``switched``).
+
+    torch's optimizers take ``foreach=None`` to mean "decide by the parameters": the foreach
+    implementation when every one is on a device with foreach kernels (CUDA, ROCm's too), the
+    for-loop on the CPU (``torch.optim.optimizer._default_to_fused_or_foreach``). A fake trace runs
+    on the CPU, so it would step the loop, whose transients are one parameter's; a foreach step
+    keeps one intermediate per parameter live at once (AdamW's ``exp_avg_sq.sqrt()`` list: the
+    trainable weights' size again, +474 MiB on GPT-2-small). So where the target would resolve
+    ``foreach=None`` to True, the groups that leave it to torch get True, as they would there;
+    ``foreach=False``, ``fused=True``, ``differentiable=True`` and Adam's exception (a tensor ``lr``
+    without ``capturable``) are left as torch leaves them. ``fused=None`` is not defaulted to True on
+    CUDA by torch (2.13 passes ``use_fused=False``), so neither is it here. Only torch's own
+    optimizers are changed: another class's ``foreach`` may mean something else.
+    """
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    if device_type not in _get_foreach_kernels_supported_devices():
+        return factory
+
+    def made(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        optimizer = factory(params)
+        if not type(optimizer).__module__.startswith("torch.optim."):
+            return optimizer
+        for group in optimizer.param_groups:
+            if group.get("foreach", False) is not None or group.get("fused") or group.get("differentiable"):
+                continue
+            if isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable"):
+                continue
+            group["foreach"] = True
+            switched.add(type(optimizer).__name__)
+        if optimizer.defaults.get("foreach", False) is None:
+            optimizer.defaults["foreach"] = True  # a group added later steps as these do
+        return optimizer
+
+    return made
+
+
 class FakeProbe:
     """Trials on fake tensors for :func:`~batchfit.probe.finder.search_with` (see the module docs)."""
 
@@ -159,8 +204,10 @@ class FakeProbe:
         self.limit_source = "memory"
         self.reserve_bytes = 0
         self.counts: Unit = target.counts
-        self.device_info = DeviceInfo(type=target.name, name=f"estimate for {target.name}", total_bytes=None)
+        self.device_info = DeviceInfo(type=target.device_type, name=f"estimate for {target.name}", total_bytes=None)
         self.notes: list[str] = []
+        #: The optimizers whose ``foreach=None`` the trace resolved as the target would (:func:`foreach_as_on`).
+        self.foreach_switched: set[str] = set()
         self.optimizer_state_bytes = 0
         self.meter: LiveTensorMeter | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -197,7 +244,11 @@ class FakeProbe:
                 loss_fn=self.options.loss_fn,
                 step_fn=self.options.step_fn,
                 criterion=self.options.criterion,
-                new_optimizer=optimizer_factory(self.options.optimizer, parameter_of=swap.fake_of),
+                new_optimizer=foreach_as_on(
+                    self.target.device_type,
+                    optimizer_factory(self.options.optimizer, parameter_of=swap.fake_of),
+                    self.foreach_switched,
+                ),
                 amp=self.options.amp,
             )
             budget = self.budget_bytes
@@ -227,9 +278,14 @@ class FakeProbe:
             stack.close()
 
     def trial(
-        self, batch_size: int, steps: int | None = None, kind: TrialKind = "search", fresh_optimizer: bool = False
+        self,
+        batch_size: int,
+        steps: int | None = None,
+        kind: TrialKind = "search",
+        fresh_optimizer: bool = False,
+        cap_bytes: int | None = None,
     ) -> Trial:
-        """A fake trial at ``batch_size``, the optimizer kept as :meth:`Prober.trial` keeps it."""
+        """A fake trial at ``batch_size``, the optimizer kept and the cap lowered as :meth:`Prober.trial` does."""
         assert self._workload is not None and self.meter is not None, "FakeProbe.trial() needs 'with FakeProbe(...)'"
         batch_size = positive_int("batch_size", batch_size)
         if fresh_optimizer:
@@ -240,7 +296,7 @@ class FakeProbe:
         self._interrupts.check()
         kept, self._optimizer = self._optimizer, None
         try:
-            with self._fake_mode:
+            with self._fake_mode, self.meter.capped(cap_bytes):
                 run = run_trial(self._workload, self.meter, batch_size, steps, kind, None, kept)
         except _fake_errors() as exc:
             raise Untraceable(first_line(exc)) from exc
@@ -253,7 +309,18 @@ class FakeProbe:
 
     def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
         weights, trainable = parameter_bytes(self._model)
-        return fit_memory(trials, weights, trainable, self.mode, self.optimizer_state_bytes, self.counts)
+        return fit_memory(
+            trials, weights, trainable, self.mode, self.optimizer_state_bytes, self.counts, self.budget_bytes
+        )
+
+    @property
+    def layout_carries(self) -> bool:
+        """Whether the modelled allocator carries a layout from trial to trial (``Meter.layout_carries``)."""
+        return self.meter is not None and self.meter.layout_carries
+
+    def settle_reserve(self) -> int | None:
+        """The budget: an estimate's reserve is a given size, never measured again."""
+        return self.budget_bytes
 
     def fixed_advice(self) -> str | None:
         weights, trainable = parameter_bytes(self._model)

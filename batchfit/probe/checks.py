@@ -102,10 +102,34 @@ def parameter_bytes(model: nn.Module) -> tuple[int, int]:
     return weights, sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
+#: A reserved peak within this much of the budget pressed against the cap (see :func:`fit_memory`):
+#: the larger of a 20 MiB segment (the caching allocator's for mid-sized requests) and 2% of it.
+PRESSED_SEGMENT_BYTES = 20 * 2**20
+PRESSED_FRACTION = 0.02
+
+
 def fit_memory(
-    trials: list[Trial], weights: int, trainable: int, mode: str, optimizer_state: int, unit: Unit
+    trials: list[Trial],
+    weights: int,
+    trainable: int,
+    mode: str,
+    optimizer_state: int,
+    unit: Unit,
+    budget_bytes: int | None = None,
 ) -> MemoryModel | None:
-    """The memory equation of ``trials`` with its breakdown; gradients only when training."""
+    """The memory equation of ``trials`` with its breakdown; gradients only when training.
+
+    In reserved bytes, the trials whose peak pressed against the cap (within a segment of the
+    budget) are left out when at least two sizes did not: a caching allocator gives its cached
+    blocks back only when it reaches the cap, so near the boundary every size shows a reserved
+    peak of about the cap while its need climbs, and a line through those points predicts too
+    much memory lower down (and too small a safe batch).
+    """
+    if unit == "reserved" and budget_bytes is not None:
+        pressed = budget_bytes - max(PRESSED_SEGMENT_BYTES, PRESSED_FRACTION * budget_bytes)
+        free = [t for t in trials if t.fits and (t.peak_in(unit) or 0) < pressed]
+        if len({t.batch_size for t in free}) >= 2:
+            trials = free
     return MemoryModel.fit(trials, weights, trainable if mode == "train" else 0, optimizer_state, unit=unit)
 
 

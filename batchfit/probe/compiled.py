@@ -31,10 +31,12 @@ __all__ = ["Compiled", "compile_notes", "compile_seconds", "compiled_info", "mar
 
 @dataclass(frozen=True)
 class Compiled:
-    """What a ``torch.compile``'d model was compiled with: ``dynamic`` (``None``: automatic)."""
+    """What a ``torch.compile``'d model was compiled with: ``dynamic`` (``None``: automatic), and
+    whether inductor wraps it in CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"``)."""
 
     dynamic: bool | None
     recompile_limit: int
+    cudagraphs: bool = False
 
 
 def compiled_info(model: nn.Module) -> Compiled | None:
@@ -46,7 +48,29 @@ def compiled_info(model: nn.Module) -> Compiled | None:
     context = getattr(model, "dynamo_ctx", None)
     dynamic = getattr(context, "_dynamic", None)  # private in 2.13; None when it is not there
     return Compiled(dynamic=dynamic if isinstance(dynamic, bool) else None,
-                    recompile_limit=int(torch._dynamo.config.recompile_limit))  # fmt: skip
+                    recompile_limit=int(torch._dynamo.config.recompile_limit),
+                    cudagraphs=_uses_cudagraphs(context))  # fmt: skip
+
+
+def _uses_cudagraphs(context: Any) -> bool:
+    """Whether the compile backend records CUDA graphs: inductor's mode options (the wrapper's
+    ``config``, e.g. ``{"triton.cudagraphs": True}`` for ``"reduce-overhead"``), else inductor's
+    global setting. The backend is reached through dynamo's wrappers (private in 2.13)."""
+    backend = getattr(context, "callback", None)
+    for _ in range(8):
+        config = getattr(backend, "config", None)
+        if isinstance(config, dict):
+            if "triton.cudagraphs" in config:
+                return bool(config["triton.cudagraphs"])
+            break
+        backend = getattr(backend, "_torchdynamo_orig_backend", None)
+        if backend is None:
+            break
+    try:
+        import torch._inductor.config as inductor
+    except ImportError:  # pragma: no cover - inductor ships with torch
+        return False
+    return bool(inductor.triton.cudagraphs)
 
 
 def mark_batch_dynamic(batch: Any) -> None:
@@ -82,6 +106,14 @@ def compile_notes(info: Compiled | None, sizes_tried: int, ran_compiled: bool, s
                 else ""
             )
             + ". Compile with dynamic=None (the default) or True to probe the program you train"
+        )
+    if ran_compiled and info.cudagraphs:
+        notes.append(
+            "the model records CUDA graphs (mode='reduce-overhead' or 'max-autotune'): each trial ran at least "
+            "three steps so that the timed one replays a graph, but every batch size records graphs whose private "
+            "memory pool empty_cache cannot free, so later trials had less room and the sizes found are "
+            "conservative; probe with mode='max-autotune-no-cudagraphs' and add one size's graph pool for the "
+            "exact boundary"
         )
     if ran_compiled:
         notes.append(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,12 +21,12 @@ from torch import nn
 
 from batchfit.errors import NothingFitsError
 from batchfit.probe.checks import check_callbacks
-from batchfit.probe.notes import equation_notes, ranks_notes, throughput_notes, trial_notes
+from batchfit.probe.notes import equation_notes, evidence, ranks_notes, throughput_notes, trial_notes
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
 from batchfit.probe.safe_batch import safe_batch
 from batchfit.report import DeviceInfo, Result, Settings, Throughput, Trial, TrialKind, Unit
-from batchfit.search import Attempt, is_non_monotone, search
+from batchfit.search import Attempt, confirm_from_scratch, is_non_monotone, search
 from batchfit.version import __version__
 
 TrialCallback = Callable[[Trial], None]
@@ -61,7 +62,8 @@ def search_with(
     """The search, the safe batch and the :class:`Result`, over any ``prober`` that does what
     :class:`Prober` does (a context manager with ``trial()``, ``budget_bytes``, ``counts``,
     ``device_info``, ``notes``, ``ranks``, ``memory_model()``, ``fixed_advice()``,
-    ``ranks_notes()``, ``compile_notes()``, ``meter_notes()`` and the limit's ``limit_bytes`` /
+    ``ranks_notes()``, ``compile_notes()``, ``meter_notes()``, ``settle_reserve()``, ``layout_carries``
+    and the limit's ``limit_bytes`` /
     ``limit_source`` / ``reserve_bytes``):
     :class:`Prober` here, a job per trial in ``batchfit.probe.jobs``. ``started``: the
     ``time.monotonic()`` the answer's time counts from."""
@@ -69,13 +71,21 @@ def search_with(
     grid, chooser = options.grid(), options.make_strategy()
     trials: list[Trial] = []
 
-    def run(batch_size: int, kind: TrialKind, steps: int | None = None) -> Trial:
+    def run(
+        batch_size: int,
+        kind: TrialKind,
+        steps: int | None = None,
+        cap_bytes: int | None = None,
+        from_scratch: bool = False,
+    ) -> Trial:
         if on_trial_start is not None:
             on_trial_start(batch_size, kind)
         # The verification runs as the first steps of a real run do: a fresh optimizer whose
         # state step 1 allocates (with a single step it keeps the warm one, so the state counts).
-        fresh = kind == "verify" and (steps or 0) >= 2
-        trial = prober.trial(batch_size, steps=steps, kind=kind, fresh_optimizer=fresh)
+        fresh = from_scratch or (kind == "verify" and (steps or 0) >= 2)
+        trial = prober.trial(batch_size, steps=steps, kind=kind, fresh_optimizer=fresh, cap_bytes=cap_bytes)
+        if cap_bytes is not None:
+            trial = replace(trial, cap_bytes=cap_bytes)
         trials.append(trial)
         if callback is not None:
             callback(trial)
@@ -111,10 +121,26 @@ def search_with(
             raise NothingFitsError(
                 failed.batch_size, failed.needed_bytes, budget, last.phase, last.message, prober.fixed_advice()
             ) from None
-        # 3. The memory equation, then the safe batch it predicts, verified by real steps.
+        if prober.layout_carries and trials[0].fits:
+            # The optimizer kept between trials carries its memory layout (``batchfit.search.scratch``):
+            # the largest fit is tried again as a fresh process runs it (the first trial did).
+            searched = report.largest_fit
+            report = confirm_from_scratch(
+                report, grid, lambda b: verdict(run(b, "search", from_scratch=True), unit), trials[0].batch_size
+            )
+            if report.largest_fit < searched:
+                prober.notes.append(
+                    f"batch {searched} fitted with the optimizer state kept from an earlier, smaller trial, but not "
+                    f"from scratch as a fresh process runs it (the allocator carves the state out of the first "
+                    f"step's activation segments): the largest batch is {report.largest_fit}, found from scratch"
+                )
+        # 3. What lives outside the allocator may have grown since the set-up (kernels and
+        #    handles load lazily): reserve="auto" measures it again, and the budget shrinks.
+        budget = prober.settle_reserve()
+        # 4. The memory equation, then the safe batch it predicts, verified by real steps.
         memory = prober.memory_model(trials)
         safe, verified, safe_notes = safe_batch(report, trials, memory, budget, options, unit, run)
-    # 4. The answer: what the trials measured, and what a reader should know about them.
+    # 5. The answer: what the trials measured, and what a reader should know about them.
     throughput = Throughput.of(trials)
 
     return Result(
@@ -124,7 +150,7 @@ def search_with(
         budget_bytes=budget,
         boundary_reached=report.boundary_reached,
         stop_reason=report.stop_reason,
-        non_monotone=is_non_monotone([verdict(t, unit) for t in trials]),
+        non_monotone=is_non_monotone([verdict(t, unit) for t in evidence(trials, report)]),
         safe_verified=verified,
         trials=tuple(trials),
         memory=memory,

@@ -111,17 +111,24 @@ class JobPerTrial:
 
     # trials ----------------------------------------------------------------------------------------
     def trial(
-        self, batch_size: int, steps: int | None = None, kind: TrialKind = "search", fresh_optimizer: bool = False
+        self,
+        batch_size: int,
+        steps: int | None = None,
+        kind: TrialKind = "search",
+        fresh_optimizer: bool = False,
+        cap_bytes: int | None = None,
     ) -> Trial:
-        """One trial at ``batch_size``: from the log when it holds one, else a job."""
+        """One trial at ``batch_size``: from the log when it holds one, else a job (each rank under
+        ``cap_bytes`` when given; a capped trial is never read from or written to the log)."""
         first, self._first = self._first, None
         steps = steps or self.options.steps_per_trial or FRESH_STEPS
-        if first is not None and first.batch_size == batch_size and kind == "search":
+        if first is not None and first.batch_size == batch_size and kind == "search" and cap_bytes is None:
             return first
-        verdicts = self._from_log(batch_size, steps)
+        verdicts = self._from_log(batch_size, steps) if cap_bytes is None else None
         if verdicts is None:
-            verdicts = self._run_job(batch_size, steps)
-            self._append_log(batch_size, steps, verdicts)
+            verdicts = self._run_job(batch_size, steps, cap_bytes)
+            if cap_bytes is None:
+                self._append_log(batch_size, steps, verdicts)
         else:
             self.reused += 1
         return replace(self._combine(batch_size, verdicts), kind=kind)
@@ -146,7 +153,7 @@ class JobPerTrial:
         return replace(combine_trials([trials[rank] for rank in sorted(trials)], out_of_memory), leaked_bytes=0)
 
     # the job ---------------------------------------------------------------------------------------
-    def _run_job(self, batch_size: int, steps: int) -> dict[int, dict[str, Any]]:
+    def _run_job(self, batch_size: int, steps: int, cap_bytes: int | None = None) -> dict[int, dict[str, Any]]:
         """Start the job, wait for a decision (every rank fitted, or the first failure), and kill
         whatever is left of the job."""
         self.jobs += 1
@@ -157,6 +164,7 @@ class JobPerTrial:
                 sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                 "-m", "batchfit", "probe", *self.worker_args,
                 "--trial-batch", str(batch_size), "--trial-steps", str(steps), "--trial-dir", str(out),
+                *(["--trial-cap", str(cap_bytes)] if cap_bytes is not None else []),
             ]  # fmt: skip
             with open(out / "stderr.txt", "w") as stderr:
                 job = subprocess.Popen(
@@ -232,8 +240,21 @@ class JobPerTrial:
         facts = self._facts
         weights, trainable = facts.get("weights_bytes", 0), facts.get("trainable_bytes", 0)
         return fit_memory(
-            trials, weights, trainable, self.options.mode, facts.get("optimizer_state_bytes", 0), self.counts
+            trials,
+            weights,
+            trainable,
+            self.options.mode,
+            facts.get("optimizer_state_bytes", 0),
+            self.counts,
+            self.budget_bytes,
         )
+
+    #: Every trial is a fresh job: nothing carries from one trial to the next.
+    layout_carries = False
+
+    def settle_reserve(self) -> int | None:
+        """The budget: each job measures its own reserve when it starts (its context is fresh)."""
+        return self.budget_bytes
 
     def fixed_advice(self) -> str | None:
         return self._facts.get("fixed_advice")
@@ -268,9 +289,17 @@ def write_verdict(out: Path, rank: int, verdict: dict[str, Any]) -> None:
 
 
 def run_worker_trial(
-    model: Any, sample: Any, options: Options, batch_size: int, steps: int, out: Path, rank: int
+    model: Any,
+    sample: Any,
+    options: Options,
+    batch_size: int,
+    steps: int,
+    out: Path,
+    rank: int,
+    cap_bytes: int | None = None,
 ) -> int:
-    """One rank's side of a job: one trial, its verdict written before anything can hang."""
+    """One rank's side of a job: one trial (under ``cap_bytes`` when given), its verdict written
+    before anything can hang."""
     import torch
 
     from batchfit.errors import first_line
@@ -281,7 +310,7 @@ def run_worker_trial(
     try:
         with Prober(model, sample, options=replace(options, distributed=False)) as prober:
             phase = "the trial"
-            trial = prober.trial(batch_size, steps=steps)
+            trial = prober.trial(batch_size, steps=steps, cap_bytes=cap_bytes)
             local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]  # a shard's own bytes
             weights = sum(p.numel() * p.element_size() for p in local)
             trainable = sum(p.numel() * p.element_size() for p, q in zip(local, model.parameters()) if q.requires_grad)

@@ -22,10 +22,16 @@ def ranks_notes(prober: Any) -> list[str]:
     ]
 
 
+def evidence(trials: list[Trial], report: SearchReport) -> list[Trial]:
+    """The trials that speak about the budget: not those run under a lower cap (the safe batch's
+    verification), nor fits above the largest fit that trials from scratch overruled."""
+    return [t for t in trials if t.cap_bytes is None and not (t.fits and t.batch_size > report.largest_fit)]
+
+
 def trial_notes(trials: list[Trial], report: SearchReport) -> list[str]:
     """What the trials showed that a reader should know: odd memory, leaks, fp16 skips."""
     notes: list[str] = []
-    if is_non_monotone([Attempt(t.batch_size, t.fits) for t in trials]):
+    if is_non_monotone([Attempt(t.batch_size, t.fits) for t in evidence(trials, report)]):
         notes.append("memory was not monotone in batch size: a size failed although a larger one fitted")
     notes += [
         f"trial at batch {t.batch_size} left {format_bytes(t.leaked_bytes)} allocated after release"

@@ -111,6 +111,11 @@ class Prober:
         return inner
 
     @property
+    def layout_carries(self) -> bool:
+        """Whether the optimizer kept between trials carries its memory layout (``Meter.layout_carries``)."""
+        return self.meter is not None and self.meter.layout_carries
+
+    @property
     def counts(self) -> Unit:
         """The memory the budget counts on this device (see ``batchfit.backends.base``)."""
         return self.meter.counts if self.meter is not None else "allocated"
@@ -276,7 +281,12 @@ class Prober:
 
     # trials ----------------------------------------------------------------------------------------
     def trial(
-        self, batch_size: int, steps: int | None = None, kind: TrialKind = "search", fresh_optimizer: bool = False
+        self,
+        batch_size: int,
+        steps: int | None = None,
+        kind: TrialKind = "search",
+        fresh_optimizer: bool = False,
+        cap_bytes: int | None = None,
     ) -> Trial:
         """Run one real trial at ``batch_size``.
 
@@ -285,7 +295,8 @@ class Prober:
         ``steps`` defaults to ``steps_per_trial`` or, without one, to the fewest steps that show
         the peak with the optimizer state live: one once an earlier trial stepped, else two.
         ``fresh_optimizer``: drop the kept one first and start as a real run does (step 1
-        allocates the state).
+        allocates the state). ``cap_bytes``: run under this lower limit (the safe batch's
+        verification runs under the budget less its headroom: ``Meter.capped``).
         """
         if self._workload is None or self.meter is None:
             raise RuntimeError("Prober.trial() needs an active probe: use 'with Prober(...) as p:'")
@@ -294,14 +305,17 @@ class Prober:
             self._optimizer = None
             self.meter.release()
         if steps is None:
-            steps = self.options.steps_per_trial or self.verdict_steps
+            steps = self.options.steps_per_trial or max(self.verdict_steps, self.warm_steps)
         else:
             steps = positive_int("steps", steps)
         if self._runs_compiled:
-            steps = max(steps, 2)  # step 1 at a new shape may compile: the timed step must not
+            # Step 1 at a new shape may compile: the timed step must not. Under CUDA graphs
+            # step 2 records the graph and only step 3 replays it, as training runs.
+            steps = max(steps, 3 if self.compiled is not None and self.compiled.cudagraphs else 2)
         self._interrupts.check()
         kept, self._optimizer = self._optimizer, None
-        run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept, self.ranks)
+        with self.meter.capped(cap_bytes):
+            run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept, self.ranks)
         del kept
         self._optimizer = run.optimizer
         self._interrupts.check()
@@ -324,6 +338,13 @@ class Prober:
         return compile_notes(self.compiled, sizes, self._runs_compiled, seconds)
 
     @property
+    def warm_steps(self) -> int:
+        """The fewest steps for an honest time: 2 where the first step after a release runs cold
+        (``Backend.cold_after_release``: on CUDA it pays ``cudaMalloc`` for every block, the first
+        use of each shape and lazily loaded kernels, none of which training pays per step)."""
+        return 2 if self.backend.cold_after_release else 1
+
+    @property
     def verdict_steps(self) -> int:
         """The fewest steps whose peak counts the optimizer state: 1 while an earlier trial's
         optimizer is kept (and in inference), 2 with a fresh one (step 1 allocates the state)."""
@@ -338,4 +359,37 @@ class Prober:
     def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
         """The memory equation of ``trials``, in the unit the budget counts."""
         weights, trainable = parameter_bytes(self._model)
-        return fit_memory(trials, weights, trainable, self.mode, self.optimizer_state_bytes, self.counts)
+        return fit_memory(
+            trials, weights, trainable, self.mode, self.optimizer_state_bytes, self.counts, self.budget_bytes
+        )
+
+    def settle_reserve(self) -> int | None:
+        """The budget, after ``reserve="auto"`` measured again what lives outside the allocator.
+
+        The first measure is taken after the warm-up, but the CUDA context keeps growing later:
+        kernels load lazily on their first launch, cuDNN and cuBLAS make handles on first use.
+        A card of the limit's size holds all of that, so when it grew the budget shrinks by as
+        much (said in a note): the safe batch is then chosen and verified under the new budget.
+        """
+        if self.options.reserve != "auto" or self.meter is None or self.limit_bytes is None:
+            return self.budget_bytes
+        outside = self.backend.outside_allocator_bytes(self.device)
+        grown = max(0, outside - self.reserve_bytes)
+        searched = budget = self.budget_bytes
+        if grown:
+            self.reserve_bytes = outside
+            self.limit_bytes -= grown
+            self.limit_source = f"{self.limit_source.split(' less reserve')[0]} less reserve {format_bytes(outside)}"
+            budget = self.limit_bytes if budget is None else min(budget, self.limit_bytes)
+        # Every rank takes part in the agreement, grown or not (a collective must be met by all).
+        budget = self.ranks.smallest(budget) if self.ranks.world_size > 1 else budget
+        if budget == searched:
+            return searched
+        self.budget_bytes = self.meter.budget_bytes = budget
+        self.notes.append(
+            f"what lives outside the allocator grew by {format_bytes(grown)} during the search (kernels and "
+            f"handles load on first use): reserve='auto' now sets {format_bytes(self.reserve_bytes)} aside, so the "
+            f"safe batch was chosen and verified under a budget of {format_bytes(budget or 0)}; the largest batch "
+            f"was found under {format_bytes(searched or 0)}"
+        )
+        return self.budget_bytes

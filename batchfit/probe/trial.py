@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchfit.backends import Meter, is_oom, is_sticky_device_error
+from batchfit.backends import Meter, is_device_failure, is_oom, is_sticky_device_error
 from batchfit.distributed import PeerOutOfMemory, Solo
 from batchfit.errors import (
     DeviceFailedError,
@@ -123,15 +123,25 @@ def run_trial(
             else:
                 annotate(exc, f"batchfit: raised during {progress.phase} of a trial at batch size {batch_size}")
                 raise
-    if failure is not None and progress.phase == "backward":
-        _flush_autograd()
-    _drop_grads(workload)
     kept = progress.optimizer if progress.optimizer_ready else None
     progress.optimizer = None
-    # The state of an optimizer made here and kept for the next trial is no leak.
-    kept_bytes = _state_bytes(kept, meter) if kept is not None and not warm else 0
-    meter.release(target_bytes=before + kept_bytes)
-    leaked = max(0, meter.allocated_bytes() - before - kept_bytes)
+    try:
+        if failure is not None and progress.phase == "backward":
+            _flush_autograd()
+        _drop_grads(workload)
+        # The state of an optimizer made here and kept for the next trial is no leak.
+        kept_bytes = _state_bytes(kept, meter) if kept is not None and not warm else 0
+        meter.release(target_bytes=before + kept_bytes)
+        leaked = max(0, meter.allocated_bytes() - before - kept_bytes)
+    except Exception as exc:
+        # A kernel's fault surfaces at the next call that waits for the device, and freeing
+        # memory is one: the trial's error, found late. The device is not usable any more.
+        if is_device_failure(exc):
+            raise DeviceFailedError(
+                f"the device failed at batch size {batch_size} (found while releasing the trial's memory) and its "
+                f"context is no longer usable: {first_line(exc)}"
+            ) from exc
+        raise
     phase_peaks = _ordered(meter.phase_peaks())
     phase_reserved = _ordered(meter.phase_reserved_peaks())
     common = {

@@ -60,6 +60,8 @@ class Trial:
         skipped_steps: steps whose optimizer update a ``GradScaler`` skipped (fp16 gradients
             overflowed). They ran on top of ``steps``: a trial only counts real optimizer steps,
             because the optimizer state is allocated in the first one.
+        cap_bytes: the lower limit the trial ran under, ``None`` for the budget itself: the safe
+            batch is verified under the budget less its headroom (what the headroom means).
     """
 
     batch_size: Batch
@@ -77,6 +79,7 @@ class Trial:
     phase_reserved_peaks: tuple[tuple[PhaseName, Bytes], ...] = ()
     skipped_steps: Count = 0
     step_times_s: tuple[Seconds, ...] = ()
+    cap_bytes: Bytes | None = None
 
     @property
     def peaks_by_phase(self) -> dict[str, int]:

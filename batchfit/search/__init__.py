@@ -26,6 +26,7 @@ from batchfit.search.core import (
     search,
 )
 from batchfit.search.interpolate import Interpolating
+from batchfit.search.scratch import confirm_from_scratch
 from batchfit.search.strategies import STRATEGIES, make_strategy
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "Verdict",
     "affordable",
     "clamp",
+    "confirm_from_scratch",
     "is_non_monotone",
     "make_strategy",
     "max_trials",

@@ -173,9 +173,24 @@ def check_fits(
         if on_trial_start is not None:
             on_trial_start(batch_size, "gate")
         trial = prober.trial(batch_size, kind="gate")
+        # reserve="auto": what lives outside the allocator grows after the warm-up (kernels load on
+        # first launch), and a card of the limit's size holds it too: the verdict uses it.
+        budget, device = prober.settle_reserve(), prober.device_info
+        peak = trial.peak_in(prober.counts)
+        if trial.fits and budget is not None and peak is not None and peak > budget:
+            phases = trial.phase_peaks_in(prober.counts)
+            trial = replace(
+                trial,
+                fits=False,
+                phase=max(phases, key=lambda item: item[1])[0] if phases else "step",
+                message=(
+                    f"the trial's peak of {format_bytes(peak)} is over the budget of {format_bytes(budget)} left once "
+                    f"the reserve was measured again after the trial ({format_bytes(prober.reserve_bytes)} outside "
+                    "the allocator)"
+                ),
+            )
         if callback is not None:
             callback(trial)
-        budget, device = prober.budget_bytes, prober.device_info
 
     search: Result | None = None
     largest: int | None = None

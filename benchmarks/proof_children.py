@@ -1,0 +1,284 @@
+"""The fresh processes of ``benchmarks/gpu.py``: each does one thing and prints one marked JSON line.
+
+``python benchmarks/gpu.py --child NAME --args JSON`` runs ``CHILDREN[NAME](args)`` in a new
+interpreter, so that every measurement starts from a process that never saw a CUDA context, a
+cached block or an earlier out-of-memory, and so that a crash, a hang or a poisoned device there
+cannot end the run: the parent reads the last line that starts with :data:`MARK` and keeps the
+rest of the output as a log.
+
+The training loop here (:func:`plain_steps`) is deliberately not batchfit's: AdamW, forward, loss,
+backward, step, ``zero_grad``, the way a training script writes it, so that an error batchfit's
+trials share with batchfit's own checks cannot hide. On CUDA the cap is the one ``find()`` uses,
+``torch.cuda.set_per_process_memory_fraction(limit / total)`` after ``torch.cuda.empty_cache()``.
+The CPU has no allocator cap, so on CPU the fresh-process check runs batchfit's own verification
+trial under its live-tensor limit (``Prober.trial(..., kind="verify", fresh_optimizer=True)``) and
+says so.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+#: What a child prints before its JSON answer, so that library output cannot be mistaken for it.
+MARK = "BATCHFIT-PROOF "
+#: Words of a ``RuntimeError`` that is an out-of-memory in another library's words (this file's
+#: own reading, not batchfit's classifier).
+OOM_WORDS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED", "CUDNN_STATUS_ALLOC")
+
+
+def emit(payload: dict[str, Any]) -> None:
+    print(MARK + json.dumps(payload, default=str), flush=True)
+
+
+# The workload ------------------------------------------------------------------------------------
+def build(case: dict[str, Any]) -> tuple[Any, Any]:
+    """``(model, sample)`` of a case: a factory of ``batchfit.examples`` and its arguments."""
+    from batchfit import examples
+
+    return getattr(examples, case["factory"])(**case.get("kwargs", {}))
+
+
+def tile(sample: Any, size: int, device: Any) -> Any:
+    """``size`` rows made by repeating the sample's rows (a dict of tensors or one tensor)."""
+    if isinstance(sample, Mapping):
+        return {key: tile(value, size, device) for key, value in sample.items()}
+    rows = sample.shape[0]
+    repeats = [-(-size // rows)] + [1] * (sample.dim() - 1)
+    return sample.repeat(*repeats)[:size].contiguous().to(device)
+
+
+def loss_of(output: Any) -> Any:
+    """The model's own loss when it returns one, else the mean of its (first) output."""
+    if isinstance(output, Mapping):
+        if "loss" in output:
+            return output["loss"]
+        output = next(iter(output.values()))
+    return output.float().mean()
+
+
+def plain_steps(model: Any, batch: Any, optimizer: Any, amp: str | None, device: Any, steps: int) -> list[float]:
+    """``steps`` ordinary training steps; the wall time of each, synchronised."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "")
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            output = model(**batch) if isinstance(batch, Mapping) else model(batch)
+            loss = loss_of(output)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del output, loss
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def capped_device(args: dict[str, Any]) -> Any:
+    """The device of the run; on CUDA with the cap set as ``find()`` sets it."""
+    import torch
+
+    if args["device"] != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args["case"]["limit_bytes"] / total), device)
+    return device
+
+
+def cuda_peaks(device: Any) -> dict[str, Any]:
+    """The allocator in use and its peaks (what it can report: ``cudaMallocAsync`` reports less)."""
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    peaks: dict[str, Any] = {"allocator": getattr(torch.cuda, "get_allocator_backend", lambda: "native")()}
+    reads = {"max_allocated_bytes": torch.cuda.max_memory_allocated}
+    reads["max_reserved_bytes"] = torch.cuda.max_memory_reserved
+    for key, read in reads.items():
+        try:
+            peaks[key] = read(device)
+        except RuntimeError as exc:  # an allocator backend without these statistics
+            peaks[key] = None
+            peaks[f"{key}_error"] = first_line(exc)
+    return peaks
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+# The children ------------------------------------------------------------------------------------
+def describe(args: dict[str, Any]) -> dict[str, Any]:
+    """What torch sees: versions, and the GPU (without allocating on it)."""
+    import torch
+
+    import batchfit
+
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "batchfit": batchfit.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.is_available() and args.get("device") != "cpu",
+    }
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        info["cpu"] = platform.processor() or platform.machine()
+    if info["cuda"]:
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=props.name,
+            gpu_total_bytes=props.total_memory,
+            capability=f"{props.major}.{props.minor}",
+            gpu_count=torch.cuda.device_count(),
+        )
+    return info
+
+
+def find(args: dict[str, Any]) -> dict[str, Any]:
+    """``batchfit.find`` on the case under its limit; the result's JSON goes to ``args["out"]``."""
+    import batchfit
+
+    case = args["case"]
+    model, sample = build(case)
+    result = batchfit.find(model, sample, memory_limit=case["limit_bytes"], amp=case["amp"], device=args["device"])
+    Path(args["out"]).write_text(result.to_json())
+    import torch
+
+    device = torch.device(args["device"], 0) if args["device"] == "cuda" else torch.device("cpu")
+    return {
+        "max_batch": result.max_batch,
+        "safe_batch": result.safe_batch,
+        "safe_verified": result.safe_verified,
+        "boundary_reached": result.boundary_reached,
+        "stop_reason": result.stop_reason,
+        "budget_bytes": result.budget_bytes,
+        "trials": len(result.trials),
+        "elapsed_s": result.elapsed_s,
+        "notes": list(result.notes),
+        "device_config": dict(result.device.config),
+        **cuda_peaks(device),
+    }
+
+
+def train(args: dict[str, Any]) -> dict[str, Any]:
+    """Does batch ``args["size"]`` train for 3 steps from scratch under the cap, in this fresh process?"""
+    import torch
+
+    case, size, steps = args["case"], args["size"], args.get("steps", 3)
+    if args["device"] != "cuda":
+        import batchfit
+
+        model, sample = build(case)
+        with batchfit.Prober(model, sample, memory_limit=case["limit_bytes"], amp=case["amp"], device="cpu") as prober:
+            trial = prober.trial(size, steps=steps, kind="verify", fresh_optimizer=True)
+        return {
+            "how": "Prober.trial(kind='verify', fresh_optimizer=True) under batchfit's live-tensor limit (no CPU cap)",
+            "fits": trial.fits,
+            "steps": trial.steps,
+            "peak_bytes": trial.peak_bytes,
+            "message": trial.message,
+        }
+    device = capped_device(args)
+    answer: dict[str, Any] = {"how": "plain AdamW loop under set_per_process_memory_fraction(limit / total)"}
+    try:
+        model, sample = build(case)
+        model.to(device).train()
+        optimizer = torch.optim.AdamW(model.parameters())
+        batch = tile(sample, size, device)
+        times = plain_steps(model, batch, optimizer, case["amp"], device, steps)
+        answer.update(fits=True, steps=len(times), step_times_s=times)
+    except torch.OutOfMemoryError as exc:
+        answer.update(fits=False, message=first_line(exc))
+    except RuntimeError as exc:  # cuBLAS/cuDNN failing to get their workspace is out of memory too
+        if not any(word in str(exc) for word in OOM_WORDS):
+            raise
+        answer.update(fits=False, message=first_line(exc))
+    answer.update(cuda_peaks(device))
+    return answer
+
+
+def estimate(args: dict[str, Any]) -> dict[str, Any]:
+    """``batchfit.estimate`` for the case's limit, nothing kept aside (``find``'s budget is the limit)."""
+    import batchfit
+
+    case = args["case"]
+    model, sample = build(case)
+    started = time.perf_counter()
+    result = batchfit.estimate(
+        model, sample, memory_limit=case["limit_bytes"], device=args["device"], amp=case["amp"], reserve=0
+    )
+    Path(args["out"]).write_text(result.to_json())
+    return {
+        "max_batch": result.max_batch,
+        "safe_batch": result.safe_batch,
+        "trials": len(result.trials),
+        "elapsed_s": time.perf_counter() - started,
+        "assumptions": list(result.assumptions),
+    }
+
+
+def throughput(args: dict[str, Any]) -> dict[str, Any]:
+    """Steady-state samples/s of plain steps at each size: warm-up steps, then timed ones (median)."""
+    import torch
+
+    case = args["case"]
+    device = capped_device(args)
+    model, sample = build(case)
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters())
+    rates: dict[str, Any] = {}
+    for size in args["sizes"]:
+        try:
+            batch = tile(sample, size, device)
+            plain_steps(model, batch, optimizer, case["amp"], device, args["warmup"])
+            times = plain_steps(model, batch, optimizer, case["amp"], device, args["timed"])
+            median = statistics.median(times)
+            rates[str(size)] = {"samples_per_s": size / median, "step_time_s": median, "step_times_s": times}
+        except torch.OutOfMemoryError as exc:
+            rates[str(size)] = {"samples_per_s": None, "message": first_line(exc)}
+            optimizer.zero_grad(set_to_none=True)
+        batch = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # each size starts without the cached blocks of the one before
+    return {"rates": rates, "threads": torch.get_num_threads(), **cuda_peaks(device)}
+
+
+CHILDREN: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "describe": describe,
+    "find": find,
+    "train": train,
+    "estimate": estimate,
+    "throughput": throughput,
+}
+
+
+def run_child(name: str, args_json: str) -> None:
+    """The body of ``--child NAME --args JSON``: run it, print the marked answer (or the error)."""
+    try:
+        emit({"ok": True, **CHILDREN[name](json.loads(args_json))})
+    except Exception as exc:  # the parent records it; the traceback goes to the log
+        import traceback
+
+        traceback.print_exc()
+        emit({"ok": False, "error": first_line(exc)})
+        raise SystemExit(1) from None
