@@ -1,6 +1,6 @@
 """batchfit: the largest batch your model trains with, and the fastest, measured by real steps.
 
-Public API: :func:`find`, :func:`estimate`, :func:`plan`, :func:`what_if`, :class:`Prober`,
+Public API: :func:`find`, :func:`frontier`, :func:`estimate`, :func:`plan`, :func:`what_if`, :class:`Prober`,
 :class:`Options`, the result types and the errors. Integrations: ``batchfit.lightning``,
 ``batchfit.transformers``, ``batchfit.accelerate``; the CI gate: ``batchfit.testing``.
 
@@ -17,11 +17,22 @@ from batchfit._lazy import lazy_surface
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
-    from batchfit.api import find, plan
+    from batchfit.api import find, frontier, plan
     from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
     from batchfit.estimation import Plan, WhatIf, estimate, what_if
     from batchfit.probe import Options, Prober
-    from batchfit.report import DeviceInfo, MemoryModel, PhaseLine, Result, Settings, Throughput, Trial
+    from batchfit.report import (
+        DeviceInfo,
+        Frontier,
+        FrontierPoint,
+        MemoryModel,
+        PhaseLine,
+        Result,
+        Settings,
+        Surface,
+        Throughput,
+        Trial,
+    )
 
 _EXPORTS = {
     "BatchfitError": "batchfit.errors",
@@ -33,6 +44,10 @@ _EXPORTS = {
     "Prober": "batchfit.probe",
     "find": "batchfit.api",
     "plan": "batchfit.api",
+    "frontier": "batchfit.api",
+    "Frontier": "batchfit.report",
+    "FrontierPoint": "batchfit.report",
+    "Surface": "batchfit.report",
     "estimate": "batchfit.estimation",
     "Plan": "batchfit.estimation",
     "WhatIf": "batchfit.estimation",

@@ -9,12 +9,12 @@ core: the probe itself never prints and never imports a view. :func:`plan` probe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchfit.estimation import Plan, check_target, plan_for
 from batchfit.probe import DEFAULT_MAX_BATCH, Options
-from batchfit.report import Result
+from batchfit.report import Frontier, Result
 from batchfit.search import Strategy
 from batchfit.view import Progress
 
@@ -22,16 +22,16 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from batchfit.probe import ProbeStartCallback, StartCallback, TrialCallback
+    from batchfit.probe import PointCallback, ProbeStartCallback, StartCallback, TrialCallback
 
-__all__ = ["find", "plan"]
+__all__ = ["find", "frontier", "plan"]
 
 
 def find(
     model: nn.Module,
     sample: Any = None,
     *,
-    make_batch: Callable[[int], Any] | None = None,
+    make_batch: Callable[..., Any] | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     step_fn: Callable[[nn.Module, Any], Any] | None = None,
     criterion: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -52,6 +52,8 @@ def find(
     restore_rng: bool = True,
     distributed: bool | None = None,
     rank_timeout: float = 300.0,
+    seq_len: int | None = None,
+    scan_batches: int = 64,
     callback: TrialCallback | None = None,
     on_trial_start: StartCallback | None = None,
     on_start: ProbeStartCallback | None = None,
@@ -68,7 +70,12 @@ def find(
         model: the ``nn.Module`` to probe.
         sample: one batch as the model takes it (tensor -> ``model(x)``, tuple/list ->
             ``model(*x)``, mapping -> ``model(**x)``); batches are built by repeating its rows.
-        make_batch: instead of ``sample``, a callable ``batch_size -> batch``.
+            Or a ``DataLoader`` (any iterable of batches): the batch that drives memory is
+            picked from it (the worst of ``scan_batches`` batches scanned, or the longest item
+            when its dataset declares ``lengths``), and its real rows are repeated; a note and
+            ``Result.sized_on`` say which (``batchfit.probe.real_data``).
+        make_batch: instead of ``sample``, a callable ``batch_size -> batch``; with ``seq_len``,
+            ``(batch_size, seq_len) -> batch``.
         loss_fn: ``(output, batch) -> loss``; default: ``output.loss`` or the output's mean.
         step_fn: ``(model, batch) -> loss``, replaces forward and loss entirely.
         optimizer: ``None`` (a fresh AdamW), an optimizer (a fresh one of its class and
@@ -125,6 +132,15 @@ def find(
         progress: show the command line's view on stderr while it runs (a live table on a
             terminal, plain lines elsewhere) and its summary at the end; the callbacks above
             still run. Default: nothing is printed.
+        seq_len: the sequence length to size on, when you know it better than the data seen:
+            the sample's (or the loader's worst batch's) rows are cut to it, or extended by
+            repeating their own content along the sequence dimension (the one that varies
+            across the loader's batches, or the one every tensor of rank >= 2 shares); with
+            ``make_batch`` it is passed on as ``make_batch(batch_size, seq_len)``. Longer than
+            the model's position embeddings (``batchfit.probe.position_limit``) is refused
+            before any trial.
+        scan_batches: the most batches drawn from a ``DataLoader`` sample to find the worst one
+            (default 64).
         criterion: for ``(inputs, targets)`` batches (``find(resnet, (x, y), criterion=
             nn.CrossEntropyLoss())``): the model is called with the inputs and the loss is
             ``criterion(output, targets)``.
@@ -162,6 +178,8 @@ def find(
         restore_rng=restore_rng,
         distributed=distributed,
         rank_timeout=rank_timeout,
+        seq_len=seq_len,
+        scan_batches=scan_batches,
     )
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {type(progress).__name__} {progress!r}")
@@ -176,34 +194,195 @@ def find(
     return result
 
 
+def frontier(
+    model: nn.Module,
+    make_batch: Callable[[int, int], Any] | None = None,
+    *,
+    seq_lens: Sequence[int],
+    longest_at_batch_1: bool = True,
+    max_seq_len: int | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    step_fn: Callable[[nn.Module, Any], Any] | None = None,
+    criterion: Callable[[Any, Any], torch.Tensor] | None = None,
+    optimizer: Any = None,
+    amp: str | None = None,
+    mode: str = "train",
+    device: str | torch.device | None = None,
+    memory_limit: int | float | str | None = None,
+    reserve: int | str | None = None,
+    headroom: float = 0.10,
+    init_batch: int | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    multiple_of: int = 1,
+    steps_per_trial: int | None = None,
+    verify_steps: int = 3,
+    strategy: str | Strategy = "interpolate",
+    time_budget: float | None = None,
+    restore_rng: bool = True,
+    distributed: bool | None = None,
+    rank_timeout: float = 300.0,
+    callback: TrialCallback | None = None,
+    on_trial_start: StartCallback | None = None,
+    on_start: ProbeStartCallback | None = None,
+    on_point: PointCallback | None = None,
+    progress: bool = False,
+) -> Frontier:
+    """The largest batch at each sequence length, and the longest length that trains at batch 1.
+
+    For each length ``s`` in ``seq_lens``, the exact largest batch (fits; one more does not),
+    the safe batch verified by real steps, and tokens/s at it, as :func:`find` gives them with
+    ``make_batch(b, s)``; the longest length that trains at batch 1 (the same exact search, on
+    the length axis); the token budget; and the fitted memory surface
+    ``fixed + b * (a * s + q * s**2)`` with what ``q`` means (eager attention keeps its ``s x s``
+    scores; SDPA's flash and memory-efficient kernels do not).
+
+    The longest length is searched as :func:`find` searches, from the smallest batch; every other
+    length from the boundary the surface fitted so far predicts there, so the frontier costs far
+    fewer trials than one search per length, and every point is still exact (see
+    ``batchfit.probe.frontier``).
+
+    Args:
+        make_batch: ``(batch_size, seq_len) -> batch``, a batch of that many sequences of that length.
+        seq_lens: the lengths to size (each at most the model's position embeddings, when it states them).
+        longest_at_batch_1: also find the longest length that trains at batch 1 (default ``True``).
+        max_seq_len: the ceiling of that search; default the model's positions
+            (``config.max_position_embeddings``, ``n_positions``, a position embedding's size).
+        on_point: called with each :class:`~batchfit.report.frontier.FrontierPoint` when its length is done.
+        progress: show a view on stderr while it runs, and the frontier at the end.
+
+    The other keywords are :func:`find`'s and mean the same, for every length (``time_budget``
+    counts for the whole frontier). Raises what :func:`find` raises; a length longer than the
+    model takes is a ``ValueError`` before any trial.
+    """
+    options = Options(
+        make_batch=None,
+        loss_fn=loss_fn,
+        step_fn=step_fn,
+        criterion=criterion,
+        optimizer=optimizer,
+        amp=amp,  # type: ignore[arg-type]
+        mode=mode,  # type: ignore[arg-type]
+        device=device,
+        memory_limit=memory_limit,
+        reserve=reserve,
+        steps_per_trial=steps_per_trial,
+        headroom=headroom,
+        init_batch=init_batch,
+        max_batch=max_batch,
+        multiple_of=multiple_of,
+        verify_steps=verify_steps,
+        strategy=strategy,
+        time_budget=time_budget,
+        restore_rng=restore_rng,
+        distributed=distributed,
+        rank_timeout=rank_timeout,
+    )
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False, got {type(progress).__name__} {progress!r}")
+    from batchfit.probe import (  # the algorithm, and torch, only once a probe runs
+        Prober,
+        check_callbacks,
+        frontier_with,
+    )
+
+    check_callbacks(callback, on_trial_start, on_start)
+
+    def make_prober(at_length: Options) -> Prober:
+        return Prober(model, None, options=at_length)
+
+    keywords: dict[str, Any] = {"longest_at_batch_1": longest_at_batch_1, "max_seq_len": max_seq_len}
+    if not progress:
+        return frontier_with(
+            model,
+            make_batch,  # type: ignore[arg-type]
+            seq_lens,
+            options,
+            make_prober,
+            callback=callback,
+            on_trial_start=on_trial_start,
+            on_start=on_start,
+            on_point=on_point,
+            **keywords,
+        )
+    from batchfit.view import FrontierProgress
+
+    # As find(): the algorithm never prints; the view is fed through the callbacks.
+    lengths = list(seq_lens) if isinstance(seq_lens, Sequence) and not isinstance(seq_lens, (str, bytes)) else []
+    with FrontierProgress(type(model).__name__, lengths, on_point, callback, on_trial_start, on_start) as shown:
+        answer = frontier_with(
+            model,
+            make_batch,  # type: ignore[arg-type]
+            seq_lens,
+            options,
+            make_prober,
+            on_length=shown.length_started,
+            **shown.callbacks(),
+            **keywords,
+        )
+        shown.summary(answer)
+    return answer
+
+
 def plan(
     model_or_result: Any,
     sample: Any = None,
     *,
-    target_batch: int,
+    target_batch: int | None = None,
+    target_tokens: int | None = None,
+    seq_len: int | None = None,
     world_size: int | None = None,
     **find_kwargs: Any,
 ) -> Plan:
-    """:func:`plan_for` on a :class:`~batchfit.report.Result`, or on a fresh probe of a model.
+    """:func:`plan_for` on a :class:`~batchfit.report.Result` (or a
+    :class:`~batchfit.report.frontier.Frontier`), or on a fresh probe of a model.
 
     Given an ``nn.Module``, runs ``batchfit.find(model, sample, **find_kwargs)`` first (the probe
     runs on one process unless launched across ranks; ``world_size`` then defaults to its
     ``world_size``). Given a result, ``sample`` and find keywords are refused rather than ignored:
     they would suggest a probe that does not run.
+
+    The target is ``target_batch`` samples, or ``target_tokens`` tokens per optimizer step in
+    sequences of ``seq_len`` tokens (rounded up to whole sequences on every rank; the plan's
+    ``tokens_per_step`` says what a step holds). Given a model, ``seq_len`` is also :func:`find`'s:
+    the probe sizes on that length (the sample's rows cut or extended to it, or
+    ``make_batch(batch_size, seq_len)``), so the plan holds at the length it counts tokens in;
+    without it, the length the probe sized on (a ``DataLoader`` sample's, ``Result.sized_on``).
+    Given a result, ``seq_len`` defaults to the one it records; a frontier needs it, to choose its point.
     """
-    if isinstance(model_or_result, Result):
+    if isinstance(model_or_result, Result) or _is_frontier(model_or_result):
         if sample is not None or find_kwargs:
             given = ["sample"] * (sample is not None) + sorted(find_kwargs)
             raise TypeError(
-                f"plan() was given a Result, so there is no probe to pass {', '.join(given)} to; "
-                "pass a model to probe instead"
+                f"plan() was given a {type(model_or_result).__name__}, so there is no probe to pass "
+                f"{', '.join(given)} to; pass a model to probe instead"
             )
-        return plan_for(model_or_result, target_batch, world_size)
+        return plan_for(model_or_result, target_batch, world_size, target_tokens=target_tokens, seq_len=seq_len)
     from torch import nn  # local: planning from a result must not need torch
 
     if not isinstance(model_or_result, nn.Module):
         raise TypeError(
             f"plan() needs a batchfit Result or a torch.nn.Module to probe, got {type(model_or_result).__name__}"
         )
-    check_target(target_batch, world_size)  # before the probe, not after minutes of it
-    return plan_for(find(model_or_result, sample, **find_kwargs), target_batch, world_size)
+    # Before the probe, not after minutes of it.
+    check_target(target_batch, world_size, target_tokens=target_tokens, seq_len=seq_len)
+    if target_tokens is not None and seq_len is None and not _records_length(sample):
+        raise ValueError(
+            f"target_tokens {target_tokens:,} needs seq_len=, the tokens in each sequence: a probe of a plain "
+            "sample or make_batch does not record its length (a DataLoader sample's is found by the probe)"
+        )
+    if seq_len is not None:
+        find_kwargs["seq_len"] = seq_len
+    result = find(model_or_result, sample, **find_kwargs)
+    return plan_for(result, target_batch, world_size, target_tokens=target_tokens, seq_len=seq_len)
+
+
+def _is_frontier(value: Any) -> bool:
+    return isinstance(value, Frontier)
+
+
+def _records_length(sample: Any) -> bool:
+    """Whether a probe of ``sample`` can record the sequence length it sized on
+    (``Result.sized_on``): only a batch source (a ``DataLoader``) has its length found."""
+    from batchfit.probe import is_batch_source
+
+    return is_batch_source(sample)

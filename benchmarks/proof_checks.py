@@ -70,6 +70,7 @@ class Plan:
     warmup: int
     timed: int
     timeouts: dict[str, float]
+    seq_lens: list[int] = field(default_factory=list)  # the frontier's lengths
 
 
 @dataclass
@@ -402,5 +403,25 @@ def leaks(run: Run) -> Record:
 
 
 def frontier(run: Run) -> Record:
-    """The batch-size frontier and the gradient noise scale: not measured by batchfit yet."""
-    return Record("frontier/noise", None, "not yet: batchfit measures neither the frontier nor the noise scale")
+    """``batchfit.frontier`` on the main case's model at the plan's lengths, in a fresh process:
+    every point's boundary found and its safe batch verified, and the longest length at batch 1
+    found. Its JSON and picture are kept (``frontier-<case>.json`` / ``.png``) to be committed.
+    The gradient noise scale is not measured by batchfit yet."""
+    case = run.plan.main
+    out, plot = fresh(run.out / f"frontier-{case.key}.json"), fresh(run.out / f"frontier-{case.key}.png")
+    args = {"case": case.as_dict(), "seq_lens": run.plan.seq_lens, "out": str(out), "plot": str(plot)}
+    answer = run.child("frontier", args, f"frontier-{case.key}")
+    details = {"case": case.as_dict(), "frontier": answer}
+    if not answer.get("ok"):
+        return Record("frontier", False, f"frontier() failed: {answer.get('error')}", details)
+    points = answer["points"]
+    exact = all(p["boundary_reached"] and p["safe_verified"] for p in points)
+    passed = exact and answer["longest_at_batch_1"] is not None
+    shown = ", ".join(f"{p['seq_len']}: {p['max_batch']}/{p['safe_batch']}" for p in points)
+    summary = (
+        f"{case.limit_text}: seq_len: max/safe {shown}; longest at batch 1 {answer['longest_at_batch_1']} "
+        f"({answer['longest_limited_by']}); {answer['trials']} trials in {answer['elapsed_s']:.0f} s"
+        + ("" if exact else "; NOT EXACT at every length")
+        + ("" if answer["plotted"] else "; no picture (matplotlib missing)")
+    )
+    return Record("frontier", passed, summary, details)

@@ -263,12 +263,66 @@ def throughput(args: dict[str, Any]) -> dict[str, Any]:
     return {"rates": rates, "threads": torch.get_num_threads(), **cuda_peaks(device)}
 
 
+def frontier(args: dict[str, Any]) -> dict[str, Any]:
+    """``batchfit.frontier`` on the case's model at ``args["seq_lens"]`` under its limit; the
+    frontier's JSON goes to ``args["out"]`` and its picture to ``args["plot"]`` (when matplotlib is there)."""
+    import torch
+
+    import batchfit
+
+    case = args["case"]
+    model, _ = build(case)
+    vocab = model.token.num_embeddings  # batchfit.examples.GPT
+
+    def make_batch(batch_size: int, seq_len: int) -> dict[str, Any]:
+        ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(seq_len))
+        return {"input_ids": ids, "labels": ids}
+
+    result = batchfit.frontier(
+        model,
+        make_batch,
+        seq_lens=args["seq_lens"],
+        memory_limit=case["limit_bytes"],
+        amp=case["amp"],
+        device=args["device"],
+    )
+    Path(args["out"]).write_text(result.to_json())
+    try:
+        result.plot(args["plot"])
+        plotted = True
+    except ImportError:
+        plotted = False
+    return {
+        "points": [
+            {
+                "seq_len": p.seq_len,
+                "max_batch": p.max_batch,
+                "safe_batch": p.safe_batch,
+                "boundary_reached": p.result.boundary_reached,
+                "safe_verified": p.result.safe_verified,
+                "tokens_per_s": p.tokens_per_s,
+                "trials": p.trials,
+            }
+            for p in result.points
+        ],
+        "longest_at_batch_1": result.longest_at_batch_1,
+        "longest_limited_by": result.longest_limited_by,
+        "token_budget": result.token_budget,
+        "surface": None if result.surface is None else result.surface.meaning(),
+        "trials": result.trials,
+        "elapsed_s": result.elapsed_s,
+        "plotted": plotted,
+        "text": str(result),
+    }
+
+
 CHILDREN: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "describe": describe,
     "find": find,
     "train": train,
     "estimate": estimate,
     "throughput": throughput,
+    "frontier": frontier,
 }
 
 

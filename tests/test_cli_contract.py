@@ -230,3 +230,91 @@ def test_piped_output_without_columns_is_as_wide_as_its_cells(
     assert rows and all("[" in row and len(row) > 100 for row in rows)  # the bar is there, nothing wrapped
     assert len([line for line in lines if line.startswith("plan ")]) == 1
     assert max(map(len, lines)) > 200  # the plan line stays one line
+
+
+# e. batchfit frontier: its options are batchfit.frontier's keywords ---------------------------------
+FRONTIER_TARGET = """
+import torch
+from batchfit.examples import GPT
+
+
+def build():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, seq_len=128, d_model=32, n_layers=1, n_heads=2)
+
+    def make_batch(batch_size, seq_len):
+        ids = torch.randint(0, 64, (batch_size, seq_len), generator=torch.Generator().manual_seed(seq_len))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    return {"model": model, "make_batch": make_batch}
+"""
+
+#: ``batchfit frontier``'s options that say what to print or write, not how to probe.
+FRONTIER_OUTPUT_OPTIONS = {"help", "target", "json", "plot", "quiet", "traceback"}
+
+
+def test_every_frontier_option_is_a_keyword_of_frontier() -> None:
+    import argparse
+    import inspect
+
+    import batchfit
+    from batchfit.cli.parser import build_parser
+
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    dests = {action.dest for action in commands.choices["frontier"]._actions} - FRONTIER_OUTPUT_OPTIONS
+    keywords = set(inspect.signature(batchfit.frontier).parameters)
+    renamed = {"no_longest": "longest_at_batch_1"}
+    assert {renamed.get(dest, dest) for dest in dests} <= keywords
+
+
+def test_frontier_options_reach_frontier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    import batchfit.api
+
+    (tmp_path / "lm.py").write_text(FRONTIER_TARGET)
+    seen: dict[str, Any] = {}
+    real = batchfit.api.frontier
+
+    def spy(model: Any, make_batch: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        return real(model, make_batch, **kwargs)
+
+    monkeypatch.setattr(batchfit.api, "frontier", spy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps on a busy machine
+    try:
+        code = main(
+            ["frontier", f"{tmp_path / 'lm.py'}:build", "--seq-lens", "32,16", "--max-seq-len", "96"]
+            + ["--device", "cpu", "--memory-limit", "4MiB", "--reserve", "1KiB", "--headroom", "0.2", "--mode", "train"]
+            + ["--max-batch", "64", "--init-batch", "2", "--multiple-of", "2", "--steps-per-trial", "2"]
+            + ["--verify-steps", "1", "--strategy", "binary", "--time-budget", "120", "--quiet"]
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+    assert code == 0, capsys.readouterr().err
+    callbacks = {"on_point", "callback", "on_trial_start", "on_start"}
+    assert callbacks <= set(seen)
+    assert {k: v for k, v in seen.items() if k not in callbacks} == {
+        "seq_lens": (32, 16),
+        "longest_at_batch_1": True,
+        "max_seq_len": 96,
+        "device": "cpu",
+        "memory_limit": "4MiB",
+        "reserve": "1KiB",
+        "headroom": 0.2,
+        "amp": None,
+        "mode": "train",
+        "max_batch": 64,
+        "init_batch": 2,
+        "multiple_of": 2,
+        "steps_per_trial": 2,
+        "verify_steps": 1,
+        "strategy": "binary",
+        "time_budget": 120.0,
+    }
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("seq_len:max/safe 16:") and "longest_at_batch_1=96" in line

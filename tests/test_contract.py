@@ -316,6 +316,24 @@ def test_estimate_takes_finds_keywords_with_finds_defaults() -> None:
     assert "memory_limit" in inspect.signature(batchfit.what_if).parameters
 
 
+#: find()'s keywords a frontier sets itself per length: the batch of one length, its length, the scan.
+FRONTIER_SETS_PER_LENGTH = {"sample", "seq_len", "scan_batches"}
+
+
+def test_frontier_takes_finds_keywords_with_finds_defaults() -> None:
+    """Issue 21: ``frontier()`` is ``find()`` at each length, so it takes the same keywords, with
+    the same defaults, and the estimate's length axis takes the frontier's own."""
+    find = inspect.signature(batchfit.find).parameters
+    frontier = inspect.signature(batchfit.frontier).parameters
+    missing = sorted(set(find) - set(frontier) - FRONTIER_SETS_PER_LENGTH)
+    assert not missing, f"frontier() lacks find()'s {missing}"
+    for name in set(find) & set(frontier):
+        assert frontier[name].default == find[name].default, name
+    estimate = inspect.signature(batchfit.estimate).parameters
+    for name in ("seq_lens", "longest_at_batch_1", "max_seq_len"):
+        assert estimate[name].default == frontier[name].default or name == "seq_lens", name
+
+
 def test_criterion_and_a_dataloader_work_in_estimate_as_in_find() -> None:
     """Item 6: ``criterion=`` was a TypeError in estimate() and what_if(), and estimate() refused a
     DataLoader that find() accepts. On the CPU the estimate is find()'s measurement."""

@@ -214,7 +214,7 @@ def test_bad_arguments(real: Result, kwargs: dict[str, Any], error: type[Excepti
 
 
 def test_bad_first_arguments(real: Result) -> None:
-    with pytest.raises(TypeError, match="result must be a batchfit Result, got dict"):
+    with pytest.raises(TypeError, match="result must be a batchfit Result or Frontier, got dict"):
         plan_for({}, 8)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="needs a batchfit Result or a torch.nn.Module to probe, got str"):
         plan("model", target_batch=8)
@@ -263,3 +263,189 @@ def test_plan_is_frozen_and_cannot_lie(real: Result) -> None:
         dataclasses.replace(p, target_batch=p.target_batch + 1)
     short = dataclasses.replace(p, target_batch=p.global_batch + 3, exact=False, remainder=3)
     assert "(3 short of the target" in str(short)
+
+
+# A global batch in tokens (issue 21) ---------------------------------------------------------------
+SEQ = 16  # the length the small language model below is probed at
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 32)
+        self.head = torch.nn.Linear(32, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids)).float().logsumexp(-1).mean()
+
+
+@pytest.fixture(scope="module")
+def lm() -> Result:
+    """A real probe of a small language model on batches of ``SEQ``-token sequences."""
+    torch.manual_seed(0)
+    return batchfit.find(
+        _TinyLM(), make_batch=lambda b: torch.randint(0, 50, (b, SEQ)), memory_limit="2MiB", verify_steps=1
+    )
+
+
+def _records_length() -> bool:
+    return "sized_on" in getattr(Result, "__dataclass_fields__", {})
+
+
+def test_tokens_to_batch_rounds_up_to_whole_sequences_per_rank() -> None:
+    from batchfit.estimation import tokens_to_batch
+
+    assert tokens_to_batch(524_288, 2048, 8) == 256
+    assert tokens_to_batch(3 * 2048, 2048) == 3
+    assert tokens_to_batch(3 * 2048 + 1, 2048) == 4
+    assert tokens_to_batch(500_000, 2048, 8) == 248  # 245 sequences, then a multiple of the 8 ranks
+    with pytest.raises(ValueError, match="less than one sequence of seq_len 2,048 on each of 8 ranks"):
+        tokens_to_batch(8 * 2048 - 1, 2048, 8)
+
+
+def test_tokens_split_into_micro_batch_length_accumulation_and_ranks(real: Result) -> None:
+    p = plan_for(_result(real, safe=8, world_size=8), target_tokens=524_288, seq_len=2048)
+    _consistent(p)
+    assert (p.target_batch, p.micro_batch, p.accumulation_steps, p.world_size) == (256, 8, 4, 8)
+    assert (p.seq_len, p.tokens_per_step, p.target_tokens) == (2048, 524_288, 524_288)
+    assert str(p).startswith(
+        "524,288 tokens/step = global batch 256 x 2,048 tokens = 8 ranks x micro-batch 8 x 4 accumulation steps (exact)"
+    )
+    assert "rounded" not in p.reason
+    assert plan(_result(real, safe=8, world_size=8), target_tokens=524_288, seq_len=2048) == p
+
+
+def test_tokens_not_a_whole_number_of_sequences_round_up_and_say_so(real: Result) -> None:
+    p = plan_for(_result(real, safe=100), target_tokens=500_000, seq_len=2048, world_size=8)
+    _consistent(p)
+    assert (p.target_batch, p.micro_batch, p.accumulation_steps) == (248, 31, 1)
+    assert (p.tokens_per_step, p.target_tokens) == (507_904, 500_000)
+    assert "(7,904 tokens over the target 500,000: whole sequences)" in str(p)
+    assert p.reason.startswith(
+        "target_tokens 500,000 is not a whole number of 2,048-token sequences for each of 8 ranks: rounded up to "
+        "248 sequences, 507,904 tokens per step (7,904 more; the nearest below is 240 sequences, 491,520 tokens)"
+    )
+
+
+def test_a_sample_target_with_seq_len_shows_the_token_view(real: Result) -> None:
+    trials = (_trial(32, 1_000.0),)
+    p = plan_for(_result(real, trials, safe=32), 64, seq_len=512)
+    assert (p.tokens_per_step, p.target_tokens) == (64 * 512, None)
+    assert str(p).startswith("32,768 tokens/step = global batch 64 x 512 tokens = micro-batch 32 x 2")
+    assert "1,000 samples/s (512,000 tokens/s) measured at micro-batch 32" in str(p)
+    assert plan_for(real, 64).seq_len is None and "tokens" not in str(plan_for(real, 64))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"target_batch": 8, "target_tokens": 4096, "seq_len": 16}, TypeError, "exactly one of.*both were given"),
+        ({}, TypeError, "exactly one of target_batch .* and target_tokens .*neither was given"),
+        ({"seq_len": 16}, TypeError, "neither was given"),
+        ({"target_tokens": 0, "seq_len": 16}, ValueError, "target_tokens must be positive"),
+        ({"target_tokens": 4096.0, "seq_len": 16}, TypeError, "target_tokens must be an int"),
+        ({"target_tokens": 4096, "seq_len": 0}, ValueError, "seq_len must be positive"),
+        ({"target_tokens": 4096, "seq_len": "16"}, TypeError, "seq_len must be an int"),
+        ({"target_tokens": 4096, "seq_len": True}, TypeError, "seq_len must be an int"),
+        ({"target_tokens": 1000, "seq_len": 2048}, ValueError, "target_tokens 1,000 is less than one sequence of "
+         "seq_len 2,048: a step holds whole sequences"),
+        ({"target_tokens": 4096, "seq_len": 1024, "world_size": 8}, ValueError, r"each of 8 ranks \(8,192 tokens\)"),
+        ({"target_tokens": 4096}, ValueError, "target_tokens 4,096 needs seq_len="),
+    ],
+)  # fmt: skip
+def test_bad_token_arguments(real: Result, kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        plan_for(real, **kwargs)
+    with pytest.raises(error, match=match):
+        plan(real, **kwargs)
+
+
+def test_tokens_refused_before_the_probe() -> None:
+    trials: list[Any] = []
+    with pytest.raises(ValueError, match="less than one sequence"):
+        plan(_TinyLM(), torch.randint(0, 50, (2, SEQ)), target_tokens=8, seq_len=SEQ, callback=trials.append)
+    with pytest.raises(ValueError, match="needs seq_len="):  # a plain sample records no length
+        plan(_TinyLM(), torch.randint(0, 50, (2, SEQ)), target_tokens=4096, callback=trials.append)
+    assert trials == []
+
+
+def test_plan_cannot_lie_about_tokens(real: Result) -> None:
+    p = plan_for(_result(real), target_tokens=64 * 128, seq_len=128)
+    with pytest.raises(ValueError, match="tokens_per_step 8193 is not global_batch 64 x seq_len 128"):
+        dataclasses.replace(p, tokens_per_step=p.tokens_per_step + 1)  # type: ignore[operator]
+    with pytest.raises(ValueError, match="need seq_len"):
+        dataclasses.replace(p, seq_len=None)
+
+
+def test_tokens_from_a_real_probe_at_a_known_length(lm: Result) -> None:
+    assert lm.safe_verified and lm.safe_batch >= 8
+    target = 4 * lm.max_batch * SEQ + 3  # more than one step holds, and not a whole number of sequences
+    p = plan(lm, target_tokens=target, seq_len=SEQ)
+    assert p.target_batch == -(-target // SEQ) and p.global_batch == p.target_batch
+    assert p.micro_batch * p.accumulation_steps * SEQ == p.tokens_per_step >= target
+    assert p.accumulation_steps > 1 and p.micro_batch <= lm.safe_batch
+    assert p.tokens_per_step - target < SEQ and "rounded up" in p.reason
+    in_samples = plan_for(lm, p.target_batch, seq_len=SEQ)  # the same split, asked in sequences
+    assert (in_samples.micro_batch, in_samples.accumulation_steps, in_samples.tokens_per_step) == (
+        p.micro_batch,
+        p.accumulation_steps,
+        p.tokens_per_step,
+    )
+    assert p.reason.endswith(in_samples.reason)
+
+
+@pytest.mark.skipif(not _records_length(), reason="Result records no sized_on")
+def test_plan_probes_at_seq_len_and_the_result_remembers_it() -> None:
+    torch.manual_seed(0)
+    made: list[tuple[int, int]] = []
+
+    def make(b: int, s: int) -> torch.Tensor:
+        made.append((b, s))
+        return torch.randint(0, 50, (b, s))
+
+    p = plan(_TinyLM(), make_batch=make, target_tokens=1000 * SEQ, seq_len=SEQ, memory_limit="2MiB", verify_steps=1)
+    assert {s for _, s in made} == {SEQ}  # seq_len is find's too: the probe sized at the length planned on
+    assert (p.target_batch, p.tokens_per_step) == (1000, 1000 * SEQ)
+    # A result that records its length plans in tokens without seq_len=.
+    sized = batchfit.find(_TinyLM(), torch.randint(0, 50, (2, 64)), seq_len=SEQ, memory_limit="2MiB", verify_steps=1)
+    if getattr(sized.sized_on, "length", None) == SEQ:
+        q = plan(sized, target_tokens=1000 * SEQ)
+        assert q.seq_len == SEQ and f"seq_len {SEQ} is the length the probe sized on" in q.reason
+        assert "sized on sequences of 16 tokens, not 32" in plan(sized, target_tokens=1000 * 32, seq_len=32).reason
+
+
+def test_a_frontier_plans_on_its_point_at_seq_len(real: Result, lm: Result) -> None:
+    frontier_module = pytest.importorskip("batchfit.report.frontier")
+    long = _result(real, safe=8)
+    frontier = frontier_module.Frontier(
+        points=(frontier_module.FrontierPoint.of(SEQ, lm), frontier_module.FrontierPoint.of(4 * SEQ, long)),
+        surface=None,
+        budget_bytes=lm.budget_bytes,
+        budget_counts=lm.budget_counts,
+        device=lm.device,
+        elapsed_s=0.0,
+    )
+    p = plan(frontier, target_tokens=256 * 4 * SEQ, seq_len=4 * SEQ)
+    assert (p.micro_batch, p.accumulation_steps, p.safe_batch) == (8, 32, 8)  # the point at 64's result
+    assert p.tokens_per_step == 256 * 4 * SEQ
+    assert p.reason.startswith("planned on the frontier's point at seq_len 64 (max batch 18, safe batch 8)")
+    assert plan_for(frontier, 64, seq_len=SEQ).safe_batch == lm.safe_batch
+    with pytest.raises(ValueError, match="a frontier has a point per length \\(16, 64\\): pass seq_len="):
+        plan(frontier, target_tokens=4096)
+    with pytest.raises(ValueError, match="no point at seq_len=32; its lengths: 16, 64"):
+        plan_for(frontier, target_tokens=4096, seq_len=32)
+    with pytest.raises(TypeError, match="given a Frontier, so there is no probe to pass sample"):
+        plan(frontier, torch.zeros(1), target_tokens=4096, seq_len=SEQ)
+
+
+def test_cli_plans_in_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    from batchfit import cli
+
+    args = ["estimate", "batchfit.examples:gpt", "--memory-limit", "32MiB", "--device", "cpu", "--seq-len", "32"]
+    assert cli.main([*args, "--target-tokens", "5000", "--target-batch", "4"]) == 2
+    assert "--target-batch (samples) or --target-tokens (tokens per step), not both" in capsys.readouterr().err
+    assert cli.main([*args, "--target-tokens", "31"]) == 2
+    assert "--target-tokens 31 is less than one sequence of --seq-len 32" in capsys.readouterr().err
+    assert cli.main([*args, "--target-tokens", "5000"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plan"))
+    assert "5,024 tokens/step = global batch 157 x 32 tokens" in line and "24 tokens over the target 5,000" in line

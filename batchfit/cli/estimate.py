@@ -13,6 +13,7 @@ from batchfit.cli.output import (
     EXIT_USAGE,
     UsageError,
     check_json_path,
+    check_plan_options,
     error,
     load,
     plan_line,
@@ -33,6 +34,8 @@ def estimate_command(args: argparse.Namespace) -> int:
     for option in args.what_if or ():
         if option not in OPTIONS:
             raise UsageError(f"unknown --what-if {option!r}: choose from {', '.join(OPTIONS)}")
+    check_plan_options(args)
+    _check_length_axis(args)
     memory = _memory_limit(args)
     device_note = ""
     if args.device is None:
@@ -72,13 +75,16 @@ def estimate_command(args: argparse.Namespace) -> int:
         "headroom": args.headroom,
         "multiple_of": args.multiple_of,
     }
-    if args.max_batch is not None:
-        kwargs["max_batch"] = args.max_batch
+    for name in ("max_batch", "seq_len", "scan_batches"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
     print(
         f"batchfit {__version__}: estimating {args.target} ({args.mode}) for {args.device}{device_note} with {memory}: "
         "fake tensors, no device and no memory used",
         file=human,
     )
+    if args.seq_lens is not None:
+        return _estimate_frontier(args, target, kwargs, human)
     try:
         result = estimate(target.model, target.sample, **kwargs)
         table = what_if(target.model, target.sample, options=args.what_if, **kwargs) if args.what_if else None
@@ -92,12 +98,82 @@ def estimate_command(args: argparse.Namespace) -> int:
         report_exception(exc, args.traceback, cause=False)
         return EXIT_ERROR
     make_view(human, plain=True).summary(result)
-    if args.target_batch is not None:
-        print(plan_line(result, args.target_batch), file=human)
+    if args.target_batch is not None or args.target_tokens is not None:
+        print(plan_line(result, args.target_batch, target_tokens=args.target_tokens, seq_len=args.seq_len), file=human)
     if table is not None:
         print(table, file=human)
     if args.json:
         write_json(args.json, result.to_json())
+    return EXIT_OK
+
+
+def _check_length_axis(args: argparse.Namespace) -> None:
+    """``--seq-lens`` asks for a frontier: refuse, before the target loads, what goes with one length only."""
+    from batchfit.cli.frontier import check_plot_path
+
+    if args.seq_lens is None:
+        alone = [
+            name
+            for name, given in (
+                ("--max-seq-len", args.max_seq_len is not None),
+                ("--no-longest", args.no_longest),
+                ("--plot", args.plot is not None),
+            )
+            if given
+        ]
+        if alone:
+            raise UsageError(f"{', '.join(alone)} go with --seq-lens (an estimated frontier)")
+        return
+    one_length = [
+        name
+        for name, given in (
+            ("--seq-len", args.seq_len is not None),
+            ("--what-if", bool(args.what_if)),
+            ("--target-batch", args.target_batch is not None),
+            ("--target-tokens", args.target_tokens is not None),
+        )
+        if given
+    ]
+    if one_length:
+        raise UsageError(f"{', '.join(one_length)} go with one length, not with --seq-lens")
+    if args.max_seq_len is not None and args.no_longest:
+        raise UsageError("--max-seq-len bounds the search for the longest length at batch 1: drop --no-longest")
+    check_plot_path(args.plot)
+
+
+def _estimate_frontier(args: argparse.Namespace, target: Any, kwargs: dict[str, Any], human: Any) -> int:
+    """``--seq-lens``: :func:`batchfit.estimate`'s frontier, shown and written as ``batchfit frontier``'s."""
+    from batchfit.cli.frontier import write_plot
+    from batchfit.errors import NothingFitsError
+    from batchfit.estimation import estimate
+    from batchfit.view import FrontierView
+
+    if target.sample is not None or kwargs.get("make_batch") is None:
+        raise UsageError(
+            f"--seq-lens needs {args.target} to give 'make_batch', a function (batch_size, seq_len) -> batch, "
+            "and no 'sample'"
+        )
+    kwargs = {key: value for key, value in kwargs.items() if key not in ("scan_batches",)}
+    kwargs.update(seq_lens=list(args.seq_lens), longest_at_batch_1=not args.no_longest)
+    if args.max_seq_len is not None:
+        kwargs["max_seq_len"] = args.max_seq_len
+    try:
+        frontier = estimate(target.model, **kwargs)
+    except NothingFitsError as exc:
+        error(str(exc))
+        return EXIT_DOES_NOT_FIT
+    except (TypeError, ValueError) as exc:
+        error(first_line(exc))
+        return EXIT_USAGE
+    except Exception as exc:
+        report_exception(exc, args.traceback, cause=False)
+        return EXIT_ERROR
+    FrontierView(human, plain=True).summary(frontier)
+    if args.json:
+        write_json(args.json, frontier.to_json())
+    if args.plot:
+        write_plot(frontier, args.plot)
+        print(f"plot written to {args.plot}", file=human)
     return EXIT_OK
 
 

@@ -1,4 +1,5 @@
-"""The ``batchfit`` command: ``batchfit probe TARGET``, ``batchfit estimate TARGET`` and ``batchfit devices``.
+"""The ``batchfit`` command: ``batchfit probe TARGET``, ``batchfit estimate TARGET``, ``batchfit frontier
+TARGET --seq-lens ...`` and ``batchfit devices``.
 
 Exit codes are the interface a CI pipeline reads, so they are fixed and documented:
 
@@ -45,6 +46,7 @@ from collections.abc import Callable, Sequence
 
 from batchfit.cli.devices import devices_command
 from batchfit.cli.estimate import estimate_command
+from batchfit.cli.frontier import frontier_command
 from batchfit.cli.output import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
@@ -62,6 +64,7 @@ from batchfit.cli.signals import Terminated
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "probe": probe_command,
     "estimate": estimate_command,
+    "frontier": frontier_command,
     "devices": devices_command,
 }
 

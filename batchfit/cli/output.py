@@ -193,11 +193,30 @@ def load(args: argparse.Namespace) -> Target | int:
             stream.flush()
 
 
-def plan_line(result: Any, target_batch: int) -> str:
-    """The plan for ``--target-batch``, or why there is none (a target the ranks cannot share)."""
+def plan_line(
+    result: Any, target_batch: int | None = None, *, target_tokens: int | None = None, seq_len: int | None = None
+) -> str:
+    """The plan for ``--target-batch`` (or ``--target-tokens``, in sequences of ``--seq-len`` or of the
+    length the result was sized on), or why there is none (a target the ranks cannot share, tokens
+    without a known length)."""
     from batchfit.estimation import plan_for
 
     try:
-        return f"plan             {plan_for(result, target_batch)}"
+        return f"plan             {plan_for(result, target_batch, target_tokens=target_tokens, seq_len=seq_len)}"
     except ValueError as exc:
         return f"plan             none: {exc}"
+
+
+def check_plan_options(args: Any) -> None:
+    """``--target-batch`` or ``--target-tokens`` (with ``--seq-len``, the length sized on), checked
+    before the probe rather than after it."""
+    from batchfit.estimation import check_target
+
+    if args.target_batch is None and args.target_tokens is None:
+        return
+    if args.target_batch is not None and args.target_tokens is not None:
+        raise UsageError("give --target-batch (samples) or --target-tokens (tokens per step), not both")
+    try:
+        check_target(args.target_batch, target_tokens=args.target_tokens, seq_len=args.seq_len)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("target_tokens", "--target-tokens").replace("seq_len", "--seq-len")) from None

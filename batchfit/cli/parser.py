@@ -6,7 +6,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from batchfit.cli.output import EXIT_USAGE
 from batchfit.units import check_memory_limit, parse_reserve
@@ -30,6 +30,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 # Argument parsing -------------------------------------------------------------------------------
+def _token_target(command: argparse.ArgumentParser) -> None:
+    """``--target-tokens``, beside ``--target-batch``: the global batch in tokens (in sequences of
+    ``--seq-len``, the length sized on, or the one the result records)."""
+    command.add_argument(
+        "--target-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="instead of --target-batch: also print the plan for N tokens per optimizer step, in whole sequences "
+        "of the length sized on (--seq-len, or the one the probe found); rounded up to whole sequences per rank",
+    )
+
+
 def _memory_limit(value: str) -> str:
     try:
         check_memory_limit(value)  # syntax only: fractions resolve on the device later
@@ -123,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "TARGET is 'package.module:factory' or 'path/to/file.py:factory'. The factory is called with no "
             "arguments and returns (model, sample), or a dict with 'model' and 'sample' and optionally "
-            "'optimizer', 'loss_fn', 'make_batch', 'step_fn'. Built-in targets: batchfit.examples:mlp, "
+            "'optimizer', 'loss_fn', 'make_batch', 'step_fn'. A DataLoader as the sample is sized on its worst "
+            "batch. Built-in targets: batchfit.examples:mlp, "
             "batchfit.examples:cnn, batchfit.examples:gpt."
         ),
     )
@@ -181,6 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("interpolate", "binary"),
         help="search strategy: aim at the budget from measured memory (default), or plain bisection",
     )
+    probe.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        metavar="N",
+        help="size on sequence length N: the sample's (or its DataLoader's worst batch's) rows cut to it or "
+        "extended by repeating their own tokens; a make_batch is called as make_batch(batch_size, N)",
+    )
+    probe.add_argument(
+        "--scan-batches",
+        type=_positive_int,
+        metavar="N",
+        help="with a DataLoader as the sample: scan at most N batches for the worst one (default 64)",
+    )
     probe.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' for stdout)")
     probe.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
     probe.add_argument(
@@ -229,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also print the plan for a global batch of N: micro-batch x gradient-accumulation steps (x ranks)",
     )
+    _token_target(probe)
     probe.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
 
     estimate = commands.add_parser(
@@ -276,9 +303,138 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument(
         "--target-batch", type=_positive_int, metavar="N", help="also print the plan for global batch N"
     )
+    _token_target(estimate)
+    estimate.add_argument(
+        "--seq-len",
+        type=_positive_int,
+        metavar="N",
+        help="size on sequence length N: the sample's (or its DataLoader's worst batch's) rows cut to it or "
+        "extended by repeating their own tokens; a make_batch is called as make_batch(batch_size, N)",
+    )
+    estimate.add_argument(
+        "--scan-batches",
+        type=_positive_int,
+        metavar="N",
+        help="with a DataLoader as the sample: scan at most N batches for the worst one (default 64)",
+    )
+    estimate.add_argument(
+        "--seq-lens",
+        type=_seq_lens,
+        metavar="N,N,...",
+        help="estimate the frontier over these sequence lengths instead (as 'batchfit frontier' measures it): the "
+        "target's make_batch takes (batch_size, seq_len)",
+    )
+    estimate.add_argument(
+        "--max-seq-len",
+        type=_positive_int,
+        metavar="N",
+        help="with --seq-lens: the ceiling of the longest length at batch 1 (default: the model's positions)",
+    )
+    estimate.add_argument(
+        "--no-longest", action="store_true", help="with --seq-lens: no search for the longest length at batch 1"
+    )
+    estimate.add_argument(
+        "--plot", metavar="PATH", help="with --seq-lens: draw the frontier to an image (the plot extra)"
+    )
     estimate.add_argument("--json", metavar="PATH", help="write the estimate as JSON to PATH ('-' for stdout)")
     estimate.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
+
+    _frontier_parser(commands)
 
     devices = commands.add_parser("devices", help="list NVIDIA GPUs: memory, utilisation, processes (via NVML)")
     devices.add_argument("--json", metavar="PATH", help="write the device list as JSON to PATH ('-' for stdout)")
     return parser
+
+
+def _seq_lens(value: str) -> tuple[int, ...]:
+    """``--seq-lens 128,256,512``: whole positive lengths, each once."""
+    lengths: list[int] = []
+    for part in value.split(","):
+        try:
+            length = int(part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a comma-separated list of lengths, such as 128,256,512 ({part.strip()!r} is not "
+                "an integer)"
+            ) from None
+        if length < 1:
+            raise argparse.ArgumentTypeError(f"{value!r}: every length must be at least 1, got {length}")
+        if length in lengths:
+            raise argparse.ArgumentTypeError(f"{value!r} lists {length} twice")
+        lengths.append(length)
+    return tuple(lengths)
+
+
+def _frontier_parser(commands: Any) -> None:
+    """``batchfit frontier``: the probe's options, the lengths, and what to write."""
+    frontier = commands.add_parser(
+        "frontier",
+        help="the largest batch at each sequence length, and the longest length at batch 1",
+        description=(
+            "Run the probe at each sequence length: the exact largest batch, the verified safe batch and tokens/s "
+            "per length, the longest length that trains at batch 1, the token budget and the memory surface "
+            "fixed + b (a s + q s^2). Exit codes: 0 ok, 1 error, 2 usage or bad target, 3 does not fit, 130 "
+            "Ctrl-C, 141 stdout closed, 143 SIGTERM."
+        ),
+        epilog=(
+            "TARGET is 'package.module:factory' or 'path/to/file.py:factory'. The factory is called with no "
+            "arguments and returns a dict with 'model' and 'make_batch', a function (batch_size, seq_len) -> "
+            "batch, and optionally 'optimizer', 'loss_fn', 'step_fn', 'criterion'."
+        ),
+    )
+    frontier.add_argument("target", metavar="TARGET", help="package.module:attr or path/to/file.py:attr")
+    frontier.add_argument(
+        "--seq-lens",
+        type=_seq_lens,
+        required=True,
+        metavar="N,N,...",
+        help="the sequence lengths to size, comma-separated: 128,256,512,1024",
+    )
+    frontier.add_argument(
+        "--max-seq-len",
+        type=_positive_int,
+        metavar="N",
+        help="the ceiling of the search for the longest length at batch 1 (default: the model's position "
+        "embeddings, when it has them)",
+    )
+    frontier.add_argument(
+        "--no-longest", action="store_true", help="do not search for the longest length that trains at batch 1"
+    )
+    frontier.add_argument("--device", help="where to probe, e.g. cuda, cuda:1, cpu (default: cuda if available)")
+    frontier.add_argument(
+        "--memory-limit",
+        type=_memory_limit,
+        metavar="SIZE|FRACTION",
+        help=f"memory budget, as the probe's (default: what the process can reach on the GPU, or "
+        f"{CLI_CPU_MEMORY_LIMIT} of live tensors on CPU)",
+    )
+    frontier.add_argument(
+        "--reserve", type=_reserve, metavar="SIZE|auto", help="memory taken off --memory-limit, as the probe's"
+    )
+    frontier.add_argument(
+        "--headroom", type=_fraction, default=0.10, help="fraction of the budget the safe batch leaves free (0.10)"
+    )
+    frontier.add_argument("--amp", choices=("bf16", "fp16"), help="run under autocast")
+    frontier.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
+    frontier.add_argument("--max-batch", type=_positive_int, metavar="N", help="largest batch size to try")
+    frontier.add_argument("--init-batch", type=_positive_int, metavar="N", help="first batch size to try")
+    frontier.add_argument("--multiple-of", type=_positive_int, default=1, metavar="N", help="only multiples of N")
+    frontier.add_argument("--steps-per-trial", type=_positive_int, metavar="N", help="steps per search trial")
+    frontier.add_argument(
+        "--verify-steps", type=_count, metavar="N", help="steps that verify each safe batch (default 3; 0 skips)"
+    )
+    frontier.add_argument(
+        "--time-budget", type=_seconds, metavar="SECONDS", help="start no new search trial after this, in all"
+    )
+    frontier.add_argument(
+        "--strategy", choices=("interpolate", "binary"), help="search strategy, as the probe's (default interpolate)"
+    )
+    frontier.add_argument("--json", metavar="PATH", help="write the frontier as JSON to PATH ('-' for stdout)")
+    frontier.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="also draw the frontier to an image (.png, .svg, .pdf); needs the plot extra: "
+        "pip install 'batchfit[plot]'",
+    )
+    frontier.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
+    frontier.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")

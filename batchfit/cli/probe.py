@@ -21,6 +21,7 @@ from batchfit.cli.output import (
     RESTORED,
     UsageError,
     check_json_path,
+    check_plan_options,
     error,
     load,
     plan_line,
@@ -53,6 +54,7 @@ def probe_command(args: argparse.Namespace) -> int:
             raise UsageError("--nproc-per-trial runs a full probe: drop --require-batch")
     elif args.trial_log is not None:
         raise UsageError("--trial-log goes with --nproc-per-trial")
+    check_plan_options(args)
     if launch is None:
         return probe_here(args, None)
     owned: list[bool] = []
@@ -142,12 +144,13 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
     else:
         view.summary(outcome)
         code = EXIT_OK
-        if args.target_batch is not None and leader:
+        if (args.target_batch is not None or args.target_tokens is not None) and leader:
             from batchfit.view import columns, fit_lines
 
+            line = plan_line(outcome, args.target_batch, target_tokens=args.target_tokens, seq_len=args.seq_len)
             # Within COLUMNS as the view's lines are; --quiet's lines stay whole, for scripts.
-            for line in fit_lines(plan_line(outcome, args.target_batch), None if args.quiet else columns(), 17):
-                print(line, file=human)
+            for part in fit_lines(line, None if args.quiet else columns(), 17):
+                print(part, file=human)
     if args.json and leader:
         write_json(args.json, outcome.to_json())
     return code

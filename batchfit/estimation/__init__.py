@@ -19,7 +19,7 @@ from batchfit._lazy import lazy_surface
 if TYPE_CHECKING:
     from batchfit.estimation.estimator import FALLBACK_CAP, TARGETS, estimate, split_memory
     from batchfit.estimation.fake_trials import FakeProbe, Untraceable
-    from batchfit.estimation.planning import ALTERNATIVE_FACTOR, Plan, check_target, plan_for
+    from batchfit.estimation.planning import ALTERNATIVE_FACTOR, Plan, check_target, plan_for, tokens_to_batch
     from batchfit.estimation.whatif import (
         DEFAULT_OPTIONS,
         OPTIONS,
@@ -41,6 +41,7 @@ _EXPORTS = {
     "Plan": "batchfit.estimation.planning",
     "plan_for": "batchfit.estimation.planning",
     "check_target": "batchfit.estimation.planning",
+    "tokens_to_batch": "batchfit.estimation.planning",
     "DEFAULT_OPTIONS": "batchfit.estimation.whatif",
     "OPTIONS": "batchfit.estimation.whatif",
     "WhatIf": "batchfit.estimation.whatif",

@@ -9,7 +9,7 @@ traced on fake tensors (:func:`_extrapolate`). Nothing is timed, so an estimate 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -19,8 +19,18 @@ from torch import nn
 from batchfit.backends import ESTIMATE_TARGETS, EstimateTarget, estimate_target
 from batchfit.errors import NothingFitsError
 from batchfit.estimation.fake_trials import FakeProbe, Untraceable
-from batchfit.probe import DEFAULT_MAX_BATCH, Options, check_work, find_with, first_batch, renamed, search_with
-from batchfit.report import Result, Trial
+from batchfit.estimation.frontier import estimate_frontier
+from batchfit.probe import (
+    DEFAULT_MAX_BATCH,
+    Options,
+    check_seq_len,
+    check_work,
+    find_with,
+    renamed,
+    search_with,
+    worst_batch,
+)
+from batchfit.report import Frontier, Result, SizedOn, Trial
 from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
 
 __all__ = ["FALLBACK_CAP", "TARGETS", "estimate", "split_memory"]
@@ -40,7 +50,7 @@ def estimate(
     memory_limit: int | str | None = None,
     device: str = "cpu",
     reserve: int | str | None = None,
-    make_batch: Callable[[int], Any] | None = None,
+    make_batch: Callable[..., Any] | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     step_fn: Callable[[nn.Module, Any], Any] | None = None,
     criterion: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -52,9 +62,14 @@ def estimate(
     max_batch: int = DEFAULT_MAX_BATCH,
     multiple_of: int = 1,
     strategy: str = "interpolate",
+    seq_len: int | None = None,
+    scan_batches: int = 64,
+    seq_lens: Sequence[int] | None = None,
+    longest_at_batch_1: bool = True,
+    max_seq_len: int | None = None,
     callback: Callable[[Trial], None] | None = None,
     memory: int | str | None = None,
-) -> Result:
+) -> Result | Frontier:
     """Estimate :func:`batchfit.find`'s answer for a device with ``memory_limit`` bytes, without it.
 
     Runs the probe's search over fake trials (see the module docs): no device, no memory, seconds.
@@ -62,7 +77,8 @@ def estimate(
     ``str()`` says "estimate". No throughput (nothing real is timed).
 
     The keywords are :func:`batchfit.find`'s, with the same names and the same checks, for the
-    same things (a ``DataLoader`` as the sample, ``criterion=``, an optimizer object...); an
+    same things (a ``DataLoader`` as the sample, sized on its worst batch; ``seq_len=``,
+    ``criterion=``, an optimizer object...); an
     estimate has nothing to time, to verify, to interrupt or to spread over ranks, so ``find``'s
     keywords for those are not taken.
 
@@ -83,6 +99,12 @@ def estimate(
 
     The other keywords are :func:`batchfit.find`'s. A model that cannot be traced on fake tensors
     is not an error: real CPU steps answer instead (see the module docs).
+
+    A length axis: ``seq_lens=[...]`` with ``make_batch(batch_size, seq_len)`` returns a
+    :class:`~batchfit.report.Frontier` (``estimated=True``), :func:`batchfit.frontier`'s answer
+    from fake trials: per length the exact largest and the safe batch, the longest length at
+    batch 1 (``longest_at_batch_1``, up to ``max_seq_len`` or the model's positions) and the
+    memory surface. A model that cannot be traced on fake tensors is a ``ValueError`` there.
 
     Raises:
         NothingFitsError: not even ``init_batch`` fits the memory.
@@ -106,7 +128,6 @@ def estimate(
             f"estimate for a device with more memory, pass reserve= what that device keeps outside the allocator, "
             f"or device='cpu'"
         )
-    sample, drawn = first_batch(sample)
     options = Options(
         make_batch=make_batch,
         loss_fn=loss_fn,
@@ -123,11 +144,42 @@ def estimate(
         multiple_of=multiple_of,
         strategy=strategy,
         distributed=False,
+        seq_len=seq_len,
+        scan_batches=scan_batches,
     )
+
+    def marked(result: Result, sized_on: SizedOn | None = None) -> Result:
+        return replace(
+            result,
+            device=replace(result.device, name=f"estimate for {device}", total_bytes=total),
+            estimated=True,
+            assumptions=tuple(assumptions),
+            elapsed_s=time.monotonic() - started,
+            sized_on=sized_on,
+        )
+
+    if seq_lens is not None:
+        return _frontier(
+            model,
+            sample,
+            options,
+            target,
+            budget,
+            seq_lens,
+            longest_at_batch_1,
+            max_seq_len,
+            callback,
+            started,
+            assumptions,
+            marked,
+        )
+    check_seq_len(model, seq_len)  # before a loader is scanned
+    sample, drawn, sized_on = worst_batch(sample, scan_batches=scan_batches, seq_len=seq_len)
     check_work(model, sample, options)
 
     try:
         probe = FakeProbe(model, sample, options, target, budget)
+        probe.sized_on = sized_on
         if drawn is not None:
             probe.notes.append(drawn)
         result = search_with(probe, options, started, callback=callback)
@@ -137,10 +189,49 @@ def estimate(
         result, said = _extrapolate(model, sample, options, budget, untraceable, started)
         # Real steps ran instead: the fake trace's own assumption no longer holds.
         assumptions = [line for line in assumptions if line != FAKE_TRACE] + [said]
+    return marked(result, sized_on)
+
+
+def _frontier(
+    model: nn.Module,
+    sample: Any,
+    options: Options,
+    target: EstimateTarget,
+    budget: int,
+    seq_lens: Sequence[int],
+    longest_at_batch_1: bool,
+    max_seq_len: int | None,
+    callback: Callable[[Trial], None] | None,
+    started: float,
+    assumptions: list[str],
+    marked: Callable[[Result], Result],
+) -> Frontier:
+    """``estimate(..., seq_lens=...)``: :func:`batchfit.frontier`'s answer from fake trials."""
+    if sample is not None or options.seq_len is not None:
+        given = "sample" if sample is not None else "seq_len"
+        raise TypeError(
+            f"estimate() with seq_lens= builds each length's batches with make_batch(batch_size, seq_len); "
+            f"{given}= does not go with it (one length: pass seq_len= without seq_lens=)"
+        )
+    frontier, switched = estimate_frontier(
+        model,
+        options.make_batch,  # type: ignore[arg-type]  # checked by frontier_with
+        seq_lens,
+        replace(options, make_batch=None),
+        target,
+        budget,
+        longest_at_batch_1=longest_at_batch_1,
+        max_seq_len=max_seq_len,
+        callback=callback,
+        started=started,
+    )
+    if switched:
+        assumptions.append(_foreach_assumption(sorted(switched)))
+    points = tuple(replace(point, result=marked(point.result)) for point in frontier.points)
     return replace(
-        result,
-        device=replace(result.device, name=f"estimate for {device}", total_bytes=total),
-        estimated=True,
+        frontier,
+        points=points,
+        device=points[0].result.device,
         assumptions=tuple(assumptions),
         elapsed_s=time.monotonic() - started,
     )
@@ -207,7 +298,9 @@ def _extrapolate(
             "meta device, so no real step can run instead: build it with real weights on the CPU"
         ) from None
     cap = min(budget, FALLBACK_CAP)
-    real = find_with(model, sample, replace(options, memory_limit=cap, distributed=False))
+    # The sample is already the batch to size on, at seq_len: only make_batch still needs the length.
+    seq_len = options.seq_len if sample is None else None
+    real = find_with(model, sample, replace(options, memory_limit=cap, distributed=False, seq_len=seq_len))
     trials = tuple(replace(t, step_time_s=None, samples_per_s=None, step_times_s=()) for t in real.trials)
     untimed = replace(real, trials=trials, throughput=None)
     if cap == budget:

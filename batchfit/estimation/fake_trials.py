@@ -59,7 +59,7 @@ from batchfit.probe import (
     run_trial,
     tensor_leaves,
 )
-from batchfit.report import DeviceInfo, MemoryModel, Trial, TrialKind, Unit
+from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
 
 __all__ = ["FakeProbe", "Untraceable", "foreach_as_on"]
 
@@ -206,6 +206,8 @@ class FakeProbe:
         self.counts: Unit = target.counts
         self.device_info = DeviceInfo(type=target.device_type, name=f"estimate for {target.name}", total_bytes=None)
         self.notes: list[str] = []
+        #: Which batch of real data the sizes are built from (set by ``estimate``, as ``Prober.sized_on``).
+        self.sized_on: SizedOn | None = None
         #: The optimizers whose ``foreach=None`` the trace resolved as the target would (:func:`foreach_as_on`).
         self.foreach_switched: set[str] = set()
         self.optimizer_state_bytes = 0
@@ -240,7 +242,7 @@ class FakeProbe:
                 mode=self.mode,
                 sample=sample,
                 sample_size=self._sample_size,
-                make_batch=self.options.make_batch,
+                make_batch=self.options.batch_maker(),
                 loss_fn=self.options.loss_fn,
                 step_fn=self.options.step_fn,
                 criterion=self.options.criterion,

@@ -6,6 +6,12 @@ splits that target over the ranks and into gradient-accumulation steps, choosing
 micro-batch from what the probe measured: only sizes within the verified safe batch, and among those
 the fastest measured one, because the memory boundary says what *can* run, not what runs best.
 
+The target is a number of samples (``target_batch``) or, as LLM recipes state it, of tokens per
+optimizer step (``target_tokens`` with ``seq_len``): tokens are reached as whole sequences, rounded
+up (:func:`tokens_to_batch`), and the plan states the tokens each step really holds.
+:func:`plan_for` also takes a :class:`~batchfit.report.frontier.Frontier` (the largest batch per
+length), and plans on its point at ``seq_len``.
+
 Pure Python (no torch import): a plan can be made from a result loaded from JSON on a machine
 without torch. :func:`batchfit.plan` (``batchfit.api``) also takes a model, and probes it first.
 """
@@ -16,9 +22,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from batchfit.report import KNEE_FRACTION, Result, Trial
+from batchfit.report import KNEE_FRACTION, Frontier, Result, Trial
 
-__all__ = ["ALTERNATIVE_FACTOR", "Plan", "check_target", "plan_for"]
+__all__ = ["ALTERNATIVE_FACTOR", "Plan", "check_target", "plan_for", "tokens_to_batch"]
 
 #: A non-exact split is worth mentioning when its micro-batch is at least this many times the exact
 #: one's: below that, the exact split costs little, above it the user may prefer to drop a few samples.
@@ -47,6 +53,13 @@ class Plan:
             probe timed nothing.
         safe_batch: the probe's safe batch, the bound of ``micro_batch``.
         reason: why this micro-batch, in one sentence.
+        seq_len: the tokens in each sequence (sample), when the plan has a token view (a
+            ``target_tokens`` plan, a frontier's, or ``seq_len=`` given); ``None`` otherwise.
+        tokens_per_step: ``global_batch * seq_len``, the tokens one optimizer step really holds;
+            ``None`` without ``seq_len``.
+        target_tokens: the tokens per step asked for (``None`` for a plan asked in samples). When
+            it is not a whole number of sequences for every rank, ``tokens_per_step`` is the
+            smallest that is (more than asked, never fewer), and ``reason`` says so.
     """
 
     target_batch: int
@@ -60,6 +73,9 @@ class Plan:
     knee_batch: int | None
     safe_batch: int
     reason: str
+    seq_len: int | None = None
+    tokens_per_step: int | None = None
+    target_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # A plan whose numbers disagree would mislead exactly where it matters (how many samples an
@@ -74,24 +90,50 @@ class Plan:
                 f"exact={self.exact} and remainder={self.remainder} do not match target_batch {self.target_batch} "
                 f"and global_batch {self.global_batch}"
             )
+        if self.seq_len is None:
+            if self.tokens_per_step is not None or self.target_tokens is not None:
+                raise ValueError("tokens_per_step and target_tokens need seq_len: a plan without it has no token view")
+        elif self.tokens_per_step != self.global_batch * self.seq_len:
+            raise ValueError(
+                f"tokens_per_step {self.tokens_per_step} is not global_batch {self.global_batch} x seq_len "
+                f"{self.seq_len}"
+            )
 
     def __str__(self) -> str:
         ranks = f"{self.world_size} ranks x " if self.world_size > 1 else ""
         steps = "step" if self.accumulation_steps == 1 else "steps"
         exactness = "exact" if self.exact else f"{self.remainder} short of the target {self.target_batch}"
-        text = (
-            f"global batch {self.global_batch} = {ranks}micro-batch {self.micro_batch} x "
-            f"{self.accumulation_steps} accumulation {steps} ({exactness})"
-        )
+        if self.target_tokens is not None and self.tokens_per_step is not None and self.exact:
+            over = self.tokens_per_step - self.target_tokens
+            if over:
+                exactness = f"{over:,} tokens over the target {self.target_tokens:,}: whole sequences"
+        split = f"{ranks}micro-batch {self.micro_batch} x {self.accumulation_steps} accumulation {steps} ({exactness})"
+        if self.seq_len is not None and self.tokens_per_step is not None:
+            text = (
+                f"{self.tokens_per_step:,} tokens/step = global batch {self.global_batch} x {self.seq_len:,} tokens "
+                f"= {split}"
+            )
+        else:
+            text = f"global batch {self.global_batch} = {split}"
         if self.samples_per_s is not None:
-            text += f"; {self.samples_per_s:,.0f} samples/s measured at micro-batch {self.micro_batch}"
+            text += f"; {self.samples_per_s:,.0f} samples/s"
+            if self.seq_len is not None:
+                text += f" ({self.samples_per_s * self.seq_len:,.0f} tokens/s)"
+            text += f" measured at micro-batch {self.micro_batch}"
         text += f"; safe batch {self.safe_batch}"
         if self.knee_batch is not None:
             text += f", throughput knee {self.knee_batch}"
         return text + f". {self.reason}"
 
 
-def plan_for(result: Result, target_batch: int, world_size: int | None = None) -> Plan:
+def plan_for(
+    result: Result | Frontier,
+    target_batch: int | None = None,
+    world_size: int | None = None,
+    *,
+    target_tokens: int | None = None,
+    seq_len: int | None = None,
+) -> Plan:
     """Split ``target_batch`` (global) into ``world_size`` ranks x micro-batch x accumulation steps.
 
     The per-rank share ``target_batch // world_size`` is split exactly: the micro-batch is a divisor
@@ -112,23 +154,66 @@ def plan_for(result: Result, target_batch: int, world_size: int | None = None) -
     reason also names the non-exact alternative and how many samples it would leave out, for the
     user to choose; it is never applied silently.
 
+    In tokens (``target_tokens`` and ``seq_len``, for a global batch stated as tokens per optimizer
+    step): the global batch is ``target_tokens / seq_len`` sequences, reached as whole sequences
+    for every rank: :func:`tokens_to_batch` rounds *up* to a multiple of ``seq_len * world_size``
+    tokens (never fewer tokens than asked), and the plan's ``tokens_per_step`` and ``reason`` say
+    how many more it holds and what the nearest split below would be.
+
     Args:
-        result: a probe's answer (:func:`batchfit.find`); its batch sizes are per rank.
-        target_batch: the global batch to reach, summed over every rank and accumulation step.
+        result: a probe's answer (:func:`batchfit.find`); its batch sizes are per rank. Or a
+            :class:`~batchfit.report.frontier.Frontier`: the plan is made on its point at
+            ``seq_len`` (required: a frontier has several lengths, and the choice of length is
+            the user's).
+        target_batch: the global batch to reach in samples (sequences), summed over every rank
+            and accumulation step. Exactly one of ``target_batch`` and ``target_tokens``.
         world_size: the ranks to train on; default ``result.world_size``.
+        target_tokens: the global batch to reach in tokens per optimizer step.
+        seq_len: the tokens in each sequence. Needed with ``target_tokens`` unless the result
+            records the length it was sized on (``result.sized_on``); with ``target_batch`` it is
+            optional and adds the token view (``tokens_per_step``). The result's micro-batch is
+            for the length it was probed at: plan at that length.
 
     Raises:
-        TypeError: ``result`` is not a :class:`~batchfit.report.Result`, or ``target_batch`` /
-            ``world_size`` is not an int.
-        ValueError: ``target_batch`` or ``world_size`` is not positive, or ``target_batch`` is not
-            divisible by ``world_size``.
+        TypeError: ``result`` is not a :class:`~batchfit.report.Result` or a frontier; a target,
+            ``seq_len`` or ``world_size`` is not an int; both or neither of ``target_batch`` and
+            ``target_tokens`` are given.
+        ValueError: a target, ``seq_len`` or ``world_size`` is not positive; ``target_batch`` is
+            not divisible by ``world_size``; ``target_tokens`` is less than one sequence per rank
+            (``seq_len * world_size``); ``target_tokens`` without a known ``seq_len``; a frontier
+            without ``seq_len`` or with no point at it.
     """
-    if not isinstance(result, Result):
-        raise TypeError(f"result must be a batchfit Result, got {type(result).__name__}")
-    check_target(target_batch, world_size)
+    is_frontier = isinstance(result, Frontier)
+    if not isinstance(result, Result) and not is_frontier:
+        raise TypeError(f"result must be a batchfit Result or Frontier, got {type(result).__name__}")
+    check_target(target_batch, world_size, target_tokens=target_tokens, seq_len=seq_len)
+    about_target: list[str] = []  # how the target was read: before the reason, which is about the split
+    if is_frontier:
+        result = _point_result(result, seq_len, about_target)
+    assert isinstance(result, Result)
+    sized_at = _sized_on_length(result)
+    if seq_len is None and target_tokens is not None:
+        if sized_at is None:
+            raise ValueError(
+                f"target_tokens {target_tokens:,} needs seq_len=, the tokens in each sequence: the result does not "
+                "record the length it was sized on"
+            )
+        seq_len = sized_at
+        about_target.append(f"seq_len {seq_len:,} is the length the probe sized on")
+    elif seq_len is not None and sized_at is not None and sized_at != seq_len:
+        about_target.append(
+            f"the probe sized on sequences of {sized_at:,} tokens, not {seq_len:,}: its batch sizes hold at "
+            f"{sized_at:,}"
+        )
     if world_size is None:
         world_size = result.world_size
-        check_target(target_batch, world_size)
+    check_target(target_batch, world_size, target_tokens=target_tokens, seq_len=seq_len)
+    if target_tokens is not None:
+        assert seq_len is not None
+        target_batch = tokens_to_batch(target_tokens, seq_len, world_size)
+        if target_batch * seq_len != target_tokens:
+            about_target.append(_rounding_note(target_tokens, seq_len, world_size, target_batch))
+    assert target_batch is not None
     safe = result.safe_batch
     if safe < 1:
         raise ValueError(f"the result's safe_batch is {safe}: not even one sample fits, there is nothing to plan")
@@ -170,23 +255,92 @@ def plan_for(result: Result, target_batch: int, world_size: int | None = None) -
         samples_per_s=rates.get(micro),
         knee_batch=result.throughput.knee_batch if result.throughput is not None else None,
         safe_batch=safe,
-        reason="; ".join([why, *notes]) + ".",
+        reason="; ".join([*about_target, why, *notes]) + ".",
+        seq_len=seq_len,
+        tokens_per_step=None if seq_len is None else global_batch * seq_len,
+        target_tokens=target_tokens,
     )
 
 
-def check_target(target_batch: Any, world_size: Any = None) -> None:
+def tokens_to_batch(target_tokens: int, seq_len: int, world_size: int = 1) -> int:
+    """The global batch, in sequences, for ``target_tokens`` per optimizer step: the fewest whole
+    sequences of ``seq_len`` tokens, the same number on each of ``world_size`` ranks, that hold at
+    least ``target_tokens`` (``ceil(target_tokens / (seq_len * world_size)) * world_size``)."""
+    check_target(None, world_size, target_tokens=target_tokens, seq_len=seq_len)
+    return -(-target_tokens // (seq_len * world_size)) * world_size
+
+
+def check_target(
+    target_batch: Any = None, world_size: Any = None, *, target_tokens: Any = None, seq_len: Any = None
+) -> None:
     """The checks of :func:`plan_for` that need no result, so that ``batchfit.plan(model, ...)``
-    refuses a bad target before it spends a probe on it."""
-    _check_positive_int("target_batch", target_batch)
+    refuses a bad target before it spends a probe on it. ``world_size`` and ``seq_len`` may be
+    ``None`` (not known yet: the result's); what can be checked without them is."""
+    if (target_batch is None) == (target_tokens is None):
+        raise TypeError(
+            "give exactly one of target_batch (samples per optimizer step) and target_tokens (tokens per step, "
+            f"with seq_len): {'both were given' if target_batch is not None else 'neither was given'}"
+        )
+    if target_tokens is not None:
+        _check_positive_int("target_tokens", target_tokens)
+    else:
+        _check_positive_int("target_batch", target_batch)
+    if seq_len is not None:
+        _check_positive_int("seq_len", seq_len)
+    if world_size is not None:
+        _check_positive_int("world_size", world_size)
+    if target_tokens is not None:
+        if seq_len is not None and target_tokens < seq_len * (world_size or 1):
+            per = f" on each of {world_size} ranks ({seq_len * world_size:,} tokens)" if (world_size or 1) > 1 else ""
+            raise ValueError(
+                f"target_tokens {target_tokens:,} is less than one sequence of seq_len {seq_len:,}{per}: a step "
+                "holds whole sequences"
+            )
+        return
     if world_size is None:
         return
-    _check_positive_int("world_size", world_size)
     if target_batch % world_size:
         raise ValueError(
             f"target_batch {target_batch} is not divisible by world_size {world_size}: every rank must get a whole "
             f"share (the nearest are {target_batch // world_size * world_size} and "
             f"{(target_batch // world_size + 1) * world_size})"
         )
+
+
+def _rounding_note(target_tokens: int, seq_len: int, world_size: int, batch: int) -> str:
+    per_rank = f" for each of {world_size} ranks" if world_size > 1 else ""
+    below = batch - world_size  # >= world_size: target_tokens >= seq_len * world_size
+    return (
+        f"target_tokens {target_tokens:,} is not a whole number of {seq_len:,}-token sequences{per_rank}: rounded "
+        f"up to {batch} sequences, {batch * seq_len:,} tokens per step ({batch * seq_len - target_tokens:,} more; "
+        f"the nearest below is {below} sequences, {below * seq_len:,} tokens)"
+    )
+
+
+def _point_result(frontier: Frontier, seq_len: int | None, notes: list[str]) -> Result:
+    """The result of ``frontier``'s point at ``seq_len``; a ``ValueError`` listing its lengths."""
+    lengths = ", ".join(f"{point.seq_len:,}" for point in frontier.points)
+    if seq_len is None:
+        raise ValueError(f"a frontier has a point per length ({lengths}): pass seq_len= to choose the one to plan on")
+    try:
+        point = frontier.point(seq_len)
+    except KeyError:
+        raise ValueError(f"the frontier has no point at seq_len={seq_len:,}; its lengths: {lengths}") from None
+    notes.append(
+        f"planned on the frontier's point at seq_len {seq_len:,} (max batch {point.max_batch}, safe batch "
+        f"{point.safe_batch})"
+    )
+    return point.result
+
+
+def _sized_on_length(result: Result) -> int | None:
+    """The sequence length the probe sized on, where the result records one (``result.sized_on``)."""
+    sized_on = getattr(result, "sized_on", None)
+    for name in ("seq_len", "length"):
+        value = getattr(sized_on, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -8,9 +8,14 @@ they were, and the algorithm that turns trials into an answer.
 * :mod:`~batchfit.probe.trial`: one trial (batch, steps, timing, memory, clean-up);
 * :mod:`~batchfit.probe.state`: the snapshot and exact restore of model, optimizer, RNG;
 * :mod:`~batchfit.probe.checks`: the input checks every entry point shares, the model's facts;
+* :mod:`~batchfit.probe.real_data`: the batch that drives memory, picked from a loader's real data
+  (:func:`worst_batch`); :mod:`~batchfit.probe.positions`: the model's position limit
+  (:func:`position_limit`);
 * :mod:`~batchfit.probe.prober`: :class:`Prober`, the lifetime of a probe;
 * :mod:`~batchfit.probe.finder`: :func:`search_with` and :func:`find_with`, the algorithm, with
   :mod:`~batchfit.probe.safe_batch` and :mod:`~batchfit.probe.notes`;
+* :mod:`~batchfit.probe.frontier`: :func:`frontier_with`, the largest batch per sequence length
+  (one probe per length, each further one searched from the surface's prediction);
 * :mod:`~batchfit.probe.jobs`: a prober whose trials are fresh ``torchrun`` jobs (sharded models).
 
 The keyword front end users call, :func:`batchfit.find`, is :mod:`batchfit.api`'s.
@@ -31,7 +36,6 @@ if TYPE_CHECKING:
         check_callbacks,
         check_materialised,
         check_work,
-        first_batch,
         fit_memory,
         fixed_memory_advice,
         loss_notes,
@@ -47,9 +51,12 @@ if TYPE_CHECKING:
         settings_of,
         verdict,
     )
+    from batchfit.probe.frontier import LENGTH_CEILING, PointCallback, ProberFactory, check_lengths, frontier_with
     from batchfit.probe.jobs import JobPerTrial, run_worker_trial, write_verdict
     from batchfit.probe.options import DEFAULT_MAX_BATCH, Options, positive_int, renamed
+    from batchfit.probe.positions import check_seq_len, position_limit
     from batchfit.probe.prober import Prober
+    from batchfit.probe.real_data import is_batch_source, worst_batch
     from batchfit.probe.state import Snapshot, take
     from batchfit.probe.trial import TrialRun, run_trial
     from batchfit.probe.workload import (
@@ -71,7 +78,6 @@ _EXPORTS = {
     "check_callbacks": "batchfit.probe.checks",
     "check_materialised": "batchfit.probe.checks",
     "check_work": "batchfit.probe.checks",
-    "first_batch": "batchfit.probe.checks",
     "fit_memory": "batchfit.probe.checks",
     "fixed_memory_advice": "batchfit.probe.checks",
     "loss_notes": "batchfit.probe.checks",
@@ -88,6 +94,11 @@ _EXPORTS = {
     "search_with": "batchfit.probe.finder",
     "settings_of": "batchfit.probe.finder",
     "verdict": "batchfit.probe.finder",
+    "LENGTH_CEILING": "batchfit.probe.frontier",
+    "PointCallback": "batchfit.probe.frontier",
+    "ProberFactory": "batchfit.probe.frontier",
+    "check_lengths": "batchfit.probe.frontier",
+    "frontier_with": "batchfit.probe.frontier",
     "JobPerTrial": "batchfit.probe.jobs",
     "run_worker_trial": "batchfit.probe.jobs",
     "write_verdict": "batchfit.probe.jobs",
@@ -95,7 +106,11 @@ _EXPORTS = {
     "Options": "batchfit.probe.options",
     "positive_int": "batchfit.probe.options",
     "renamed": "batchfit.probe.options",
+    "check_seq_len": "batchfit.probe.positions",
+    "position_limit": "batchfit.probe.positions",
     "Prober": "batchfit.probe.prober",
+    "is_batch_source": "batchfit.probe.real_data",
+    "worst_batch": "batchfit.probe.real_data",
     "Snapshot": "batchfit.probe.state",
     "take": "batchfit.probe.state",
     "TrialRun": "batchfit.probe.trial",

@@ -7,15 +7,14 @@ equation are built from (parameter bytes, the fixed memory advice).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from batchfit.probe.batches import batch_size_of, tensor_leaves
+from batchfit.probe.batches import tensor_leaves
 from batchfit.probe.options import Options
 from batchfit.probe.workload import split_pair
 from batchfit.report import MemoryModel, Trial, Unit
@@ -153,51 +152,3 @@ def fixed_memory_advice(weights: int, trainable: int, mode: str, optimizer: Any,
         f"{parts[0].upper()}{parts[1:]}, more than the budget: lowering init_batch cannot help. Raise "
         "memory_limit, use a smaller model, or an optimizer with less state (SGD, or 8-bit/factored moments)."
     )
-
-
-def first_batch(sample: Any, keep_rng: bool = True) -> tuple[Any, str | None]:
-    """The sample itself, or the first batch of a ``DataLoader`` (or of any other iterable of
-    batches that is not itself a batch), as users hold their data; with the note that says so.
-
-    Drawing a batch moves random generators even without shuffling: a ``DataLoader``'s iterator
-    draws its base seed from torch's CPU generator (or the loader's ``generator``), and a
-    ``RandomSampler`` draws from the global generator or its own. ``keep_rng`` (the probe's
-    ``restore_rng``) draws on copies: every generator is put back as it was, so a probe that
-    restores the RNG restores it to where it stood before the loader was touched.
-    """
-    from torch.utils.data import DataLoader
-
-    is_batch = isinstance(sample, (torch.Tensor, Mapping, tuple, list, str, bytes)) or sample is None
-    if is_batch or not (isinstance(sample, DataLoader) or hasattr(sample, "__iter__")):
-        return sample, None
-    with _generators_kept(sample) if keep_rng else contextlib.nullcontext():
-        try:
-            first = next(iter(sample))
-        except StopIteration:
-            raise ValueError(f"the sample {type(sample).__name__} yielded no batch: it is empty") from None
-    note = (
-        f"sample: the first batch of the {type(sample).__name__} (batch size {batch_size_of(first)}), "
-        "repeated along dim 0 to build every size"
-    )
-    return first, note
-
-
-@contextlib.contextmanager
-def _generators_kept(loader: Any) -> Iterator[None]:
-    """torch's CPU generator and the generators a loader and its samplers own, as they were."""
-    owned = [
-        getattr(holder, "generator", None)
-        for holder in (
-            loader,
-            getattr(loader, "sampler", None),
-            getattr(getattr(loader, "batch_sampler", None), "sampler", None),
-        )
-    ]
-    generators = {id(g): g for g in owned if isinstance(g, torch.Generator)}
-    states = [(g, g.get_state()) for g in generators.values()]
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            for generator, state in states:
-                generator.set_state(state)

@@ -24,14 +24,22 @@ from batchfit.probe.checks import check_callbacks
 from batchfit.probe.notes import equation_notes, evidence, ranks_notes, throughput_notes, trial_notes
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
-from batchfit.probe.safe_batch import safe_batch
-from batchfit.report import DeviceInfo, Result, Settings, Throughput, Trial, TrialKind, Unit
-from batchfit.search import Attempt, confirm_from_scratch, is_non_monotone, search
+from batchfit.probe.safe_batch import safe_batch, safe_cap
+from batchfit.report import DeviceInfo, MemoryModel, Result, Settings, Throughput, Trial, TrialKind, Unit
+from batchfit.search import Attempt, Grid, SearchReport, confirm_from_scratch, is_non_monotone, search
 from batchfit.version import __version__
 
 TrialCallback = Callable[[Trial], None]
 StartCallback = Callable[[int, str], None]
 ProbeStartCallback = Callable[[DeviceInfo, "int | None"], None]
+#: ``(oracle, grid, should_stop, budget_bytes, verify) -> SearchReport``: a search other than the
+#: default one; ``verify(b)`` runs the safe batch's verification at ``b`` (``None`` with ``verify_steps=0``).
+Searcher = Callable[
+    [Callable[[int], Attempt], Grid, Callable[[], bool], "int | None", "Callable[[int], Attempt] | None"],
+    SearchReport,
+]
+#: ``(trials, budget_bytes, unit) -> MemoryModel | None``: the memory equation when the trials cannot fit one.
+MemoryHint = Callable[[list[Trial], "int | None", Unit], "MemoryModel | None"]
 
 
 def find_with(
@@ -58,6 +66,9 @@ def search_with(
     callback: TrialCallback | None = None,
     on_trial_start: StartCallback | None = None,
     on_start: ProbeStartCallback | None = None,
+    searcher: Searcher | None = None,
+    memory_hint: MemoryHint | None = None,
+    keep_verified_within: float = 0.0,
 ) -> Result:
     """The search, the safe batch and the :class:`Result`, over any ``prober`` that does what
     :class:`Prober` does (a context manager with ``trial()``, ``budget_bytes``, ``counts``,
@@ -66,7 +77,17 @@ def search_with(
     and the limit's ``limit_bytes`` /
     ``limit_source`` / ``reserve_bytes``):
     :class:`Prober` here, a job per trial in ``batchfit.probe.jobs``. ``started``: the
-    ``time.monotonic()`` the answer's time counts from."""
+    ``time.monotonic()`` the answer's time counts from.
+
+    ``searcher`` replaces the search from ``init_batch`` (:func:`batchfit.search.search` with the
+    options' strategy): the frontier searches each further length from the boundary its surface
+    predicts (``batchfit.probe.frontier``), and may run the safe batch's verification first, at
+    the safe batch it predicts, as the search's first measured point; ``keep_verified_within``
+    (a fraction) keeps such a verification as the safe batch when the memory line's candidate is
+    at most that much above it (see :func:`~batchfit.probe.safe_batch.safe_batch`).
+    ``memory_hint`` gives the memory equation when the trials measured fewer than two fitting
+    sizes (such a search can end after one fit and one failure), so that the safe batch is still
+    aimed by memory and not set to ``init_batch``."""
     check_callbacks(callback, on_trial_start, on_start)
     grid, chooser = options.grid(), options.make_strategy()
     trials: list[Trial] = []
@@ -98,6 +119,15 @@ def search_with(
 
     in_trial = [False]  # an exception raised while True came from a trial or a callback, not the search
 
+    def verify(batch_size: int) -> Attempt:
+        # The safe batch's verification, run by a searcher that aims with it (see ``searcher``):
+        # as safe_batch() runs it, so that safe_batch() finds it done and does not run it again.
+        cap = safe_cap(budget, options.headroom) if budget is not None and batch_size > grid.init else None
+        in_trial[0] = True
+        trial = run(batch_size, "verify", options.verify_steps, cap)
+        in_trial[0] = False
+        return verdict(trial, unit)
+
     def oracle(batch_size: int) -> Attempt:
         in_trial[0] = True
         trial = run(batch_size, "search")
@@ -113,7 +143,10 @@ def search_with(
             on_start(prober.device_info, budget)
         # 2. The boundary: the pure search asks for real trials until it knows it.
         try:
-            report = search(oracle, grid, chooser, out_of_time, budget_bytes=budget)
+            if searcher is None:
+                report = search(oracle, grid, chooser, out_of_time, budget_bytes=budget)
+            else:
+                report = searcher(oracle, grid, out_of_time, budget, verify if options.verify_steps else None)
         except NothingFitsError as failed:
             if in_trial[0]:
                 raise  # the user's callback (or model) raised it: not the search's verdict
@@ -139,7 +172,11 @@ def search_with(
         budget = prober.settle_reserve()
         # 4. The memory equation, then the safe batch it predicts, verified by real steps.
         memory = prober.memory_model(trials)
-        safe, verified, safe_notes = safe_batch(report, trials, memory, budget, options, unit, run)
+        if memory is None and memory_hint is not None:
+            memory = memory_hint(trials, budget, unit)
+        safe, verified, safe_notes = safe_batch(
+            report, trials, memory, budget, options, unit, run, keep_within=keep_verified_within
+        )
     # 5. The answer: what the trials measured, and what a reader should know about them.
     throughput = Throughput.of(trials)
 
@@ -155,7 +192,7 @@ def search_with(
         trials=tuple(trials),
         memory=memory,
         device=prober.device_info,
-        settings=_settings(options, prober, chooser.name),
+        settings=_settings(options, prober, report.strategy),
         elapsed_s=time.monotonic() - started,
         torch_version=torch.__version__,
         batchfit_version=__version__,
@@ -174,6 +211,7 @@ def search_with(
         budget_counts=unit,
         throughput=throughput,
         world_size=prober.ranks.world_size,
+        sized_on=getattr(prober, "sized_on", None),
     )
 
 

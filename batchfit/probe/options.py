@@ -10,6 +10,7 @@ Pure Python apart from type hints: no torch import, so the CLI can validate befo
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Callable
@@ -49,10 +50,11 @@ class Options:
     ``device``, ``memory_limit``, ``reserve``, ``steps_per_trial``. The search: ``headroom``,
     ``init_batch``, ``max_batch``, ``multiple_of``, ``verify_steps``, ``strategy``,
     ``time_budget``. The restore: ``restore_rng``. Many ranks: ``distributed``,
-    ``rank_timeout``. See :func:`batchfit.find` for what each one means.
+    ``rank_timeout``. Real data: ``seq_len``, ``scan_batches`` (``batchfit.probe.real_data``).
+    See :func:`batchfit.find` for what each one means.
     """
 
-    make_batch: Callable[[int], Any] | None = None
+    make_batch: Callable[..., Any] | None = None
     loss_fn: Callable[[Any, Any], Any] | None = None
     step_fn: Callable[[Any, Any], Any] | None = None
     criterion: Callable[[Any, Any], Any] | None = None
@@ -73,6 +75,8 @@ class Options:
     restore_rng: bool = True
     distributed: bool | None = None
     rank_timeout: float = 300.0
+    seq_len: int | None = None
+    scan_batches: int = 64
 
     def __post_init__(self) -> None:
         if self.make_batch is not None and not callable(self.make_batch):
@@ -127,6 +131,20 @@ class Options:
             )
         self.grid()  # init_batch against max_batch and multiple_of
         make_strategy(self.strategy)
+        positive_int("scan_batches", self.scan_batches)
+        if self.seq_len is not None:
+            positive_int("seq_len", self.seq_len)
+            if self.make_batch is not None:
+                _check_two_arguments(self.make_batch, self.seq_len)
+
+    def batch_maker(self) -> Callable[[int], Any] | None:
+        """``make_batch`` as every probe calls it, ``batch_size -> batch``: with ``seq_len`` the
+        user's callable takes the length too, ``make_batch(batch_size, seq_len)``. One place, so
+        that find, estimate, the gate and the CLI build the same batches."""
+        make, seq_len = self.make_batch, self.seq_len
+        if make is None or seq_len is None:
+            return make
+        return lambda batch_size: make(batch_size, seq_len)
 
     @property
     def first_batch(self) -> int:
@@ -144,6 +162,23 @@ class Options:
 
     def make_strategy(self) -> Strategy:
         return make_strategy(self.strategy)
+
+
+def _check_two_arguments(make_batch: Callable[..., Any], seq_len: int) -> None:
+    """With ``seq_len``, ``make_batch`` is called as ``make_batch(batch_size, seq_len)``: a
+    one-argument callable is named now, not as a ``TypeError`` inside the first trial."""
+    try:
+        signature = inspect.signature(make_batch)
+    except (TypeError, ValueError):  # a builtin or C callable: its call will say what it needs
+        return
+    try:
+        signature.bind(1, seq_len)
+    except TypeError:
+        name = getattr(make_batch, "__qualname__", type(make_batch).__name__)
+        raise TypeError(
+            f"with seq_len={seq_len}, make_batch is called as make_batch(batch_size, seq_len); "
+            f"{name}{signature} cannot take two arguments"
+        ) from None
 
 
 def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:

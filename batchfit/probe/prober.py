@@ -26,7 +26,6 @@ from batchfit.probe.batches import batch_size_of, tensor_leaves, to_device
 from batchfit.probe.checks import (
     check_materialised,
     check_work,
-    first_batch,
     fit_memory,
     fixed_memory_advice,
     loss_notes,
@@ -34,10 +33,12 @@ from batchfit.probe.checks import (
 )
 from batchfit.probe.compiled import compile_notes, compile_seconds, compiled_info
 from batchfit.probe.options import Options, positive_int
+from batchfit.probe.positions import check_seq_len
+from batchfit.probe.real_data import worst_batch
 from batchfit.probe.state import Snapshot, take
 from batchfit.probe.trial import run_trial
 from batchfit.probe.workload import AMP_DTYPES, Workload, optimizer_factory
-from batchfit.report import DeviceInfo, MemoryModel, Trial, TrialKind, Unit
+from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
 from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
 
 __all__ = ["Prober"]
@@ -59,7 +60,12 @@ class Prober:
         options = Options(**kwargs) if options is None else replace(options, **kwargs)
         #: Things the probe's set-up wants the result to say (a clipped budget, ...).
         self.notes: list[str] = []
-        sample, drawn = first_batch(sample, keep_rng=options.restore_rng)
+        check_seq_len(model, options.seq_len)  # before a loader is scanned
+        sample, drawn, sized_on = worst_batch(
+            sample, scan_batches=options.scan_batches, seq_len=options.seq_len, keep_rng=options.restore_rng
+        )
+        #: Which batch of real data the sizes are built from (``batchfit.probe.real_data``), or ``None``.
+        self.sized_on: SizedOn | None = sized_on
         if drawn is not None:
             self.notes.append(drawn)
         check_work(model, sample, options)
@@ -198,7 +204,7 @@ class Prober:
             mode=self.mode,
             sample=sample,
             sample_size=self._sample_size,
-            make_batch=options.make_batch,
+            make_batch=options.batch_maker(),
             loss_fn=options.loss_fn,
             step_fn=options.step_fn,
             new_optimizer=self._new_optimizer,

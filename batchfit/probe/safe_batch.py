@@ -19,6 +19,28 @@ STEP_DOWN = 0.03
 RunTrial = Callable[[int, TrialKind, "int | None", "int | None"], Trial]
 
 
+def safe_cap(budget: int, headroom: float) -> int:
+    """The lowered cap the safe batch runs under: ``(1 - headroom) x budget``."""
+    return math.floor(budget * (1 - headroom))
+
+
+def _verified_within(
+    trials: list[Trial], size: int, steps: int, cap: int | None, init: int, within: float
+) -> int | None:
+    """The largest size in ``[(1 - within) x size, size]`` that ``trials`` hold a passed
+    verification of, with ``steps`` steps under ``cap`` (as :func:`safe_batch` runs it); ``None``."""
+    sizes = [
+        t.batch_size
+        for t in trials
+        if t.kind == "verify"
+        and t.fits
+        and t.steps >= steps
+        and (1 - within) * size <= t.batch_size <= size
+        and t.cap_bytes == (cap if t.batch_size > init else None)
+    ]
+    return max(sizes, default=None)
+
+
 def safe_batch(
     report: SearchReport,
     trials: list[Trial],
@@ -27,6 +49,7 @@ def safe_batch(
     options: Options,
     unit: Unit,
     run: RunTrial,
+    keep_within: float = 0.0,
 ) -> tuple[int, bool, list[str]]:
     """The largest size that *runs* under a cap of ``(1 - headroom) x budget``, verified there.
 
@@ -42,6 +65,11 @@ def safe_batch(
     lowered cap steps down by :data:`STEP_DOWN` of its size, at most :data:`ATTEMPTS` times. If
     none passes, the largest size that fitted any trial below the candidates is returned, marked
     not verified, with a note in capitals: never a size that was not run.
+
+    A verification already among ``trials`` (a searcher may run it first, see
+    ``batchfit.probe.finder.search_with``) is not run again; one within ``keep_within`` (a
+    fraction) below the candidate is kept as the safe batch instead of verifying the candidate
+    (the frontier's lengths: 0 for ``find()``).
     """
     notes: list[str] = []
     grid, headroom, verify_steps = options.grid(), options.headroom, options.verify_steps
@@ -50,7 +78,7 @@ def safe_batch(
     if budget is None:
         safe = largest
     else:
-        cap = math.floor(budget * (1 - headroom))
+        cap = safe_cap(budget, headroom)
         measured = [t.batch_size for t in trials if t.fits and t.peak_in(unit) is not None and t.peak_in(unit) <= cap]
         predicted = grid.floor(memory.largest_batch_within(cap, ceiling=largest)) if memory else 0
         safe = min(largest, max([*measured, predicted, 0]))
@@ -60,8 +88,18 @@ def safe_batch(
     if verify_steps == 0:
         return safe, False, notes
     lowest_failed: int | None = None
+    kept = _verified_within(trials, safe, verify_steps, cap, grid.init, keep_within)
+    if kept is not None and kept < safe:
+        notes.append(
+            f"safe batch {kept} was verified first (the search's first trial, aimed by the memory surface); the "
+            f"memory line's candidate {safe} is within {keep_within:.0%} of it, so it was kept without another trial"
+        )
+        return kept, True, notes
     for _ in range(ATTEMPTS):
-        check = run(safe, "verify", verify_steps, cap if safe > grid.init else None)
+        under = cap if safe > grid.init else None
+        if _verified_within(trials, safe, verify_steps, cap, grid.init, 0.0) == safe:  # a searcher ran it
+            return safe, True, notes
+        check = run(safe, "verify", verify_steps, under)
         if check.fits:
             return safe, True, notes
         lowest_failed = safe

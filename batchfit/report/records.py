@@ -157,3 +157,74 @@ class Settings:
     limit_source: str = "device"
     time_budget_s: Seconds | None = None
     reserve_bytes: Bytes = 0
+
+
+#: Where the batch a probe sized on came from (``batchfit.probe.real_data``): the worst batch of a
+#: loader's scan, the longest item by the dataset's own lengths, or the ``seq_len`` the user gave.
+SizedOnSource = Literal["loader scan", "dataset lengths", "seq_len"]
+
+
+@dataclass(frozen=True)
+class SizedOn:
+    """Which batch of real data the answer holds for, and how much data was looked at to pick it.
+
+    Variable-length data runs out of memory at its longest batch, not at its first, so a probe
+    given a loader sizes on the worst batch it finds (``batchfit.probe.real_data``); a reader of
+    the result needs to know which one that was, and how much of the data the choice rests on.
+
+    Attributes:
+        source: ``"loader scan"`` (the worst of the batches scanned), ``"dataset lengths"`` (the
+            longest item by the dataset's ``lengths``, collated alone) or ``"seq_len"`` (the
+            length the user gave; the rows come from the scan's worst batch or the sample).
+        batches_scanned: batches drawn from the loader (0 when none was).
+        total_batches: the loader's ``len()``, ``None`` where it has none.
+        leaf: the tensor whose length varies (``"sample['input_ids']"``), ``None`` when no
+            dimension varied.
+        dim: the dimension of ``leaf`` that varies (the sequence).
+        length: its size in the batch sized on (after the collate function's padding).
+        first_length: its size in the loader's first batch.
+        batch_number: which batch of the scan was the worst (1: the first).
+        dataset_size: with the dataset's lengths: how many items they cover.
+        dataset_length: with the dataset's lengths: the longest item's own length (before padding).
+    """
+
+    source: SizedOnSource
+    batches_scanned: Count = 0
+    total_batches: Count | None = None
+    leaf: str | None = None
+    dim: Count | None = None
+    length: Count | None = None
+    first_length: Count | None = None
+    batch_number: Batch | None = None
+    dataset_size: Count | None = None
+    dataset_length: Count | None = None
+
+    def summary(self) -> str:
+        """One line: the length sized on, where it was measured, and how much data was seen."""
+        where = f" (dim {self.dim} of {self.leaf})" if self.leaf is not None and self.dim is not None else ""
+        length = f"length {self.length:,}{where}" if self.length is not None else "the shapes of the batch"
+        of_total = f" (of {self.total_batches:,})" if self.total_batches is not None else ""
+        scanned = f"{self.batches_scanned:,} batch{'es' if self.batches_scanned != 1 else ''} scanned{of_total}"
+        first = f"; the first batch had length {self.first_length:,}" if self.first_length is not None else ""
+        if self.source == "dataset lengths":
+            declared = f" ({self.dataset_length:,})" if self.dataset_length is not None else ""
+            items = f" of {self.dataset_size:,} samples" if self.dataset_size is not None else ""
+            return f"{length}: the longest sample{items}{declared} by the dataset's lengths, collated alone"
+        if self.source == "seq_len":
+            asked = f"seq_len={self.length:,}{where}" if self.length is not None else "seq_len="
+            if self.dataset_size is not None:
+                rows = f"the longest of {self.dataset_size:,} samples (by the dataset's lengths)"
+            elif self.batches_scanned:
+                rows = f"the rows of the worst of {scanned}"
+            elif self.leaf is not None:
+                had = f" (length {self.first_length:,})" if self.first_length is not None else ""
+                return f"{asked}, built from the sample's rows{had}"
+            else:
+                return f"{asked}, passed to make_batch(batch_size, seq_len)"
+            return f"{asked}, built from {rows}{first}"
+        if self.leaf is None:
+            if self.batches_scanned <= 1:
+                return f"the first batch ({scanned})"
+            return f"the first batch: the {scanned} all have the same shapes"
+        number = f" of batch {self.batch_number:,}" if self.batch_number is not None else ""
+        return f"{length}{number}, the worst of {scanned}{first}"

@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar
 
 from batchfit.report.codec import Batch, Bytes, NotAbove, Seconds, read_document, read_json
 from batchfit.report.memory import MemoryModel
-from batchfit.report.records import DeviceInfo, Settings, Trial, Unit
+from batchfit.report.records import DeviceInfo, Settings, SizedOn, Trial, Unit
 from batchfit.report.throughput import Throughput
 from batchfit.search import StopReason
 
@@ -42,6 +42,9 @@ class Result:
             rank, peaks the largest rank's, throughput the whole group's. 1 for one process.
         estimated: the answer of :func:`batchfit.estimate` (fake tensors, no device), not of
             real steps; ``assumptions`` says what it rests on.
+        sized_on: which batch of real data the sizes were built from, when the sample was a
+            ``DataLoader`` (the worst batch of a scan, or the longest item by the dataset's
+            lengths) or ``seq_len`` was given; ``None`` for a plain sample or ``make_batch``.
     """
 
     #: The schema its JSON document names (see :meth:`to_json`).
@@ -68,6 +71,7 @@ class Result:
     world_size: Batch = 1
     estimated: bool = False
     assumptions: tuple[str, ...] = field(default=())
+    sized_on: SizedOn | None = None
 
     @property
     def global_max_batch(self) -> int:

@@ -47,6 +47,8 @@ def render_text(result: Result) -> str:
             f"{format_bytes(mem.weights_bytes)}, grads {format_bytes(mem.gradient_bytes)}, "
             f"optimizer state {format_bytes(mem.optimizer_state_bytes)})"
         )
+    if result.sized_on is not None:
+        lines.append(f"sized on           {result.sized_on.summary()}")
     lines.append(f"trials             {len(result.trials)} in {result.elapsed_s:.1f} s")
     lines.append("")
     lines.append(f"{'batch':>8}  {'kind':<6}  {'outcome':<14}  {'peak':>12}  {'step':>10}  {'samples/s':>11}")

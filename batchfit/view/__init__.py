@@ -11,6 +11,10 @@ end (the CLI, ``batchfit.find(progress=True)``) passes callbacks that feed a vie
   so a CI log reads like the terminal's final frame.
 * :class:`QuietView` (``--quiet``): nothing while running, one line at the end.
 
+A frontier (``batchfit frontier``, ``batchfit.frontier(progress=True)``) has its own view,
+:class:`FrontierView` (a row per finished length, then the table and the chart of
+:func:`frontier_chart`), and :class:`FrontierProgress` is ``frontier(progress=True)``'s.
+
 All three read the same formatted cells (``batchfit.view.cells``), so the numbers cannot differ
 between a terminal and a log. :func:`make_view` picks the view for a stream; :class:`Progress`
 is ``find(progress=True)``'s.
@@ -32,12 +36,17 @@ from batchfit.view.cells import (
     summary_rows,
     trial_cells,
 )
+from batchfit.view.frontier_chart import Chart, chart_text, frontier_chart
+from batchfit.view.frontier_view import FrontierProgress, FrontierView
 from batchfit.view.live import WIDE_COLUMNS, LiveView
 from batchfit.view.plain import OutputClosedError, PlainView, QuietView, View, fit_lines
 from batchfit.view.progress import Progress, columns, make_view, no_color
 
 __all__ = [
     "BAR_WIDTH",
+    "Chart",
+    "FrontierProgress",
+    "FrontierView",
     "WIDE_COLUMNS",
     "LiveView",
     "OutputClosedError",
@@ -47,9 +56,11 @@ __all__ = [
     "TrialCells",
     "View",
     "ascii_bar",
+    "chart_text",
     "columns",
     "device_label",
     "fit_lines",
+    "frontier_chart",
     "gate_rows",
     "make_view",
     "memory_equation",

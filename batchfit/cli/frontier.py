@@ -1,0 +1,169 @@
+"""``batchfit frontier TARGET --seq-lens 128,256,512``: the largest batch at each sequence length.
+
+The target gives a model and ``make_batch(batch_size, seq_len)`` (a mapping with ``model`` and
+``make_batch``; a ``sample`` is not needed). The command runs :func:`batchfit.frontier` with the
+probe's options, shows a row per finished length (``batchfit.view``), then the frontier's table and
+its chart; ``--json`` writes the frontier's document, ``--plot`` an image of it (the ``plot`` extra).
+
+Exit codes as the probe's (``batchfit.cli``): 0 ok, 1 error, 2 usage or bad target (a target
+without ``make_batch``, a length the model cannot take, a ``--json`` or ``--plot`` path that cannot
+be written, ``--plot`` without matplotlib: all before the first trial), 3 not even batch 1 fits,
+130 Ctrl-C, 141 stdout closed, 143 SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from batchfit.cli.arguments import shown_limit
+from batchfit.cli.output import EXIT_OK, UsageError, check_json_path, load, write_json
+from batchfit.cli.parser import CLI_CPU_MEMORY_LIMIT
+from batchfit.cli.probe import Calls, probe_failed
+from batchfit.cli.signals import SigtermUnwinds, Terminated
+from batchfit.version import __version__
+
+if TYPE_CHECKING:
+    from batchfit.cli.targets import Target
+
+#: The image formats ``--plot`` writes (matplotlib's own, without Pillow).
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+#: Options of ``batchfit frontier`` passed to :func:`batchfit.frontier` under the same name when given.
+OPTIONAL_KEYWORDS = ("max_batch", "init_batch", "verify_steps", "strategy", "time_budget", "max_seq_len")
+
+
+def frontier_command(args: argparse.Namespace) -> int:
+    if args.max_seq_len is not None and args.no_longest:
+        raise UsageError("--max-seq-len bounds the search for the longest length at batch 1: drop --no-longest")
+    check_json_path(args.json)
+    check_plot_path(args.plot)
+    device, limit, header = frontier_plan(args)
+    loaded = load(args)
+    if isinstance(loaded, int):
+        return loaded
+    make_batch, kwargs = frontier_kwargs(args, loaded, device, limit)
+    from batchfit.api import frontier
+    from batchfit.view import FrontierView
+
+    human = sys.stderr if args.json == "-" else sys.stdout
+    view = FrontierView(human, quiet=args.quiet)
+    calls = Calls(view)  # type: ignore[arg-type]  # the view takes a probe's callbacks too
+    failure: BaseException | None = None
+    with SigtermUnwinds() as sigterm:
+        try:
+            try:
+                view.start(header, args.seq_lens)
+                result = frontier(loaded.model, make_batch, on_point=view.point_finished, **calls.kwargs(), **kwargs)
+            except BaseException as exc:  # Ctrl-C and SIGTERM too: the view comes down either way
+                failure = exc
+        finally:
+            sigterm.hold()
+            view.stop()  # on a terminal this shows the cursor again, whatever ended the run
+    if sigterm.received and (failure is None or type(failure) is KeyboardInterrupt):
+        failure = Terminated()
+    if failure is not None:
+        return probe_failed(failure, calls, args.traceback)
+    view.summary(result)
+    if args.json:
+        write_json(args.json, result.to_json())
+    if args.plot:
+        write_plot(result, args.plot)
+        if not args.quiet:
+            print(f"plot written to {args.plot}", file=human)
+    return EXIT_OK
+
+
+def frontier_plan(args: argparse.Namespace) -> tuple[str, str | None, list[str]]:
+    """The device, the memory limit and the header lines (as a probe's: ``batchfit.cli.arguments``)."""
+    from batchfit.backends import default_device
+
+    device = args.device or default_device()
+    limit = args.memory_limit
+    lengths = ", ".join(f"{s:,}" for s in args.seq_lens)
+    longest = "" if args.no_longest else " and the longest length at batch 1"
+    header = [
+        f"batchfit {__version__}: frontier of {args.target} ({args.mode}) on {device}: seq_len {lengths}{longest}"
+    ]
+    if device.split(":")[0] == "cpu":
+        why = "" if args.device else "no GPU: "
+        source = "--memory-limit"
+        if limit is None:
+            limit, source = CLI_CPU_MEMORY_LIMIT, "the CLI's CPU default; --memory-limit SIZE to change"
+        header.append(f"{why}running on CPU under a limit of {shown_limit(limit)} on live tensor bytes ({source})")
+    elif limit is not None:
+        reserve = f" less --reserve {args.reserve}" if args.reserve else ""
+        header.append(f"memory limit {shown_limit(limit)} (--memory-limit{reserve}), counting reserved bytes")
+    return device, limit, header
+
+
+def frontier_kwargs(
+    args: argparse.Namespace, target: Target, device: str, limit: str | None
+) -> tuple[Any, dict[str, Any]]:
+    """The target's ``make_batch`` (checked: it takes ``(batch_size, seq_len)``) and
+    :func:`batchfit.frontier`'s keywords: the target's extras and the command line's options."""
+    extras = dict(target.extras)
+    make_batch = extras.pop("make_batch", None)
+    if make_batch is None:
+        raise UsageError(
+            f"{target.spec} gave no make_batch: batchfit frontier builds every batch with "
+            "make_batch(batch_size, seq_len); return a mapping with 'model' and 'make_batch'"
+        )
+    try:
+        inspect.signature(make_batch).bind(1, 1)
+    except TypeError:
+        raise UsageError(
+            f"{target.spec}'s make_batch must take (batch_size, seq_len): batchfit frontier calls it with both"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): the call will tell
+        pass
+    kwargs: dict[str, Any] = {
+        **extras,
+        "seq_lens": args.seq_lens,
+        "longest_at_batch_1": not args.no_longest,
+        "device": device,
+        "memory_limit": limit,
+        "reserve": args.reserve,
+        "amp": args.amp,
+        "mode": args.mode,
+        "headroom": args.headroom,
+        "multiple_of": args.multiple_of,
+        "steps_per_trial": args.steps_per_trial,
+    }
+    for name in OPTIONAL_KEYWORDS:
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    return make_batch, kwargs
+
+
+def check_plot_path(path: str | None) -> None:
+    """Refuse (exit 2) a ``--plot PATH`` before anything runs: matplotlib missing (the ``plot``
+    extra), or a path that cannot be written (as ``--json``'s)."""
+    if path is None:
+        return
+    from batchfit.report import require_matplotlib
+
+    try:
+        require_matplotlib()
+    except ImportError as exc:
+        raise UsageError(f"--plot: {exc}") from None
+    if path == "-":
+        raise UsageError("--plot needs a file name, such as frontier.png (an image does not go to stdout)")
+    try:
+        check_json_path(path)
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("--json", "--plot", 1)) from None
+    if os.path.splitext(path)[1].lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"--plot {path!r}: name an image file ({', '.join(PLOT_SUFFIXES)})")
+
+
+def write_plot(frontier: Any, path: str) -> None:
+    """Draw ``--plot``; a write that fails after the run is exit 2, the frontier's text already shown."""
+    from batchfit.report import save_frontier_plot
+
+    try:
+        save_frontier_plot(frontier, path)
+    except OSError as exc:
+        raise UsageError(f"cannot write --plot {path!r}: {exc.strerror or exc}") from None

@@ -1,0 +1,342 @@
+"""The frontier: the exact largest batch at each sequence length, for a fraction of the trials.
+
+:func:`frontier_with` reads top to bottom as what :func:`batchfit.frontier` does:
+
+1. check the lengths against the model before any trial (a length longer than its position
+   embeddings is an error now, not an ``IndexError`` in a trial);
+2. search the longest length from the smallest batch, as :func:`batchfit.find` does (its boundary
+   is the smallest, so the full search is cheapest there), and fit the surface
+   ``fixed + b (a s + q s^2)`` (:class:`~batchfit.report.frontier.Surface`) through it;
+3. search every further length from the boundary the surface predicts there
+   (:func:`batchfit.search.search_near`), its first trial the verification of the safe batch the
+   surface predicts: when the prediction holds, that trial, the boundary and one more that fails
+   are the whole length. The surface is refitted after each length: the longest's neighbour comes
+   next (the surface has no ``s^2`` term from one length, and a near length keeps that error
+   small), then the shortest, then the lengths between, interpolated;
+4. search the length axis at batch 1 the same way, from the length the surface predicts, up to
+   the model's position limit (or ``max_seq_len``);
+5. hand back a frozen :class:`~batchfit.report.frontier.Frontier`.
+
+Each length is a probe of its own (:func:`~batchfit.probe.finder.search_with`, its safe batch
+verified by real steps, the user's objects restored after it), exactly as
+``find(model, make_batch=make_batch, seq_len=s)`` runs it. It runs over any prober: the real
+one, or the estimate's fake trials (``batchfit.estimation``), which is how
+:func:`batchfit.estimate` gives the same frontier.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+
+from batchfit.probe.finder import ProbeStartCallback, StartCallback, TrialCallback, search_with, verdict
+from batchfit.probe.options import Options, positive_int
+from batchfit.probe.positions import position_limit
+from batchfit.probe.safe_batch import STEP_DOWN, safe_cap
+from batchfit.report import Frontier, FrontierPoint, LongestLimit, MemoryModel, PhaseLine, Result, Surface, Trial, Unit
+from batchfit.search import HEDGE, Attempt, Grid, SearchReport, search_near
+
+__all__ = ["ANCHOR_MARGIN", "LENGTH_CEILING", "PointCallback", "ProberFactory", "check_lengths", "frontier_with"]
+
+#: ``options -> prober``: a context manager that runs trials (``batchfit.probe.Prober``, or the
+#: estimate's ``FakeProbe``) for the options given (their ``make_batch`` bound to one length).
+ProberFactory = Callable[[Options], Any]
+#: Called with each point once its length is done (the CLI's view draws it).
+PointCallback = Callable[[FrontierPoint], None]
+#: The verification that opens a further length aims this fraction below the safe batch the surface
+#: predicts: a verification that fails under the lowered cap is a wasted trial, one a little low is
+#: kept when the memory line's candidate is within ``STEP_DOWN`` (3%) above it.
+ANCHOR_MARGIN = 0.01
+
+#: How far the length-axis search may go when neither the model nor ``max_seq_len`` bounds it.
+LENGTH_CEILING = 2**20
+
+
+def check_lengths(
+    model: nn.Module,
+    make_batch: Any,
+    seq_lens: Any,
+    max_seq_len: Any,
+) -> tuple[tuple[int, ...], int | None, tuple[int, str] | None]:
+    """The lengths, sorted; the ceiling of the length axis; the model's position limit and where
+    it was read. Every error names the argument, before any trial."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if make_batch is None or not callable(make_batch):
+        raise TypeError(
+            f"frontier() needs make_batch: a callable (batch_size, seq_len) -> batch, got {type(make_batch).__name__}"
+        )
+    _check_two_arguments(make_batch)
+    if isinstance(seq_lens, (str, bytes)) or not isinstance(seq_lens, Sequence):
+        raise TypeError(f"seq_lens must be a list of ints (sequence lengths), got {type(seq_lens).__name__}")
+    if not seq_lens:
+        raise ValueError("seq_lens is empty: give at least one sequence length")
+    lengths = [positive_int(f"seq_lens[{i}]", value) for i, value in enumerate(seq_lens)]
+    twice = sorted({s for s in lengths if lengths.count(s) > 1})
+    if twice:
+        raise ValueError(f"seq_lens has {', '.join(map(str, twice))} more than once")
+    if max_seq_len is not None:
+        positive_int("max_seq_len", max_seq_len)
+    limit = position_limit(model)
+    if limit is not None:
+        too_long = [s for s in lengths if s > limit[0]]
+        if too_long:
+            raise ValueError(
+                f"seq_lens {', '.join(map(str, too_long))} exceed what the model takes: its position embeddings "
+                f"hold {limit[0]:,} positions ({limit[1]}); drop those lengths or extend the model's positions"
+            )
+        if max_seq_len is not None and max_seq_len > limit[0]:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds what the model takes: {limit[0]:,} positions ({limit[1]})"
+            )
+    if max_seq_len is not None and max_seq_len < max(lengths):
+        raise ValueError(f"max_seq_len={max_seq_len} is below the longest of seq_lens ({max(lengths)})")
+    ceilings = [c for c in (max_seq_len, None if limit is None else limit[0]) if c is not None]
+    return tuple(sorted(lengths)), min(ceilings) if ceilings else None, limit
+
+
+def frontier_with(
+    model: nn.Module,
+    make_batch: Callable[[int, int], Any],
+    seq_lens: Sequence[int],
+    options: Options,
+    make_prober: ProberFactory,
+    *,
+    longest_at_batch_1: bool = True,
+    max_seq_len: int | None = None,
+    callback: TrialCallback | None = None,
+    on_trial_start: StartCallback | None = None,
+    on_start: ProbeStartCallback | None = None,
+    on_point: PointCallback | None = None,
+    on_length: Callable[[int | None], None] | None = None,
+    started: float | None = None,
+) -> Frontier:
+    """The frontier of ``model`` over ``seq_lens`` (see the module), each length probed by a
+    prober ``make_prober`` builds from ``options`` with ``make_batch`` bound to the length.
+    ``on_length`` is told each length before its trials (``None``: the length axis at batch 1)."""
+    started = time.monotonic() if started is None else started
+    if on_point is not None and not callable(on_point):
+        raise TypeError(f"on_point must be callable, got {type(on_point).__name__}")
+    if not isinstance(longest_at_batch_1, bool):
+        raise TypeError(f"longest_at_batch_1 must be True or False, got {longest_at_batch_1!r}")
+    lengths, ceiling, limit = check_lengths(model, make_batch, seq_lens, max_seq_len)
+    notes: list[str] = []
+    results: dict[int, Result] = {}
+    surface: Surface | None = None
+    fixed: float | None = None
+    hedge = HEDGE
+
+    for s in _order(lengths):
+        if on_length is not None:
+            on_length(s)
+        at_length = replace(options, make_batch=make_batch, seq_len=s)  # find(make_batch, seq_len=s)
+        searcher = memory_hint = None
+        predicted: list[float] = []
+        if surface is not None:
+            searcher, memory_hint = _from_surface(surface, s, options.headroom, hedge, predicted)
+        result = search_with(
+            make_prober(at_length),
+            at_length,
+            started,
+            callback=callback,
+            on_trial_start=on_trial_start,
+            on_start=on_start if not results else None,
+            searcher=searcher,
+            memory_hint=memory_hint,
+            keep_verified_within=0.0 if searcher is None else STEP_DOWN,
+        )
+        results[s] = result
+        if predicted and result.boundary_reached:
+            # A surface that predicted this boundary exactly aims at the next one directly.
+            hedge = 0.0 if math.isfinite(predicted[0]) and math.floor(predicted[0]) == result.max_batch else HEDGE
+        if fixed is None:
+            fixed = float(result.memory.fixed_bytes) if result.memory is not None else 0.0
+        surface = Surface.fit(
+            [line for length, r in results.items() if (line := _line_of(length, r, fixed)) is not None],
+            unit=result.budget_counts,
+        )
+        if on_point is not None:
+            on_point(FrontierPoint.of(s, result))
+
+    first = results[lengths[-1]]
+    longest: tuple[int, LongestLimit, int] | None = None
+    if longest_at_batch_1:
+        by_positions = limit is not None and ceiling == limit[0]
+        if ceiling == lengths[-1]:
+            # The longest length asked for is the ceiling, and it trained at batch >= 1: no trial needed.
+            longest = (ceiling, "positions" if by_positions else "max_seq_len", 0)
+        else:
+            if on_length is not None:
+                on_length(None)
+            longest = _longest_at_batch_1(
+                make_batch, options, make_prober, surface, ceiling, by_positions, started, callback, on_trial_start
+            )
+        if limit is not None and longest[1] == "positions":
+            notes.append(f"batch 1 trains at every length the model takes: {limit[0]:,} positions ({limit[1]})")
+        elif limit is None and max_seq_len is None:
+            notes.append(
+                "the model states no position limit (no config.max_position_embeddings or position embedding "
+                f"found): the length axis was searched up to {LENGTH_CEILING:,}; pass max_seq_len= to bound it"
+            )
+    if len(lengths) > 1:
+        notes.append(
+            f"length {lengths[-1]:,} was searched from batch {first.settings.init_batch}; every other length from "
+            "the boundary the fitted surface predicts there, closed to the exact boundary by real trials, its first "
+            "trial the verification of the safe batch the surface predicts (kept when within "
+            f"{STEP_DOWN:.0%} of the memory line's own candidate)"
+        )
+    return Frontier(
+        points=tuple(FrontierPoint.of(s, results[s]) for s in lengths),
+        surface=surface,
+        budget_bytes=first.budget_bytes,
+        budget_counts=first.budget_counts,
+        device=first.device,
+        elapsed_s=time.monotonic() - started,
+        longest_at_batch_1=None if longest is None else longest[0],
+        longest_limited_by=None if longest is None else longest[1],
+        longest_trials=0 if longest is None else longest[2],
+        notes=tuple(notes),
+    )
+
+
+def _order(lengths: tuple[int, ...]) -> list[int]:
+    """The longest first (the full search is cheapest where the boundary is smallest), then its
+    neighbour (with one length measured the surface has no ``s^2`` term yet: a near length keeps
+    that error small, at small batches), then the shortest (two lengths give the surface its
+    curve), then the rest from long to short, between measured lengths."""
+    if len(lengths) <= 3:
+        return list(reversed(lengths))
+    return [lengths[-1], lengths[-2], lengths[0], *reversed(lengths[1:-2])]
+
+
+def _bound_to(make_batch: Callable[[int, int], Any], length: list[int]) -> Callable[[int], Any]:
+    """``make_batch`` at the length ``length[0]`` holds when called (the length-axis search moves it)."""
+
+    def at_current_length(batch_size: int) -> Any:
+        return make_batch(batch_size, length[0])
+
+    return at_current_length
+
+
+def _check_two_arguments(make_batch: Callable[..., Any]) -> None:
+    """``make_batch`` must take ``(batch_size, seq_len)``: say so now, not in a trial."""
+    try:
+        signature = inspect.signature(make_batch)
+    except (TypeError, ValueError):  # a builtin or C callable: its call will tell
+        return
+    try:
+        signature.bind(1, 1)
+    except TypeError:
+        raise TypeError(
+            f"make_batch must take (batch_size, seq_len) for a frontier; {getattr(make_batch, '__name__', 'it')}"
+            f"{signature} does not"
+        ) from None
+
+
+def _line_of(seq_len: int, result: Result, fixed: float) -> tuple[int, float, float] | None:
+    """``(seq_len, fixed, bytes per sample)`` at one length, from its largest fit's peak: the
+    fixed part is the first full search's, so one fit per length pins its slope. ``None`` where
+    the boundary was not reached (everything up to ``max_batch`` fitted)."""
+    trial = result.trial(result.max_batch)
+    peak = None if trial is None else trial.peak_in(result.budget_counts)
+    if peak is None or not result.boundary_reached:  # a size capped by max_batch says nothing of memory
+        return None
+    per_sample = (peak - fixed) / result.max_batch
+    return (seq_len, fixed, per_sample) if per_sample > 0 else None
+
+
+def _from_surface(
+    surface: Surface, seq_len: int, headroom: float, hedge: float, predicted: list[float]
+) -> tuple[Any, Any]:
+    """The search from the surface's predicted boundary at ``seq_len`` (appended to
+    ``predicted``), and the memory line the safe batch is aimed with when that search measured
+    only one fitting size.
+
+    The search's first trial is the safe batch's verification, at the safe batch the surface
+    predicts (the largest under ``(1 - headroom) x budget``): it verifies the safe batch and
+    gives the Newton step to the boundary its measured point, one trial for two jobs. So a length
+    whose prediction holds costs three trials (the verification, the boundary, one more), the
+    trials a ``find()`` must run there at the least. The verification is kept as the safe batch
+    when the memory line's own candidate is at most ``STEP_DOWN`` above it (not verified again)."""
+    slope = surface.per_sample_bytes(seq_len)
+
+    def searcher(
+        oracle: Callable[[int], Attempt],
+        grid: Grid,
+        should_stop: Callable[[], bool],
+        budget: int | None,
+        verify: Callable[[int], Attempt] | None,
+    ) -> SearchReport:
+        guess = surface.largest_batch(seq_len, budget) if budget is not None else grid.init
+        predicted.append(guess)
+        anchor = None
+        if verify is not None and budget is not None:
+            aimed = (1 - ANCHOR_MARGIN) * surface.largest_batch(seq_len, safe_cap(budget, headroom))
+            safe = grid.floor(math.floor(min(aimed, guess)))
+            if grid.init <= safe < guess:
+                anchor = (safe, verify)
+        return search_near(oracle, grid, guess, slope, budget, should_stop, hedge=hedge, anchor=anchor)
+
+    def memory_hint(trials: list[Trial], budget: int | None, unit: Unit) -> MemoryModel | None:
+        fitted = [t for t in trials if t.fits and t.peak_in(unit) is not None]
+        if not fitted or slope <= 0:
+            return None
+        top = max(fitted, key=lambda t: t.batch_size)
+        phase = max(top.phase_peaks_in(unit), key=lambda pair: pair[1], default=("forward", 0))[0]
+        line = PhaseLine(phase, (top.peak_in(unit) or 0) - slope * top.batch_size, slope)
+        return MemoryModel(
+            fixed_bytes=round(line.fixed_bytes), per_sample_bytes=slope, phase=line.phase, lines=(line,), unit=unit
+        )
+
+    return searcher, memory_hint
+
+
+def _longest_at_batch_1(
+    make_batch: Callable[[int, int], Any],
+    options: Options,
+    make_prober: ProberFactory,
+    surface: Surface | None,
+    ceiling: int | None,
+    by_positions: bool,
+    started: float,
+    callback: TrialCallback | None,
+    on_trial_start: StartCallback | None,
+) -> tuple[int, LongestLimit, int]:
+    """The longest length that trains at batch 1: the exact search of the length axis, from the
+    length the surface predicts, with real trials at batch 1. ``ceiling`` bounds it (the model's
+    positions when ``by_positions``, else ``max_seq_len``; :data:`LENGTH_CEILING` without either)."""
+    length = [1]
+    one = replace(options, make_batch=_bound_to(make_batch, length), init_batch=1, max_batch=1, multiple_of=1)
+    top = LENGTH_CEILING if ceiling is None else ceiling
+    trials = [0]
+    with make_prober(one) as prober:
+        budget, unit = prober.budget_bytes, prober.counts
+
+        def oracle(seq_len: int) -> Attempt:
+            length[0] = seq_len
+            if on_trial_start is not None:
+                on_trial_start(1, "search")
+            trial = prober.trial(1, kind="search")
+            trials[0] += 1
+            if callback is not None:
+                callback(trial)
+            seen = verdict(trial, unit)
+            return replace(seen, batch_size=seq_len)
+
+        def out_of_time() -> bool:
+            return options.time_budget is not None and time.monotonic() - started > options.time_budget
+
+        guess, slope = float(top), 0.0
+        if surface is not None and budget is not None:
+            guess = min(float(top), surface.longest_length(1, budget))
+            slope = surface.per_token_bytes + 2 * surface.per_token_squared_bytes * guess  # d peak / d s at b = 1
+        report: SearchReport = search_near(oracle, Grid(init=1, maximum=top), guess, slope, budget, out_of_time)
+    if report.stop_reason != "max_batch":
+        return report.largest_fit, "memory", trials[0]
+    return report.largest_fit, ("positions" if by_positions else "max_seq_len"), trials[0]
