@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from batchfit.cli.output import (
@@ -26,7 +27,6 @@ from batchfit.version import __version__
 
 def estimate_command(args: argparse.Namespace) -> int:
     from batchfit.backends import DEFAULT_ESTIMATE_TARGET, default_device, estimate_target
-    from batchfit.errors import NothingFitsError
     from batchfit.estimation import OPTIONS, estimate, split_memory, what_if
     from batchfit.units import format_bytes
     from batchfit.view import make_view
@@ -85,18 +85,16 @@ def estimate_command(args: argparse.Namespace) -> int:
     )
     if args.seq_lens is not None:
         return _estimate_frontier(args, target, kwargs, human)
-    try:
+
+    def both() -> tuple[Any, Any]:
         result = estimate(target.model, target.sample, **kwargs)
         table = what_if(target.model, target.sample, options=args.what_if, **kwargs) if args.what_if else None
-    except NothingFitsError as exc:
-        error(str(exc))
-        return EXIT_DOES_NOT_FIT
-    except (TypeError, ValueError) as exc:
-        error(first_line(exc))
-        return EXIT_USAGE
-    except Exception as exc:
-        report_exception(exc, args.traceback, cause=False)
-        return EXIT_ERROR
+        return result, table
+
+    answer, failed = _estimated(both, args.traceback)
+    if failed is not None:
+        return failed
+    result, table = answer
     make_view(human, plain=True).summary(result)
     if args.target_batch is not None or args.target_tokens is not None:
         print(plan_line(result, args.target_batch, target_tokens=args.target_tokens, seq_len=args.seq_len), file=human)
@@ -143,8 +141,7 @@ def _check_length_axis(args: argparse.Namespace) -> None:
 
 def _estimate_frontier(args: argparse.Namespace, target: Any, kwargs: dict[str, Any], human: Any) -> int:
     """``--seq-lens``: :func:`batchfit.estimate`'s frontier, shown and written as ``batchfit frontier``'s."""
-    from batchfit.cli.frontier import write_plot
-    from batchfit.errors import NothingFitsError
+    from batchfit.cli.frontier import write_frontier
     from batchfit.estimation import estimate
     from batchfit.view import FrontierView
 
@@ -153,28 +150,33 @@ def _estimate_frontier(args: argparse.Namespace, target: Any, kwargs: dict[str, 
             f"--seq-lens needs {args.target} to give 'make_batch', a function (batch_size, seq_len) -> batch, "
             "and no 'sample'"
         )
-    kwargs = {key: value for key, value in kwargs.items() if key not in ("scan_batches",)}
     kwargs.update(seq_lens=list(args.seq_lens), longest_at_batch_1=not args.no_longest)
     if args.max_seq_len is not None:
         kwargs["max_seq_len"] = args.max_seq_len
+    frontier, failed = _estimated(lambda: estimate(target.model, **kwargs), args.traceback)
+    if failed is not None:
+        return failed
+    FrontierView(human, plain=True).summary(frontier)
+    write_frontier(frontier, args.json, args.plot, human)
+    return EXIT_OK
+
+
+def _estimated(call: Callable[[], Any], traceback: bool) -> tuple[Any, int | None]:
+    """``call()``'s answer, or the exit code of its failure, said on stderr: not even the smallest
+    batch fits (3), bad arguments (2), anything else (1)."""
+    from batchfit.errors import NothingFitsError
+
     try:
-        frontier = estimate(target.model, **kwargs)
+        return call(), None
     except NothingFitsError as exc:
         error(str(exc))
-        return EXIT_DOES_NOT_FIT
+        return None, EXIT_DOES_NOT_FIT
     except (TypeError, ValueError) as exc:
         error(first_line(exc))
-        return EXIT_USAGE
+        return None, EXIT_USAGE
     except Exception as exc:
-        report_exception(exc, args.traceback, cause=False)
-        return EXIT_ERROR
-    FrontierView(human, plain=True).summary(frontier)
-    if args.json:
-        write_json(args.json, frontier.to_json())
-    if args.plot:
-        write_plot(frontier, args.plot)
-        print(f"plot written to {args.plot}", file=human)
-    return EXIT_OK
+        report_exception(exc, traceback, cause=False)
+        return None, EXIT_ERROR
 
 
 def _memory_limit(args: argparse.Namespace) -> str:

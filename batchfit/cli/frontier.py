@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 from batchfit.cli.arguments import shown_limit
 from batchfit.cli.output import EXIT_OK, UsageError, check_json_path, load, write_json
 from batchfit.cli.parser import CLI_CPU_MEMORY_LIMIT
-from batchfit.cli.probe import Calls, probe_failed
-from batchfit.cli.signals import SigtermUnwinds, Terminated
+from batchfit.cli.probe import Calls, probe_failed, run_shown
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
@@ -51,28 +50,16 @@ def frontier_command(args: argparse.Namespace) -> int:
     human = sys.stderr if args.json == "-" else sys.stdout
     view = FrontierView(human, quiet=args.quiet)
     calls = Calls(view)  # type: ignore[arg-type]  # the view takes a probe's callbacks too
-    failure: BaseException | None = None
-    with SigtermUnwinds() as sigterm:
-        try:
-            try:
-                view.start(header, args.seq_lens)
-                result = frontier(loaded.model, make_batch, on_point=view.point_finished, **calls.kwargs(), **kwargs)
-            except BaseException as exc:  # Ctrl-C and SIGTERM too: the view comes down either way
-                failure = exc
-        finally:
-            sigterm.hold()
-            view.stop()  # on a terminal this shows the cursor again, whatever ended the run
-    if sigterm.received and (failure is None or type(failure) is KeyboardInterrupt):
-        failure = Terminated()
+
+    def run() -> Any:
+        view.start(header, args.seq_lens)
+        return frontier(loaded.model, make_batch, on_point=view.point_finished, **calls.kwargs(), **kwargs)
+
+    result, failure = run_shown(view, run)
     if failure is not None:
         return probe_failed(failure, calls, args.traceback)
     view.summary(result)
-    if args.json:
-        write_json(args.json, result.to_json())
-    if args.plot:
-        write_plot(result, args.plot)
-        if not args.quiet:
-            print(f"plot written to {args.plot}", file=human)
+    write_frontier(result, args.json, args.plot, None if args.quiet else human)
     return EXIT_OK
 
 
@@ -157,6 +144,17 @@ def check_plot_path(path: str | None) -> None:
         raise UsageError(str(exc).replace("--json", "--plot", 1)) from None
     if os.path.splitext(path)[1].lower() not in PLOT_SUFFIXES:
         raise UsageError(f"--plot {path!r}: name an image file ({', '.join(PLOT_SUFFIXES)})")
+
+
+def write_frontier(frontier: Any, json_path: str | None, plot_path: str | None, said_to: Any) -> None:
+    """``--json`` and ``--plot`` of a frontier (measured or estimated); ``said_to``: where to say
+    the plot was written (``None``: quietly)."""
+    if json_path:
+        write_json(json_path, frontier.to_json())
+    if plot_path:
+        write_plot(frontier, plot_path)
+        if said_to is not None:
+            print(f"plot written to {plot_path}", file=said_to)
 
 
 def write_plot(frontier: Any, path: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -121,21 +122,14 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
     view = make_view(human if leader else open(os.devnull, "w"), quiet=args.quiet or not leader)
     kwargs = find_kwargs(args, target, device, limit)
     calls = Calls(view)
-    failure: BaseException | None = None
-    with SigtermUnwinds() as sigterm:
-        try:
-            try:
-                view.start(header, expected_budget)
-                outcome = run_probe(args, target, kwargs, calls)
-                view.set_budget(outcome.budget_bytes)  # the budget the probe really had, for the final frame
-            except BaseException as exc:  # Ctrl-C and SIGTERM too: the view comes down either way
-                failure = exc
-        finally:
-            sigterm.hold()
-            view.stop()  # on a terminal this shows the cursor again, whatever ended the probe
-    if sigterm.received and (failure is None or type(failure) is KeyboardInterrupt):
-        # The Ctrl-C a SIGTERM was delivered as (or a SIGTERM that came as the probe returned).
-        failure = Terminated()
+
+    def probe() -> Any:
+        view.start(header, expected_budget)
+        outcome = run_probe(args, target, kwargs, calls)
+        view.set_budget(outcome.budget_bytes)  # the budget the probe really had, for the final frame
+        return outcome
+
+    outcome, failure = run_shown(view, probe)
     if failure is not None:
         return probe_failed(failure, calls, args.traceback, leader)
     if args.require_batch is not None:
@@ -154,6 +148,26 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
     if args.json and leader:
         write_json(args.json, outcome.to_json())
     return code
+
+
+def run_shown(view: Any, run: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    """``run()``'s answer, or what ended it (Ctrl-C and SIGTERM too), with the live ``view``
+    taken down either way (on a terminal this gives the cursor back). A SIGTERM delivered as the
+    Ctrl-C that unwound the run, or that came as it returned, is a :class:`Terminated`."""
+    answer: Any = None
+    failure: BaseException | None = None
+    with SigtermUnwinds() as sigterm:
+        try:
+            try:
+                answer = run()
+            except BaseException as exc:  # Ctrl-C and SIGTERM too: the view comes down either way
+                failure = exc
+        finally:
+            sigterm.hold()
+            view.stop()
+    if sigterm.received and (failure is None or type(failure) is KeyboardInterrupt):
+        failure = Terminated()
+    return answer, failure
 
 
 def run_probe(args: argparse.Namespace, target: Target | None, kwargs: dict[str, Any], calls: Calls) -> Any:

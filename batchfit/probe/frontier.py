@@ -26,7 +26,6 @@ one, or the estimate's fake trials (``batchfit.estimation``), which is how
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +35,7 @@ from typing import Any
 from torch import nn
 
 from batchfit.probe.finder import ProbeStartCallback, StartCallback, TrialCallback, search_with, verdict
-from batchfit.probe.options import Options, positive_int
+from batchfit.probe.options import Options, check_takes_length, positive_int
 from batchfit.probe.positions import position_limit
 from batchfit.probe.safe_batch import STEP_DOWN, safe_cap
 from batchfit.report import Frontier, FrontierPoint, LongestLimit, MemoryModel, PhaseLine, Result, Surface, Trial, Unit
@@ -72,7 +71,7 @@ def check_lengths(
         raise TypeError(
             f"frontier() needs make_batch: a callable (batch_size, seq_len) -> batch, got {type(make_batch).__name__}"
         )
-    _check_two_arguments(make_batch)
+    check_takes_length(make_batch, "make_batch must take (batch_size, seq_len) for a frontier")
     if isinstance(seq_lens, (str, bytes)) or not isinstance(seq_lens, Sequence):
         raise TypeError(f"seq_lens must be a list of ints (sequence lengths), got {type(seq_lens).__name__}")
     if not seq_lens:
@@ -128,6 +127,7 @@ def frontier_with(
     lengths, ceiling, limit = check_lengths(model, make_batch, seq_lens, max_seq_len)
     notes: list[str] = []
     results: dict[int, Result] = {}
+    points: dict[int, FrontierPoint] = {}
     surface: Surface | None = None
     fixed: float | None = None
     hedge = HEDGE
@@ -161,8 +161,9 @@ def frontier_with(
             [line for length, r in results.items() if (line := _line_of(length, r, fixed)) is not None],
             unit=result.budget_counts,
         )
+        points[s] = FrontierPoint.of(s, result)
         if on_point is not None:
-            on_point(FrontierPoint.of(s, result))
+            on_point(points[s])
 
     first = results[lengths[-1]]
     longest: tuple[int, LongestLimit, int] | None = None
@@ -192,7 +193,7 @@ def frontier_with(
             f"{STEP_DOWN:.0%} of the memory line's own candidate)"
         )
     return Frontier(
-        points=tuple(FrontierPoint.of(s, results[s]) for s in lengths),
+        points=tuple(points[s] for s in lengths),
         surface=surface,
         budget_bytes=first.budget_bytes,
         budget_counts=first.budget_counts,
@@ -222,21 +223,6 @@ def _bound_to(make_batch: Callable[[int, int], Any], length: list[int]) -> Calla
         return make_batch(batch_size, length[0])
 
     return at_current_length
-
-
-def _check_two_arguments(make_batch: Callable[..., Any]) -> None:
-    """``make_batch`` must take ``(batch_size, seq_len)``: say so now, not in a trial."""
-    try:
-        signature = inspect.signature(make_batch)
-    except (TypeError, ValueError):  # a builtin or C callable: its call will tell
-        return
-    try:
-        signature.bind(1, 1)
-    except TypeError:
-        raise TypeError(
-            f"make_batch must take (batch_size, seq_len) for a frontier; {getattr(make_batch, '__name__', 'it')}"
-            f"{signature} does not"
-        ) from None
 
 
 def _line_of(seq_len: int, result: Result, fixed: float) -> tuple[int, float, float] | None:

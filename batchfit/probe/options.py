@@ -135,7 +135,10 @@ class Options:
         if self.seq_len is not None:
             positive_int("seq_len", self.seq_len)
             if self.make_batch is not None:
-                _check_two_arguments(self.make_batch, self.seq_len)
+                check_takes_length(
+                    self.make_batch,
+                    f"with seq_len={self.seq_len}, make_batch is called as make_batch(batch_size, seq_len)",
+                )
 
     def batch_maker(self) -> Callable[[int], Any] | None:
         """``make_batch`` as every probe calls it, ``batch_size -> batch``: with ``seq_len`` the
@@ -164,21 +167,19 @@ class Options:
         return make_strategy(self.strategy)
 
 
-def _check_two_arguments(make_batch: Callable[..., Any], seq_len: int) -> None:
-    """With ``seq_len``, ``make_batch`` is called as ``make_batch(batch_size, seq_len)``: a
-    one-argument callable is named now, not as a ``TypeError`` inside the first trial."""
+def check_takes_length(make_batch: Callable[..., Any], said: str) -> None:
+    """``make_batch`` will be called as ``make_batch(batch_size, seq_len)``: a one-argument
+    callable is named now, not as a ``TypeError`` inside the first trial. ``said``: the message's
+    first clause, why it is called so. Shared by ``seq_len=`` and the frontier."""
     try:
         signature = inspect.signature(make_batch)
     except (TypeError, ValueError):  # a builtin or C callable: its call will say what it needs
         return
     try:
-        signature.bind(1, seq_len)
+        signature.bind(1, 1)
     except TypeError:
         name = getattr(make_batch, "__qualname__", type(make_batch).__name__)
-        raise TypeError(
-            f"with seq_len={seq_len}, make_batch is called as make_batch(batch_size, seq_len); "
-            f"{name}{signature} cannot take two arguments"
-        ) from None
+        raise TypeError(f"{said}; {name}{signature} does not take two arguments") from None
 
 
 def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:

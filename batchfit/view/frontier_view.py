@@ -35,8 +35,9 @@ from batchfit.report import (
     summary_rows,
 )
 from batchfit.view.frontier_chart import frontier_chart
-from batchfit.view.plain import OutputClosedError, fit_lines
-from batchfit.view.progress import columns, no_color
+from batchfit.view.live import live_display
+from batchfit.view.plain import write_fitted
+from batchfit.view.progress import columns, no_color, then
 
 if TYPE_CHECKING:
     from batchfit.report import Frontier, FrontierPoint, Trial
@@ -67,18 +68,9 @@ class FrontierView:
         self.console: Any = None
         if not self.plain:
             from rich.console import Console
-            from rich.live import Live
 
             self.console = Console(file=stream, no_color=no_color(), highlight=False, force_terminal=True)
-            self._live = Live(
-                console=self.console,
-                get_renderable=self._render,
-                refresh_per_second=8,
-                transient=False,
-                redirect_stdout=True,
-                redirect_stderr=True,
-                vertical_overflow="visible",
-            )
+            self._live = live_display(self.console, self._render)
         self._running = False
 
     # driven by the front end ----------------------------------------------------------------------
@@ -173,12 +165,7 @@ class FrontierView:
         return f"length {done + 1} of {total}" if total else f"length {done + 1}"
 
     def _line(self, text: str = "", indent: int = 4) -> None:
-        try:
-            for line in fit_lines(text, self._width, indent):
-                self._out.write(line + "\n")
-            self._out.flush()
-        except BrokenPipeError as exc:
-            raise OutputClosedError(exc.errno, exc.strerror) from None
+        write_fitted(self._out, text, self._width, indent)
 
     def _refresh(self) -> None:
         if self._running:
@@ -317,22 +304,12 @@ class FrontierProgress:
             if on_start is not None:
                 on_start(device, budget)
 
-        def trial_started(batch_size: int, kind: str) -> None:
-            self.view.trial_started(batch_size, kind)
-            if on_trial_start is not None:
-                on_trial_start(batch_size, kind)
-
-        def finished(trial: Trial) -> None:
-            self.view.trial_finished(trial)
-            if callback is not None:
-                callback(trial)
-
-        def point(done: FrontierPoint) -> None:
-            self.view.point_finished(done)
-            if on_point is not None:
-                on_point(done)
-
-        return {"on_point": point, "callback": finished, "on_trial_start": trial_started, "on_start": started}
+        return {
+            "on_point": then(self.view.point_finished, on_point),
+            "callback": then(self.view.trial_finished, callback),
+            "on_trial_start": then(self.view.trial_started, on_trial_start),
+            "on_start": started,
+        }
 
     def summary(self, frontier: Frontier) -> None:
         self.view.summary(frontier)

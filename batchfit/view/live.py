@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, TextIO
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
 
 from batchfit.view.cells import BAR_WIDTH, TrialCells, gate_rows, summary_rows, trial_cells
 
@@ -14,28 +14,34 @@ if TYPE_CHECKING:
     from batchfit.testing import GateReport
 
 
+def live_display(console: Any, render: Callable[[], Any]) -> Any:
+    """A ``rich.live.Live`` redrawing ``render()`` 8 times a second on ``console``: what the model
+    prints (warnings included) goes above the table, not onto the spinner line."""
+    from rich.live import Live
+
+    return Live(
+        console=console,
+        get_renderable=render,
+        refresh_per_second=8,
+        transient=False,
+        redirect_stdout=True,
+        redirect_stderr=True,
+        vertical_overflow="visible",
+    )
+
+
 class LiveView:
     """A rich live table on a terminal (see module docs)."""
 
     def __init__(self, stream: TextIO, *, no_color: bool | None = None) -> None:
         from rich.console import Console
-        from rich.live import Live
 
         self.console = Console(file=stream, no_color=no_color, highlight=False, force_terminal=True)
         self._budget: int | None = None
         self._trials: tuple[Trial, ...] = ()
         self._in_flight: tuple[int, str, float] | None = None  # (batch, kind, started at)
         self._lock = threading.Lock()
-        self._live = Live(
-            console=self.console,
-            get_renderable=self._render,
-            refresh_per_second=8,
-            transient=False,
-            # What the model prints (warnings included) goes above the table, not onto the spinner line.
-            redirect_stdout=True,
-            redirect_stderr=True,
-            vertical_overflow="visible",
-        )
+        self._live = live_display(self.console, self._render)
 
     # driven by the CLI ------------------------------------------------------------------------
     def start(self, header: Sequence[str], budget_bytes: int | None) -> None:

@@ -47,6 +47,17 @@ def fit_lines(text: str, width: int | None, indent: int = 4) -> list[str]:
     return textwrap.wrap(text, width, subsequent_indent=" " * indent, break_on_hyphens=False) or [""]
 
 
+def write_fitted(out: TextIO, text: str, width: int | None, indent: int = 4) -> None:
+    """``text`` written to ``out`` in lines that fit ``width`` (:func:`fit_lines`), flushed; a
+    reader that went away is an :class:`OutputClosedError`."""
+    try:
+        for line in fit_lines(text, width, indent):
+            out.write(line + "\n")
+        out.flush()
+    except BrokenPipeError as exc:
+        raise OutputClosedError(exc.errno, exc.strerror) from None
+
+
 class PlainView:
     """Plain lines for pipes and CI logs (see module docs)."""
 
@@ -62,12 +73,7 @@ class PlainView:
         self._bar = width is None or width >= len(self._format(self._COLUMNS, bar="of budget".ljust(BAR_WIDTH + 2)))
 
     def _line(self, text: str = "", indent: int = 4) -> None:
-        try:
-            for line in fit_lines(text, self._width, indent):
-                self._out.write(line + "\n")
-            self._out.flush()
-        except BrokenPipeError as exc:
-            raise OutputClosedError(exc.errno, exc.strerror) from None
+        write_fitted(self._out, text, self._width, indent)
 
     def start(self, header: Sequence[str], budget_bytes: int | None) -> None:
         self._budget = budget_bytes

@@ -50,6 +50,19 @@ def _is_tty(stream: TextIO) -> bool:
         return False
 
 
+def then(own: Callable[..., None], user: Callable[..., Any] | None) -> Callable[..., None]:
+    """A callback that feeds the view (``own``), then calls the user's own, if any, with the same
+    arguments: a front end's view never takes a caller's callback away."""
+    if user is None:
+        return own
+
+    def both(*args: Any) -> None:
+        own(*args)
+        user(*args)
+
+    return both
+
+
 class Progress:
     """``find(progress=True)``: the command line's view on stderr, fed by find()'s callbacks (the
     user's own still run after it). Used as a context manager, so the live display always comes
@@ -83,17 +96,11 @@ class Progress:
             if on_start is not None:
                 on_start(device, budget)
 
-        def trial_started(batch_size: int, kind: str) -> None:
-            self.view.trial_started(batch_size, kind)
-            if on_trial_start is not None:
-                on_trial_start(batch_size, kind)
-
-        def finished(trial: Trial) -> None:
-            self.view.trial_finished(trial)
-            if callback is not None:
-                callback(trial)
-
-        return {"callback": finished, "on_trial_start": trial_started, "on_start": started}
+        return {
+            "callback": then(self.view.trial_finished, callback),
+            "on_trial_start": then(self.view.trial_started, on_trial_start),
+            "on_start": started,
+        }
 
     def summary(self, result: Result) -> None:
         if self._started:
