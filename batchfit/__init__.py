@@ -17,7 +17,7 @@ from batchfit._lazy import lazy_surface
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
-    from batchfit.api import find, frontier, plan
+    from batchfit.api import find, frontier, noise_scale, plan
     from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
     from batchfit.estimation import Plan, WhatIf, estimate, what_if
     from batchfit.probe import Options, Prober
@@ -27,11 +27,13 @@ if TYPE_CHECKING:
         FrontierPoint,
         MemoryModel,
         PhaseLine,
+        Recommendation,
         Result,
         Settings,
         Surface,
         Throughput,
         Trial,
+        recommend,
     )
 
 _EXPORTS = {
@@ -45,6 +47,7 @@ _EXPORTS = {
     "find": "batchfit.api",
     "plan": "batchfit.api",
     "frontier": "batchfit.api",
+    "noise_scale": "batchfit.api",
     "Frontier": "batchfit.report",
     "FrontierPoint": "batchfit.report",
     "Surface": "batchfit.report",
@@ -55,6 +58,8 @@ _EXPORTS = {
     "DeviceInfo": "batchfit.report",
     "MemoryModel": "batchfit.report",
     "PhaseLine": "batchfit.report",
+    "Recommendation": "batchfit.report",
+    "recommend": "batchfit.report",
     "Result": "batchfit.report",
     "Settings": "batchfit.report",
     "Throughput": "batchfit.report",

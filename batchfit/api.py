@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchfit.estimation import Plan, check_target, plan_for
 from batchfit.probe import DEFAULT_MAX_BATCH, Options
-from batchfit.report import Frontier, Result
+from batchfit.report import Frontier, NoiseScale, Result
 from batchfit.search import Strategy
 from batchfit.view import Progress
 
@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 
     from batchfit.probe import PointCallback, ProbeStartCallback, StartCallback, TrialCallback
 
-__all__ = ["find", "frontier", "plan"]
+__all__ = ["find", "frontier", "noise_scale", "plan"]
+
+#: find()'s keywords that :func:`noise_scale` takes: the work, the device and the restore.
+_NOISE_WORK = ("loss_fn", "step_fn", "criterion", "optimizer", "amp", "device", "memory_limit", "reserve")
+_NOISE_WORK += ("restore_rng", "distributed", "rank_timeout")
 
 
 def find(
@@ -54,6 +58,9 @@ def find(
     rank_timeout: float = 300.0,
     seq_len: int | None = None,
     scan_batches: int = 64,
+    timed_steps: int = 2,
+    noise_scale: bool = False,
+    noise_passes: int = 128,
     callback: TrialCallback | None = None,
     on_trial_start: StartCallback | None = None,
     on_start: ProbeStartCallback | None = None,
@@ -144,6 +151,16 @@ def find(
         criterion: for ``(inputs, targets)`` batches (``find(resnet, (x, y), criterion=
             nn.CrossEntropyLoss())``): the model is called with the inputs and the loss is
             ``criterion(output, targets)``.
+        timed_steps: after the search, the largest batch, the safe batch and the sizes around
+            the throughput knee are timed again alike: one untimed step, then this many timed
+            ones (``batchfit.probe.timing``), so that no size is ranked by a cold step. 0 skips
+            it (the rates are then the search's own warm steps only).
+        noise_scale: also measure the gradient noise scale from ``sample``'s real batches (a
+            ``DataLoader`` or an iterable of batches; a single sample is refused) at the safe
+            batch, into ``Result.noise_scale`` (:func:`batchfit.noise_scale`); it feeds
+            ``Result.recommendation``, the batch to train with. It costs ``noise_passes``
+            forward/backward passes.
+        noise_passes: forward/backward passes the noise scale may take (default 128).
 
     Raises:
         NothingFitsError: even ``init_batch`` runs out of memory.
@@ -180,6 +197,9 @@ def find(
         rank_timeout=rank_timeout,
         seq_len=seq_len,
         scan_batches=scan_batches,
+        timed_steps=timed_steps,
+        noise_scale=noise_scale,
+        noise_passes=noise_passes,
     )
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {type(progress).__name__} {progress!r}")
@@ -321,6 +341,46 @@ def frontier(
         )
         shown.summary(answer)
     return answer
+
+
+def noise_scale(
+    model: nn.Module,
+    data: Any,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    step_fn: Callable[[nn.Module, Any], Any] | None = None,
+    criterion: Callable[[Any, Any], torch.Tensor] | None = None,
+    optimizer: Any = None,
+    amp: str | None = None,
+    device: str | torch.device | None = None,
+    memory_limit: int | float | str | None = None,
+    reserve: int | str | None = None,
+    restore_rng: bool = True,
+    distributed: bool | None = None,
+    rank_timeout: float = 300.0,
+    micro_batch: int | None = None,
+    passes: int = 128,
+    per_window: int = 8,
+    confidence: float = 0.9,
+    seed: int = 0,
+) -> NoiseScale:
+    """The gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` of ``model`` at its current weights
+    (a checkpoint, or after warm-up steps: at initialisation it is near zero), from real batches.
+
+    ``data``: a ``DataLoader`` or any iterable of batches (one batch alone is refused: tiled copies
+    of one sample carry no gradient noise), cut into micro-batches of ``micro_batch`` rows (default:
+    its first batch's size). Windows of ``per_window`` micro-batches, at most ``passes`` forward and
+    backward passes; the interval (``confidence``) resamples the windows with ``seed``. Nothing is
+    trained, and everything comes back as after :func:`find`; ``step_fn`` must only return the loss.
+    The other keywords are :func:`find`'s. Details: :func:`batchfit.probe.measure_noise`.
+    """
+    given = locals()
+    options = Options(**{name: given[name] for name in _NOISE_WORK}, noise_scale=True, noise_passes=passes)
+    from batchfit.probe import measure_noise  # torch only once a measurement runs
+
+    return measure_noise(
+        model, data, options, micro_batch=micro_batch, per_window=per_window, confidence=confidence, seed=seed
+    )
 
 
 def plan(

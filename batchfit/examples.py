@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -145,3 +146,27 @@ def gpt(
 def gpt2_small(seq_len: int = 1024, seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """GPT-2-small sized (124M parameters, 12 layers, d=768, vocab 50257): for a GPU."""
     return gpt(vocab_size=50257, seq_len=seq_len, d_model=768, n_layers=12, n_heads=12, seed=seed)
+
+
+def text_loader(seq_len: int = 64, batch_size: int = 16, seed: int = 0) -> DataLoader:
+    """Real text, shipped with Python: the source of a few standard-library modules as bytes
+    (token ids 0-255), cut into ``seq_len`` windows, shuffled by a seeded generator. Real data
+    carries real gradient noise, which tiled copies of one sample do not (``batchfit.noise_scale``)."""
+    import argparse
+    import collections
+    import inspect
+    import json
+    import textwrap
+
+    text = "".join(inspect.getsource(module) for module in (argparse, collections, json, textwrap))
+    ids = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    windows = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)
+    rows = [{"input_ids": row, "labels": row} for row in windows]
+    return DataLoader(rows, batch_size=batch_size, shuffle=True, generator=_seeded(seed))
+
+
+def gpt_text(seq_len: int = 64, batch_size: int = 16, seed: int = 0) -> dict[str, object]:
+    """The built-in GPT (byte vocabulary) with :func:`text_loader` as its sample: a CLI target
+    with real data, e.g. ``batchfit probe batchfit.examples:gpt_text --noise-scale``."""
+    model, _ = gpt(vocab_size=256, seq_len=seq_len, seed=seed)
+    return {"model": model, "sample": text_loader(seq_len, batch_size, seed)}

@@ -9,7 +9,8 @@ Lightning reads the batch size (``lightning_setattr``: the module, its ``hparams
 datamodule) and drops the loop's dataloaders as Lightning's tuner does, so that the fit loop
 rebuilds them and the run that follows really trains at that size. With ``target_batch`` it keeps
 the global batch instead, as micro-batch x gradient-accumulation steps x ranks
-(:func:`batchfit.plan`).
+(:func:`batchfit.plan`). ``noise_scale=True`` also measures the gradient noise scale from the run's
+train dataloader and logs it with the batch batchfit recommends (off by default: it costs passes).
 
 What the probe must not change, it does not: ``self.log`` / ``self.log_dict`` are muted while
 it runs (Lightning would refuse a log call from ``on_fit_start``, and the probe's losses are not
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
     import torch
 
     from batchfit.estimation import Plan
-    from batchfit.report import Result
+    from batchfit.report import Recommendation, Result
 
 __all__ = ["INSTALL_HINT", "BatchFit"]
 
@@ -71,12 +73,19 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         target_batch: keep this global batch (over every rank and accumulation step): the batch size
             becomes the plan's micro-batch and ``trainer.accumulate_grad_batches`` its accumulation
             steps. ``None``: train with the safe batch, accumulation untouched.
+        noise_scale: also measure the gradient noise scale (past it, a larger batch buys few fewer
+            steps) from the train dataloader at the size set, into :attr:`result`, and log it to every
+            logger (``batchfit/noise_scale``, ``_low``, ``_high``, ``batchfit/recommended_batch``,
+            ``batchfit/recommended_global_batch``) with the recommendation's reason. It costs
+            ``noise_passes`` (default 128) forward/backward passes; the batch set is unchanged. Too
+            few batches for it (16 at the size set) is a warning, not a failed run.
         **find_kwargs: any other :func:`batchfit.find` keyword (``max_batch``, ``multiple_of``,
             ``rank_timeout``, ``callback``, ...). ``optimizer`` and ``amp`` default to the trainer's
             (its first optimizer; ``"bf16-mixed"`` -> ``"bf16"``, ``"16-mixed"`` -> ``"fp16"``).
 
-    After ``fit`` has started, :attr:`result` holds the probe's :class:`~batchfit.report.Result` and
-    :attr:`plan` the :class:`~batchfit.estimation.planning.Plan` when ``target_batch`` was given.
+    After ``fit`` has started, :attr:`result` holds the probe's :class:`~batchfit.report.Result`,
+    :attr:`plan` the :class:`~batchfit.estimation.planning.Plan` when ``target_batch`` was given, and
+    :attr:`recommendation` the batch batchfit recommends (:meth:`~batchfit.report.Result.recommend`).
 
     Raises:
         ImportError: Lightning is not installed.
@@ -89,6 +98,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         headroom: float = 0.10,
         batch_arg_name: str = "batch_size",
         target_batch: int | None = None,
+        noise_scale: bool = False,
         **find_kwargs: Any,
     ) -> None:
         if _MISSING is not None:
@@ -104,11 +114,15 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             positive_int("target_batch", target_batch)
         self.batch_arg_name = batch_arg_name
         self.target_batch = target_batch
-        self.find_kwargs = _checked_find_kwargs({"memory_limit": memory_limit, "headroom": headroom, **find_kwargs})
+        given = {"memory_limit": memory_limit, "headroom": headroom, "noise_scale": noise_scale, **find_kwargs}
+        self.find_kwargs = _checked_find_kwargs(given)
+        self.noise_scale = self.find_kwargs.pop("noise_scale")  # measured here, from the loader: not by find()
         #: The probe's answer, once ``fit`` has started.
         self.result: Result | None = None
         #: How ``target_batch`` is reached, when one was given.
         self.plan: Plan | None = None
+        #: The batch batchfit recommends, with the noise scale when measured.
+        self.recommendation: Recommendation | None = None
 
     # Lightning hooks ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str | None = None) -> None:
@@ -128,7 +142,12 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             rank_zero_warn("BatchFit: skipped, the trainer has no train batches (`limit_train_batches=0`?)")
             return
         self.result = self._probe(trainer, pl_module, batch)
-        self._apply(trainer, pl_module, self.result)
+        size = self._apply(trainer, pl_module, self.result)
+        if self.noise_scale:
+            self.result = self._measure_noise(trainer, pl_module, self.result, size)
+        self.recommendation = self.result.recommend(target_batch=self.target_batch)
+        if self.result.noise_scale is not None:
+            _log_noise(trainer, self.result, self.recommendation)
 
     # the work ----------------------------------------------------------------------------------
     def _probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Result:
@@ -136,6 +155,11 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         gradient all-reduce), stepping through ``strategy.training_step`` as the fit loop does."""
         import batchfit
 
+        with _logging_muted(pl_module), _metrics_kept(pl_module):
+            return batchfit.find(trainer.strategy.model, batch, **self._find_kwargs(trainer, pl_module))
+
+    def _find_kwargs(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """``find()``'s keywords: the user's, the trainer's optimizer and precision, and the step."""
         kwargs = dict(self.find_kwargs)
         if "optimizer" not in kwargs:
             kwargs["optimizer"] = _first_optimizer(trainer, pl_module)
@@ -147,11 +171,34 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             # through the strategy, under the precision plugin's autocast, as in the fit loop.
             return _loss_of(strategy.training_step(batch, 0))
 
-        with _logging_muted(pl_module), _metrics_kept(pl_module):
-            return batchfit.find(strategy.model, batch, step_fn=step, **kwargs)
+        return {**kwargs, "step_fn": step}
 
-    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, result: Result) -> None:
-        """Set the batch size (and accumulation) where Lightning reads them, reload the data."""
+    def _measure_noise(self, trainer: pl.Trainer, pl_module: pl.LightningModule, result: Result, size: int) -> Result:
+        """``result`` with the noise scale of the fit loop's train dataloader, rebuilt at ``size``, on the
+        device as the fit loop moves batches; dropped again after, with the random stream put back."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+        from lightning.pytorch.utilities.seed import isolate_rng
+
+        from batchfit.probe import Options, measure_noise
+
+        kwargs = self._find_kwargs(trainer, pl_module)
+        options = Options(**{name: value for name, value in kwargs.items() if name not in (*_HOOKS, *_FRONT)})
+        loop = trainer.fit_loop
+        with isolate_rng(), _logging_muted(pl_module), _metrics_kept(pl_module):
+            _forget_train_loader(loop)
+            loop.setup_data()
+            try:
+                batches = _on_device(loop._combined_loader, trainer.strategy)
+                noise = measure_noise(trainer.strategy.model, batches, options, micro_batch=size)
+            except ValueError as exc:  # too few batches, say: advice is not worth failing the run for
+                rank_zero_warn(f"BatchFit: no noise scale measured: {exc}")
+                return result
+            finally:
+                _forget_train_loader(loop)
+        return dataclasses.replace(result, noise_scale=noise)
+
+    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, result: Result) -> int:
+        """Set the batch size (and accumulation) where Lightning reads them, reload the data; the size set."""
         from lightning.pytorch.utilities.parsing import lightning_setattr
         from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -167,6 +214,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         rank_zero_info(_summary(self.batch_arg_name, size, result, self.plan))
         if not result.safe_verified:
             rank_zero_warn(f"BatchFit: the safe batch {result.safe_batch} was not verified; see result.notes")
+        return size
 
 
 # checks ------------------------------------------------------------------------------------------
@@ -376,3 +424,23 @@ def _summary(name: str, size: int, result: Result, plan: Plan | None) -> str:
         f"BatchFit: {name}={size}, accumulate_grad_batches={plan.accumulation_steps} for the global batch "
         f"{plan.global_batch} (target {plan.target_batch}); {measured}"
     )
+
+
+def _on_device(loader: Any, strategy: Any) -> Iterator[Any]:
+    """The fit loop's train batches, moved to the device as the fit loop moves them (transfer hooks too)."""
+    for batch, _, _ in loader:
+        yield strategy.batch_to_device(batch, dataloader_idx=0)
+
+
+def _log_noise(trainer: pl.Trainer, result: Result, recommendation: Recommendation) -> None:
+    """The noise scale and the recommended batch to every logger, the recommendation's reason to the log."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    noise = result.noise_scale
+    assert noise is not None
+    names = ("noise_scale", "noise_scale_low", "noise_scale_high", "recommended_batch", "recommended_global_batch")
+    values = (noise.b_simple, noise.low, noise.high, recommendation.batch_size, recommendation.global_batch)
+    metrics = {f"batchfit/{name}": float(value) for name, value in zip(names, values) if value is not None}
+    for logger in trainer.loggers:  # rank zero's write
+        logger.log_metrics(metrics, step=trainer.global_step)
+    rank_zero_info(f"BatchFit: recommended {recommendation.split()}: {recommendation.reason}")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchfit.api import plan
 from batchfit.estimation import Plan
-from batchfit.report import Result
+from batchfit.report import Recommendation, Result
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +55,8 @@ class Autosized:
         previous_accumulation_steps: ``gradient_accumulation_steps`` before :func:`autosize`.
         data_parallel_size: the data-parallel replicas the global batch is spread over (ranks
             times GPUs under single-process ``DataParallel``).
+        recommendation: the batch batchfit recommends (:meth:`~batchfit.report.Result.recommend`,
+            with ``target_batch`` when given; with the noise scale when measured): advice, not set.
     """
 
     result: Result
@@ -64,6 +66,7 @@ class Autosized:
     previous_batch_size: int
     previous_accumulation_steps: int
     data_parallel_size: int
+    recommendation: Recommendation | None = None
 
     @property
     def global_batch(self) -> int:
@@ -90,6 +93,7 @@ def autosize(
     memory_limit: int | float | str | None = None,
     headroom: float = 0.1,
     target_batch: int | None = None,
+    noise_scale: bool = False,
     **find_kwargs: Any,
 ) -> Autosized:
     """Probe ``trainer`` with batchfit and set the batch it trains with. Call before ``trainer.train()``.
@@ -148,6 +152,13 @@ def autosize(
         headroom: the fraction of the budget the safe batch leaves free.
         target_batch: a global batch to keep: set the micro-batch and the accumulation steps from
             ``batchfit.plan(result, target_batch=..., world_size=<data-parallel replicas>)``.
+        noise_scale: also measure the gradient noise scale from ``trainer.get_train_dataloader()``
+            at the batch size just set (random generators and the Accelerator's registry put back
+            after), into ``result.noise_scale``, and log it with ``trainer.log`` (its reporting
+            callbacks see ``batchfit/noise_scale``, ``_low``, ``_high``, ``batchfit/recommended_batch``;
+            ``train()`` starts a fresh log history) and the recommendation's reason. Off by default:
+            it costs ``noise_passes`` (a ``find()`` keyword, default 128) forward/backward passes.
+            Too few batches for it (16 at the size set) is a warning, not an error.
         **find_kwargs: any other :func:`batchfit.find` keyword (``max_batch``, ``multiple_of``,
             ``verify_steps``, ...). ``step_fn``, ``optimizer`` and ``amp`` given here replace the
             trainer's.
@@ -176,6 +187,8 @@ def autosize(
     args = trainer.args
     replicas = data_parallel_size(trainer)
     previous_batch, previous_steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    if not isinstance(noise_scale, bool):
+        raise TypeError(f"noise_scale must be True or False, got {noise_scale!r}")
     if target_batch is not None and target_batch % replicas:
         raise ValueError(
             f"target_batch {target_batch} is not divisible by the {replicas} data-parallel replicas: every replica "
@@ -216,6 +229,11 @@ def autosize(
     else:
         batch = result.safe_batch
     _set_batch(trainer, batch, steps)
+    if noise_scale:
+        try:
+            result = dataclasses.replace(result, noise_scale=_noise_of(trainer, kwargs, batch))
+        except ValueError as exc:  # too few batches, say: advice is not worth failing the run for
+            logger.warning(f"batchfit: no noise scale measured: {exc}")
 
     sized = Autosized(
         result=result,
@@ -225,6 +243,7 @@ def autosize(
         previous_batch_size=previous_batch,
         previous_accumulation_steps=previous_steps,
         data_parallel_size=replicas,
+        recommendation=result.recommend(target_batch=target_batch),
     )
     logger.info(f"batchfit: {sized}")
     if chosen_plan is not None:
@@ -234,6 +253,9 @@ def autosize(
             f"batchfit: the global batch changed from {sized.previous_global_batch} to {sized.global_batch}; pass "
             f"target_batch={sized.previous_global_batch} to keep it (the learning rate was tuned for it)"
         )
+    if result.noise_scale is not None and sized.recommendation is not None:
+        _log_noise(trainer, result, sized.recommendation)
+        logger.info(f"batchfit: recommended {sized.recommendation.split()}: {sized.recommendation.reason}")
     if not result.safe_verified:
         logger.warning(f"batchfit: the safe batch {result.safe_batch} was not verified with extra steps")
     for note in result.notes:
@@ -293,30 +315,56 @@ def first_batch(trainer: Trainer) -> dict[str, Any]:
     is taken out of the Accelerator's list of prepared dataloaders again (``accelerator.prepare``
     registers each one, and ``save_state`` walks that list).
     """
-    accelerator = getattr(trainer, "accelerator", None)
-    registry = getattr(accelerator, "_dataloaders", None)
-    registered = list(registry) if isinstance(registry, list) else None
-    try:
-        with _rng_kept():
-            loader = trainer.get_train_dataloader()
-            iterator = iter(loader)
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                raise ValueError(
-                    "the trainer's train dataloader yielded no batch: the train dataset is empty"
-                ) from None
-            finally:
-                del iterator, loader
-    finally:
-        if registered is not None and isinstance(getattr(accelerator, "_dataloaders", None), list):
-            accelerator._dataloaders[:] = registered  # type: ignore[union-attr]
+    with _loader_kept(trainer) as loader:
+        iterator = iter(loader)
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            raise ValueError("the trainer's train dataloader yielded no batch: the train dataset is empty") from None
+        finally:
+            del iterator
     if not isinstance(batch, Mapping):
         raise TypeError(
             f"the trainer's train dataloader yields {type(batch).__name__}, not a mapping of tensors: "
             "Trainer.compute_loss calls model(**batch)"
         )
     return dict(batch)
+
+
+@contextlib.contextmanager
+def _loader_kept(trainer: Trainer) -> Iterator[Any]:
+    """``trainer.get_train_dataloader()``, drawn from under :func:`_rng_kept`, then taken out of the
+    Accelerator's list of prepared dataloaders again (``accelerator.prepare`` registers each one, and
+    ``save_state`` walks that list)."""
+    accelerator = getattr(trainer, "accelerator", None)
+    registry = getattr(accelerator, "_dataloaders", None)
+    registered = list(registry) if isinstance(registry, list) else None
+    try:
+        with _rng_kept():
+            yield trainer.get_train_dataloader()
+    finally:
+        if registered is not None and isinstance(getattr(accelerator, "_dataloaders", None), list):
+            accelerator._dataloaders[:] = registered  # type: ignore[union-attr]
+
+
+def _noise_of(trainer: Trainer, kwargs: dict[str, Any], micro_batch: int) -> Any:
+    """The noise scale of the trainer's own train batches at ``micro_batch``, with the probe's
+    step, optimizer and autocast (``kwargs``, ``find()``'s; what ``Options`` does not take is left out)."""
+    from batchfit.probe import Options, measure_noise
+
+    known = {field.name for field in dataclasses.fields(Options)}
+    options = Options(**{name: value for name, value in kwargs.items() if name in known})
+    with _loader_kept(trainer) as loader:
+        return measure_noise(trainer.model, loader, options, micro_batch=micro_batch)
+
+
+def _log_noise(trainer: Trainer, result: Result, recommendation: Recommendation) -> None:
+    """The noise scale and the recommended batch through ``trainer.log``: its reporting callbacks."""
+    noise = result.noise_scale
+    assert noise is not None
+    names = ("noise_scale", "noise_scale_low", "noise_scale_high", "recommended_batch", "recommended_global_batch")
+    values = (noise.b_simple, noise.low, noise.high, recommendation.batch_size, recommendation.global_batch)
+    trainer.log({f"batchfit/{name}": float(value) for name, value in zip(names, values) if value is not None})
 
 
 @contextlib.contextmanager

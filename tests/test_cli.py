@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 NO_GPU = not torch.cuda.is_available()
 
 # One plain row per finished trial: "<index>  <batch>  <kind>  fits|OOM ...".
-ROW = re.compile(r"^\s*\d+\s+\d+\s+(search|verify|gate)\s+(fits|OOM)", re.MULTILINE)
+ROW = re.compile(r"^\s*\d+\s+\d+\s+(search|verify|gate|time)\s+(fits|OOM)", re.MULTILINE)
 
 TARGETS = textwrap.dedent(
     '''

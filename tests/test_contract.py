@@ -298,10 +298,11 @@ def test_a_dataloader_with_its_own_generators_gets_them_back() -> None:
 
 # 6. The same names for the same things -------------------------------------------------------------
 #: find()'s keywords that mean nothing for an estimate (nothing is timed, verified, interrupted
-#: from outside, spread over ranks or shown live): every other one estimate() takes too.
+#: from outside, spread over ranks or shown live; fake tensors carry no gradient noise): every
+#: other one estimate() takes too.
 NOT_FOR_AN_ESTIMATE = {
     "steps_per_trial", "verify_steps", "time_budget", "restore_rng", "distributed", "rank_timeout",
-    "on_trial_start", "on_start", "progress",
+    "on_trial_start", "on_start", "progress", "timed_steps", "noise_scale", "noise_passes",
 }  # fmt: skip
 
 
@@ -316,8 +317,11 @@ def test_estimate_takes_finds_keywords_with_finds_defaults() -> None:
     assert "memory_limit" in inspect.signature(batchfit.what_if).parameters
 
 
-#: find()'s keywords a frontier sets itself per length: the batch of one length, its length, the scan.
-FRONTIER_SETS_PER_LENGTH = {"sample", "seq_len", "scan_batches"}
+#: find()'s keywords a frontier sets itself per length (the batch of one length, its length, the
+#: scan), or that are not its to take: a point's tokens/s is its safe batch's warm steps (no extra
+#: timing per length), and the noise scale belongs to the data, not to a length (measure it with
+#: ``find(loader, noise_scale=True)`` or ``batchfit.noise_scale``).
+FRONTIER_SETS_PER_LENGTH = {"sample", "seq_len", "scan_batches", "timed_steps", "noise_scale", "noise_passes"}
 
 
 def test_frontier_takes_finds_keywords_with_finds_defaults() -> None:
@@ -467,7 +471,10 @@ def test_estimate_says_what_it_estimates_for_and_what_to_do_when_the_context_eat
             id="factory-signature",
         ),
         pytest.param(
-            lambda m, s: batchfit.find(m, s, progress="yes"), TypeError, "progress must be True or False", None,
+            lambda m, s: batchfit.find(m, s, progress="yes"),
+            TypeError,
+            "progress must be True or False",
+            None,
             id="progress-yes",
         ),
     ],

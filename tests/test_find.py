@@ -38,8 +38,9 @@ def test_find_returns_the_exhaustive_boundary(name: str) -> None:
         assert len(search) <= 2 * (result.settings.max_batch - 1).bit_length() + 2
         assert result.trial(truth).fits and not result.trial(truth + 1).fits
         assert result.safe_verified and result.safe_batch <= result.max_batch
-        assert result.trials[-1].kind == "verify" and result.trials[-1].batch_size == result.safe_batch
-        assert result.trials[-1].peak_bytes <= 0.9 * result.budget_bytes
+        verification = [t for t in result.trials if t.kind == "verify"][-1]
+        assert verification.batch_size == result.safe_batch
+        assert verification.peak_bytes <= 0.9 * result.budget_bytes
         assert result.best_throughput_batch in {t.batch_size for t in result.trials if t.fits}
         assert all(t.leaked_bytes == 0 for t in result.trials)
         fitted = [t for t in result.trials if t.fits]
@@ -180,7 +181,16 @@ def test_loss_fn_receives_output_and_batch() -> None:
         seen.append((tuple(output.shape), tuple(batch.shape)))
         return output.pow(2).mean()
 
-    batchfit.find(model, sample, loss_fn=loss_fn, max_batch=4, steps_per_trial=1, verify_steps=0, memory_limit="64MiB")
+    batchfit.find(
+        model,
+        sample,
+        loss_fn=loss_fn,
+        max_batch=4,
+        steps_per_trial=1,
+        verify_steps=0,
+        memory_limit="64MiB",
+        timed_steps=0,
+    )
     assert seen[0] == ((2, 10), (2, 16))
     assert seen[-1] == ((4, 10), (4, 16))
 
@@ -210,6 +220,7 @@ def test_memory_a_trial_keeps_is_reported_as_leaked() -> None:
         steps_per_trial=1,
         verify_steps=0,
         strategy="binary",
+        timed_steps=0,
     )
     assert [t.leaked_bytes for t in result.trials] == [2 * 64 * 4, 4 * 64 * 4, 8 * 64 * 4]
     assert any("left 512 B allocated" in note for note in result.notes)

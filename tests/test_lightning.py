@@ -39,10 +39,10 @@ FEATURES, HIDDEN, CLASSES, ROWS = 32, 8192, 10, 2048
 SPAWN_TIMEOUT_S = 90
 
 
-def dataset() -> TensorDataset:
+def dataset(rows: int = ROWS) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     return TensorDataset(
-        torch.randn(ROWS, FEATURES, generator=generator), torch.randint(0, CLASSES, (ROWS,), generator=generator)
+        torch.randn(rows, FEATURES, generator=generator), torch.randint(0, CLASSES, (rows,), generator=generator)
     )
 
 
@@ -222,6 +222,8 @@ def test_optimizer_and_loss_found_in_every_form_lightning_accepts() -> None:
         ({"sample": torch.zeros(2)}, TypeError, "sample"),
         ({"callback": 3}, TypeError, "callback"),
         ({"max_batchsize": 8}, TypeError, "max_batchsize"),
+        ({"noise_scale": 1}, TypeError, "noise_scale"),
+        ({"noise_passes": 2}, ValueError, "noise_passes"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
@@ -264,6 +266,104 @@ def test_importable_without_lightning_and_says_what_to_install(monkeypatch: pyte
         monkeypatch.undo()
         importlib.reload(batchfit.lightning)
     assert issubclass(batchfit.lightning.BatchFit, pl.Callback)
+
+
+# The noise scale ---------------------------------------------------------------------------------
+class Memory(pl.loggers.Logger):
+    """A logger that keeps what it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[dict[str, float], int | None]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.append((dict(metrics), step))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class Counting(Classifier):
+    """Counts every ``training_step`` call, the probe's and the noise scale's too. ``rows``: 4096 give
+    the noise scale the 16 batches at the safe batch (about 200) it needs at the least."""
+
+    def __init__(self, rows: int = 4096) -> None:
+        super().__init__()
+        self.rows = rows
+        self.calls = 0
+        self.calls_at_last_trial = 0  # set by the probe's trial callback
+        self.calls_before_training: int | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(self.rows), batch_size=self.batch_size, shuffle=True)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.calls_before_training is None:
+            self.calls_before_training = self.calls
+        super().on_train_batch_start(batch, batch_idx)
+
+
+def _counted_fit(noise_scale: bool, rows: int = 4096, **kwargs: Any) -> tuple[Counting, BatchFit, Memory]:
+    model, logger = Counting(rows), Memory()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def trial_done(trial: Any) -> None:
+        model.calls_at_last_trial = model.calls
+
+    callback = BatchFit(memory_limit=LIMIT, noise_scale=noise_scale, callback=trial_done, **kwargs)
+    rng_before, rng_after = RngAt(), RngAt()
+    trainer(rng_before, callback, rng_after, logger=logger).fit(model)
+    for name, value in before.items():  # nothing the probe or the measurement did shows in the run
+        assert torch.equal(model.at_first_step["params"][name], value), name
+    assert model.at_first_step["metric_updates"] == 0
+    assert torch.equal(rng_before.state, rng_after.state)
+    return model, callback, logger
+
+
+def test_noise_scale_off_runs_no_extra_pass_and_logs_nothing(infos: list[str]) -> None:
+    model, callback, logger = _counted_fit(noise_scale=False)
+    assert callback.result is not None and callback.result.noise_scale is None
+    assert model.calls_before_training == model.calls_at_last_trial > 0  # the probe's passes only
+    assert not any(name.startswith("batchfit/") for metrics, _ in logger.metrics for name in metrics)
+    assert not any("recommended" in message for message in infos)
+    assert callback.recommendation == callback.result.recommendation  # still there, as advice
+
+
+def test_noise_scale_on_measures_from_the_train_dataloader_and_logs_it(infos: list[str]) -> None:
+    model, callback, logger = _counted_fit(noise_scale=True, noise_passes=16)
+    result, recommendation = callback.result, callback.recommendation
+    assert result is not None and recommendation is not None
+    noise = result.noise_scale
+    assert noise is not None and 0 < noise.passes <= 16
+    assert model.calls_before_training - model.calls_at_last_trial >= noise.passes  # through training_step
+    assert recommendation == result.recommendation and recommendation.noise_low == noise.low
+    logged = {name: value for metrics, _ in logger.metrics for name, value in metrics.items()}
+    assert logged["batchfit/noise_scale_low"] == noise.low
+    assert logged["batchfit/recommended_batch"] == recommendation.batch_size
+    assert ("batchfit/noise_scale" in logged) == (noise.b_simple is not None)
+    assert any(message.startswith("BatchFit: recommended ") and recommendation.reason in message for message in infos)
+    assert model.batch_size == result.safe_batch  # the batch set is the probe's, as without it
+    assert model.trained_batches == [result.safe_batch] * 2
+
+
+def test_too_few_batches_for_the_noise_scale_warn_and_the_run_goes_on(infos: list[str]) -> None:
+    with pytest.warns(UserWarning, match="BatchFit: no noise scale measured: .*window"):
+        model, callback, logger = _counted_fit(noise_scale=True, rows=1024, noise_passes=16)
+    assert callback.result is not None and callback.result.noise_scale is None
+    assert not any(name.startswith("batchfit/") for metrics, _ in logger.metrics for name in metrics)
+    assert model.trained_batches == [callback.result.safe_batch] * 2
 
 
 # Two ranks -------------------------------------------------------------------------------------
@@ -313,6 +413,8 @@ def test_ddp_spawn_ranks_probe_together_and_keep_the_global_batch(tmp_path: Path
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     # One answer on both ranks (the same trials, peaks and times; only the wall time of find() differs).
     answers = [{k: v for k, v in record["result"].items() if k != "elapsed_s"} for record in ranks]
+    for answer in answers:  # the time a rank spent timing sizes warm is its own wall time too
+        (answer["throughput"] or {}).pop("timing_s", None)
     assert answers[0] == answers[1]
     for record in ranks:
         result, plan = record["result"], record["plan"]

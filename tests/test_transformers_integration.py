@@ -265,3 +265,92 @@ def test_warns_when_train_would_turn_on_checkpointing_after_the_probe(
     with pytest.raises(Stop):
         bft.autosize(trainer)
     assert not any("activation checkpointing" in record.getMessage() for record in caplog.records)
+
+
+# The noise scale ---------------------------------------------------------------------------------
+class Counted(Recording):
+    """Counts every ``compute_loss`` call: the probe's, the noise scale's and the run's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+class Logs(TrainerCallback):
+    """What ``trainer.log`` handed to the callbacks."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, float]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        self.logs.append(dict(logs or {}))
+
+
+def _counted_autosize(
+    tmp_path: Path, noise_scale: bool, samples: int = 600, **kwargs: Any
+) -> tuple[Counted, bft.Autosized, Logs, int]:
+    """``autosize`` on a counting trainer; also the calls made after the probe's last trial. 600
+    samples give the noise scale the 16 batches at the safe batch (30) it needs at the least."""
+    logs = Logs()
+    trainer = Counted(
+        model=tiny_bert(),
+        args=TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, max_steps=2, report_to=[], save_strategy="no",
+            logging_strategy="no", per_device_train_batch_size=2, disable_tqdm=True,
+        ),
+        train_dataset=FixedLength(samples),
+        callbacks=[logs],
+    )  # fmt: skip
+    at_last_trial = [0]
+    rng, registered = torch.get_rng_state(), len(trainer.accelerator._dataloaders)
+    sized = bft.autosize(
+        trainer,
+        memory_limit=LIMIT,
+        noise_scale=noise_scale,
+        callback=lambda trial: at_last_trial.__setitem__(0, trainer.calls),
+        **kwargs,
+    )
+    assert torch.equal(torch.get_rng_state(), rng) and len(trainer.accelerator._dataloaders) == registered
+    assert trainer.optimizer is None and trainer.state.global_step == 0
+    return trainer, sized, logs, trainer.calls - at_last_trial[0]
+
+
+def test_noise_scale_off_runs_no_extra_pass_and_logs_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="batchfit.transformers")
+    trainer, sized, logs, extra = _counted_autosize(tmp_path, noise_scale=False)
+    assert extra == 0 and sized.result.noise_scale is None and logs.logs == []
+    assert not any("recommended" in record.getMessage() for record in caplog.records)
+    assert sized.recommendation == sized.result.recommendation  # still there, as advice
+    with pytest.raises(TypeError, match="noise_scale must be True or False"):
+        bft.autosize(trainer, noise_scale="yes")  # type: ignore[arg-type]
+
+
+def test_noise_scale_on_measures_from_the_train_dataloader_and_logs_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="batchfit.transformers")
+    trainer, sized, logs, extra = _counted_autosize(tmp_path, noise_scale=True, noise_passes=16)
+    noise, recommendation = sized.result.noise_scale, sized.recommendation
+    assert noise is not None and 0 < noise.passes <= 16 and extra >= noise.passes
+    assert recommendation is not None and recommendation == sized.result.recommendation
+    assert recommendation.noise_low == noise.low
+    (logged,) = logs.logs
+    assert logged["batchfit/noise_scale_low"] == noise.low
+    assert logged["batchfit/recommended_batch"] == recommendation.batch_size
+    assert any(recommendation.reason in record.getMessage() for record in caplog.records)
+    assert sized.batch_size == sized.result.safe_batch  # the batch set is the probe's, as without it
+    trainer.train()
+    assert trainer.seen == [sized.batch_size] * 2
+
+
+def test_too_few_batches_for_the_noise_scale_warn_and_autosize_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer, sized, logs, _ = _counted_autosize(tmp_path, noise_scale=True, samples=256, noise_passes=16)
+    assert sized.result.noise_scale is None and logs.logs == []
+    assert any("no noise scale measured" in record.getMessage() for record in caplog.records)
+    assert sized.batch_size == sized.result.safe_batch == trainer.args.per_device_train_batch_size

@@ -69,8 +69,10 @@ def find_kwargs(args: argparse.Namespace, target: Target | None, device: str, li
         "steps_per_trial": args.steps_per_trial,
         "headroom": args.headroom,
     }
-    for name in ("max_batch", "init_batch", "verify_steps", "strategy", "seq_len", "scan_batches"):
-        if getattr(args, name) is not None:
+    if getattr(args, "noise_scale", False):
+        kwargs["noise_scale"] = True
+    for name in ("max_batch", "init_batch", "verify_steps", "strategy", "seq_len", "scan_batches", "noise_passes"):
+        if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     for name in ("time_budget", "rank_timeout"):
         if getattr(args, name, None) is not None:

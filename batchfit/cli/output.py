@@ -1,5 +1,5 @@
 """What the CLI writes besides the views: exit codes, the one-line errors, ``--json`` files, the
-line shown while a target loads, the plan line.
+line shown while a target loads, the plan line, the recommended batch.
 
 Every error goes to stderr in a line starting with ``batchfit: error:`` (see ``batchfit.cli``).
 """
@@ -220,3 +220,67 @@ def check_plan_options(args: Any) -> None:
         check_target(args.target_batch, target_tokens=args.target_tokens, seq_len=args.seq_len)
     except ValueError as exc:
         raise UsageError(str(exc).replace("target_tokens", "--target-tokens").replace("seq_len", "--seq-len")) from None
+
+
+def check_noise_options(args: Any) -> None:
+    """``--noise-scale`` and ``--noise-passes``, checked before anything loads: the noise scale is
+    measured by a full probe of this process (or of each rank under ``torchrun``)."""
+    if getattr(args, "noise_passes", None) is not None and not args.noise_scale:
+        raise UsageError("--noise-passes goes with --noise-scale")
+    if not args.noise_scale:
+        return
+    if args.require_batch is not None:
+        raise UsageError("--require-batch runs a gate, not a full probe: drop --noise-scale")
+    if args.nproc_per_trial is not None:
+        raise UsageError("--nproc-per-trial runs every trial as a fresh job: --noise-scale needs the model here")
+
+
+def noise_source_problem(target: Target) -> str | None:
+    """Why ``target`` cannot give the noise scale, or ``None``: it is measured from the spread of
+    gradients over many real batches, so the sample must hand out batches (a ``DataLoader``, any
+    iterable of batches); one batch repeated would measure no noise at all."""
+    from batchfit.probe import is_batch_source
+
+    if is_batch_source(target.sample):
+        return None
+    given = "no sample (a make_batch)" if target.sample is None else f"one batch (a {type(target.sample).__name__})"
+    return (
+        f"--noise-scale measures the gradient noise scale from real batches, but {target.spec} gives {given}: "
+        "return a DataLoader (or another iterable of batches) as its sample"
+    )
+
+
+def recommendation_lines(
+    result: Any, target_batch: int | None = None, *, target_tokens: int | None = None, seq_len: int | None = None
+) -> list[str]:
+    """The last lines of a probe: the noise scale when it was measured, then the batch to train
+    with (``Result.recommend``: with ``--target-batch`` / ``--target-tokens`` it reaches that
+    target), its reason and caveats; or why there is none (tokens without a known length)."""
+    lines: list[str] = []
+    noise = getattr(result, "noise_scale", None)
+    if noise is not None:
+        lines.append(f"{'noise scale':<17}{noise_summary(noise)}")
+    try:
+        recommendation = result.recommend(target_batch=target_batch, target_tokens=target_tokens, seq_len=seq_len)
+    except ValueError as exc:
+        return [*lines, f"{'recommended':<17}none: {exc}"]
+    return [*lines, *recommendation.lines()]
+
+
+def noise_summary(noise: Any) -> str:
+    """``~190 samples (90% 150-240), from batches 8 and 64: 128 passes in 12.3 s``."""
+    from batchfit.units import format_duration
+
+    def number(value: float) -> str:
+        return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+    if noise.high is None:
+        interval = f"{noise.confidence:.0%} at least {number(noise.low)}, no upper bound"
+    else:
+        interval = f"{noise.confidence:.0%} {number(noise.low)}-{number(noise.high)}"
+    value = "large: the signal drowned in its noise" if noise.b_simple is None else f"~{number(noise.b_simple)}"
+    text = (
+        f"{value} samples ({interval}), from batches {noise.small_batch} and {noise.big_batch}: "
+        f"{noise.passes} passes in {format_duration(noise.elapsed_s)}"
+    )
+    return text + "".join(f"; {note}" for note in noise.notes)

@@ -84,8 +84,6 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1)
-
-
 _count = _int_at_least(0)
 
 
@@ -207,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with a DataLoader as the sample: scan at most N batches for the worst one (default 64)",
     )
+    probe.add_argument(
+        "--noise-scale",
+        action="store_true",
+        help="also measure the gradient noise scale from the target's real batches (its sample a DataLoader or an "
+        "iterable of batches) at the safe batch, for the recommended batch; costs --noise-passes backward passes",
+    )
+    probe.add_argument("--noise-passes", type=_int_at_least(4), metavar="N", help="with --noise-scale (default 128)")
     probe.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' for stdout)")
     probe.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
     probe.add_argument(

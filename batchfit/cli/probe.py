@@ -22,10 +22,13 @@ from batchfit.cli.output import (
     RESTORED,
     UsageError,
     check_json_path,
+    check_noise_options,
     check_plan_options,
     error,
     load,
+    noise_source_problem,
     plan_line,
+    recommendation_lines,
     report_exception,
     write_json,
 )
@@ -56,6 +59,7 @@ def probe_command(args: argparse.Namespace) -> int:
     elif args.trial_log is not None:
         raise UsageError("--trial-log goes with --nproc-per-trial")
     check_plan_options(args)
+    check_noise_options(args)
     if launch is None:
         return probe_here(args, None)
     owned: list[bool] = []
@@ -84,9 +88,7 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
         try:
             backend, started = launch.start(device)
         except Exception as exc:
-            report_exception(
-                exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {first_line(exc)}"
-            )
+            report_exception(exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {first_line(exc)}")
             return EXIT_ERROR
         if owned is not None:
             owned.append(started)
@@ -96,6 +98,10 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
         if isinstance(loaded, int):
             return loaded
         target = loaded
+        problem = noise_source_problem(target) if args.noise_scale else None
+        if problem is not None:  # before the probe: found out after it, it would cost the whole probe
+            error(problem)
+            return EXIT_USAGE
 
     human = sys.stderr if args.json == "-" else sys.stdout
     leader = launch is None or launch.is_leader
@@ -103,9 +109,7 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
         try:
             model, wrapped = launch.wrap(target.model, device)
         except Exception as exc:
-            report_exception(
-                exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {first_line(exc)}"
-            )
+            report_exception(exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {first_line(exc)}")
             return EXIT_ERROR
         target = replace(target, model=model)
         header.append(
@@ -138,13 +142,19 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
     else:
         view.summary(outcome)
         code = EXIT_OK
-        if (args.target_batch is not None or args.target_tokens is not None) and leader:
+        if leader:
             from batchfit.view import columns, fit_lines
 
-            line = plan_line(outcome, args.target_batch, target_tokens=args.target_tokens, seq_len=args.seq_len)
+            targets = {"target_tokens": args.target_tokens, "seq_len": args.seq_len}
+            lines: list[str] = []
+            if args.target_batch is not None or args.target_tokens is not None:
+                lines.append(plan_line(outcome, args.target_batch, **targets))
+            if not args.quiet:  # --quiet keeps its one line; the recommendation is in --json too
+                lines += recommendation_lines(outcome, args.target_batch, **targets)
             # Within COLUMNS as the view's lines are; --quiet's lines stay whole, for scripts.
-            for part in fit_lines(line, None if args.quiet else columns(), 17):
-                print(part, file=human)
+            for line in lines:
+                for part in fit_lines(line, None if args.quiet else columns(), 17):
+                    print(part, file=human)
     if args.json and leader:
         write_json(args.json, outcome.to_json())
     return code

@@ -16,7 +16,8 @@ they were, and the algorithm that turns trials into an answer.
   :mod:`~batchfit.probe.safe_batch` and :mod:`~batchfit.probe.notes`;
 * :mod:`~batchfit.probe.frontier`: :func:`frontier_with`, the largest batch per sequence length
   (one probe per length, each further one searched from the surface's prediction);
-* :mod:`~batchfit.probe.jobs`: a prober whose trials are fresh ``torchrun`` jobs (sharded models).
+* :mod:`~batchfit.probe.jobs`: a prober whose trials are fresh ``torchrun`` jobs (sharded models);
+* :mod:`~batchfit.probe.noise`: :func:`measure_noise`, the gradient noise scale of real batches.
 
 The keyword front end users call, :func:`batchfit.find`, is :mod:`batchfit.api`'s.
 
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     )
     from batchfit.probe.frontier import LENGTH_CEILING, PointCallback, ProberFactory, check_lengths, frontier_with
     from batchfit.probe.jobs import JobPerTrial, run_worker_trial, write_verdict
+    from batchfit.probe.noise import check_noise_data, measure_noise
     from batchfit.probe.options import DEFAULT_MAX_BATCH, Options, positive_int, renamed
     from batchfit.probe.positions import check_seq_len, position_limit
     from batchfit.probe.prober import Prober
@@ -102,6 +104,8 @@ _EXPORTS = {
     "JobPerTrial": "batchfit.probe.jobs",
     "run_worker_trial": "batchfit.probe.jobs",
     "write_verdict": "batchfit.probe.jobs",
+    "check_noise_data": "batchfit.probe.noise",
+    "measure_noise": "batchfit.probe.noise",
     "DEFAULT_MAX_BATCH": "batchfit.probe.options",
     "Options": "batchfit.probe.options",
     "positive_int": "batchfit.probe.options",

@@ -21,10 +21,12 @@ from torch import nn
 
 from batchfit.errors import NothingFitsError
 from batchfit.probe.checks import check_callbacks
+from batchfit.probe.noise import check_noise_data, measure_noise
 from batchfit.probe.notes import equation_notes, evidence, ranks_notes, throughput_notes, trial_notes
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
 from batchfit.probe.safe_batch import safe_batch, safe_cap
+from batchfit.probe.timing import time_warm, timing_deadline
 from batchfit.report import DeviceInfo, MemoryModel, Result, Settings, Throughput, Trial, TrialKind, Unit
 from batchfit.search import Attempt, Grid, SearchReport, confirm_from_scratch, is_non_monotone, search
 from batchfit.version import __version__
@@ -51,11 +53,21 @@ def find_with(
     on_trial_start: StartCallback | None = None,
     on_start: ProbeStartCallback | None = None,
 ) -> Result:
-    """:func:`find` for callers that hold an :class:`~batchfit.probe.options.Options` (the CLI, the gate)."""
+    """:func:`find` for callers that hold an :class:`~batchfit.probe.options.Options` (the CLI, the gate).
+
+    With ``options.noise_scale`` the gradient noise scale is measured from ``sample``'s real
+    batches after the probe, at its safe batch (``batchfit.probe.noise``), into
+    ``Result.noise_scale``; a sample that is not a source of batches is refused before any trial."""
     started = time.monotonic()
     check_callbacks(callback, on_trial_start, on_start)
+    if options.noise_scale:
+        check_noise_data(sample)
     prober = Prober(model, sample, options=options)
-    return search_with(prober, options, started, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
+    result = search_with(prober, options, started, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
+    if not options.noise_scale:
+        return result
+    noise = measure_noise(model, sample, options, micro_batch=result.safe_batch)
+    return replace(result, noise_scale=noise, elapsed_s=time.monotonic() - started)
 
 
 def search_with(
@@ -69,6 +81,7 @@ def search_with(
     searcher: Searcher | None = None,
     memory_hint: MemoryHint | None = None,
     keep_verified_within: float = 0.0,
+    time_sizes: bool = True,
 ) -> Result:
     """The search, the safe batch and the :class:`Result`, over any ``prober`` that does what
     :class:`Prober` does (a context manager with ``trial()``, ``budget_bytes``, ``counts``,
@@ -87,7 +100,9 @@ def search_with(
     at most that much above it (see :func:`~batchfit.probe.safe_batch.safe_batch`).
     ``memory_hint`` gives the memory equation when the trials measured fewer than two fitting
     sizes (such a search can end after one fit and one failure), so that the safe batch is still
-    aimed by memory and not set to ``init_batch``."""
+    aimed by memory and not set to ``init_batch``. ``time_sizes``: time the sizes the throughput
+    answer rests on warm after the search (``batchfit.probe.timing``), where the prober's trials
+    can (``prober.times_warm``) and ``options.timed_steps`` is not 0; the frontier's lengths skip it."""
     check_callbacks(callback, on_trial_start, on_start)
     grid, chooser = options.grid(), options.make_strategy()
     trials: list[Trial] = []
@@ -177,8 +192,23 @@ def search_with(
         safe, verified, safe_notes = safe_batch(
             report, trials, memory, budget, options, unit, run, keep_within=keep_verified_within
         )
-    # 5. The answer: what the trials measured, and what a reader should know about them.
-    throughput = Throughput.of(trials)
+        # 5. The sizes the throughput answer rests on, timed warm and alike (a search trial's
+        #    single step after a release runs cold, and must not be ranked against warm ones).
+        timing_notes: list[str] = []
+        timing_s: float | None = None
+        if time_sizes and options.timed_steps and getattr(prober, "times_warm", False) and not out_of_time():
+            timing_started = time.monotonic()
+            deadline = timing_deadline(timing_started, started, options.time_budget)
+            timing_notes = time_warm(
+                trials,
+                [report.largest_fit, safe],
+                grid,
+                lambda b: run(b, "time", 1 + options.timed_steps),
+                lambda: bool(prober.ranks.any(time.monotonic() > deadline)),
+            )
+            timing_s = time.monotonic() - timing_started
+    # 6. The answer: what the trials measured, and what a reader should know about them.
+    throughput = Throughput.of(trials, timing_s=timing_s)
 
     return Result(
         max_batch=report.largest_fit,
@@ -205,6 +235,7 @@ def search_with(
                 *safe_notes,
                 *trial_notes(trials, report),
                 *equation_notes(memory, report, budget),
+                *timing_notes,
                 *throughput_notes(throughput),
             ]
         ),

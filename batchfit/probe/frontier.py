@@ -150,6 +150,7 @@ def frontier_with(
             searcher=searcher,
             memory_hint=memory_hint,
             keep_verified_within=0.0 if searcher is None else STEP_DOWN,
+            time_sizes=False,  # a point's tokens/s is its safe batch's warm steps (its verification)
         )
         results[s] = result
         if predicted and result.boundary_reached:

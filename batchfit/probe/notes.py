@@ -67,9 +67,17 @@ def equation_notes(memory: MemoryModel | None, report: SearchReport, budget: int
 
 def throughput_notes(throughput: Throughput | None) -> list[str]:
     """Say how far the throughput answer can be trusted."""
-    if throughput is None or throughput.knee_batch == throughput.best_batch:
+    if throughput is None:
         return []
-    notes = [
+    notes: list[str] = []
+    if not throughput.warm:
+        notes.append(
+            "throughput: no size was timed warm (timed_steps=0, or time ran out): the rates are the search's own "
+            "single steps, each run right after the previous trial's memory was released; compare them loosely"
+        )
+    if throughput.knee_batch == throughput.best_batch:
+        return notes
+    notes += [
         f"throughput: batch {throughput.knee_batch} reaches {throughput.knee_samples_per_s:,.1f} samples/s, within "
         f"5% of the best measured ({throughput.best_samples_per_s:,.1f} at batch {throughput.best_batch}): "
         "bigger batches hardly pay in speed"
@@ -81,7 +89,7 @@ def throughput_notes(throughput: Throughput | None) -> list[str]:
         )
     if throughput.single_step_best:
         notes.append(
-            f"throughput: the rate of batch {throughput.best_batch} comes from one timed step (a search trial), "
-            "which on a GPU also pays for the first use of that shape"
+            f"throughput: the rate of batch {throughput.best_batch} comes from one timed step"
+            + ("" if throughput.warm else " (a search trial), which on a GPU also pays for the first use of that shape")
         )
     return notes

@@ -51,6 +51,8 @@ class Options:
     ``init_batch``, ``max_batch``, ``multiple_of``, ``verify_steps``, ``strategy``,
     ``time_budget``. The restore: ``restore_rng``. Many ranks: ``distributed``,
     ``rank_timeout``. Real data: ``seq_len``, ``scan_batches`` (``batchfit.probe.real_data``).
+    The batch to train with: ``noise_scale``, ``noise_passes`` (``batchfit.probe.noise``),
+    ``timed_steps`` (warm timed steps per size the throughput answer compares).
     See :func:`batchfit.find` for what each one means.
     """
 
@@ -77,6 +79,9 @@ class Options:
     rank_timeout: float = 300.0
     seq_len: int | None = None
     scan_batches: int = 64
+    noise_scale: bool = False
+    noise_passes: int = 128
+    timed_steps: int = 2
 
     def __post_init__(self) -> None:
         if self.make_batch is not None and not callable(self.make_batch):
@@ -132,6 +137,10 @@ class Options:
         self.grid()  # init_batch against max_batch and multiple_of
         make_strategy(self.strategy)
         positive_int("scan_batches", self.scan_batches)
+        if not isinstance(self.noise_scale, bool):
+            raise TypeError(f"noise_scale must be True or False, got {self.noise_scale!r}")
+        positive_int("noise_passes", self.noise_passes, minimum=4)
+        positive_int("timed_steps", self.timed_steps, minimum=0)
         if self.seq_len is not None:
             positive_int("seq_len", self.seq_len)
             if self.make_batch is not None:

@@ -103,6 +103,10 @@ class Prober:
         self._snapshot: Snapshot | None = None
         self._stack: contextlib.ExitStack | None = None
 
+    #: Its trials can time sizes warm after the search (``batchfit.probe.timing``): one process
+    #: keeps running, unlike a job per trial (a fresh process each) or fake trials (no time).
+    times_warm = True
+
     def _runnable(self, model: nn.Module) -> nn.Module:
         """A ``torch.compile``d model runs eagerly where the backend's meter cannot run compiled
         code (the CPU's dispatch mode): calling it compiled there would make dynamo skip its
@@ -115,6 +119,13 @@ class Prober:
             "code, and dynamo would stop compiling the model for good); compiled code can use less memory"
         )
         return inner
+
+    @property
+    def workload(self) -> Workload:
+        """What a step runs here (model, loss, autocast), for work beside the trials (``batchfit.probe.noise``)."""
+        if self._workload is None:
+            raise RuntimeError("Prober.workload needs an active probe: use 'with Prober(...) as p:'")
+        return self._workload
 
     @property
     def layout_carries(self) -> bool:

@@ -6,6 +6,9 @@ Pure Python (no torch import): a result can be loaded and read on a machine with
   :class:`SizedOn`;
 * :mod:`batchfit.report.memory`: the fitted memory equation (:class:`MemoryModel`);
 * :mod:`batchfit.report.throughput`: the best size, the knee and the noise (:class:`Throughput`);
+* :mod:`batchfit.report.noise`: the gradient noise scale (:class:`NoiseScale`) and its estimator;
+* :mod:`batchfit.report.recommendation`: the batch to train with (:class:`Recommendation`,
+  :func:`recommend`), by the rules of :mod:`~batchfit.report.recommendation_rules`;
 * :mod:`batchfit.report.result`: :class:`Result` and its versioned JSON document;
 * :mod:`batchfit.report.codec`: reading a document back, every field checked against its type and
   the constraints its hint declares (:data:`Batch`, :data:`Bytes`, ...), for other records too;
@@ -29,6 +32,8 @@ from batchfit.report.frontier_text import (
     surface_equation,
 )
 from batchfit.report.memory import ON_LINE, MemoryModel, PhaseLine
+from batchfit.report.noise import NoiseScale, NoiseSource
+from batchfit.report.recommendation import Recommendation, recommend
 from batchfit.report.records import (
     DEVICE_TYPES,
     PHASES,
@@ -43,7 +48,7 @@ from batchfit.report.records import (
 )
 from batchfit.report.result import SCHEMA, Result
 from batchfit.report.text import device_text, render_text
-from batchfit.report.throughput import KNEE_FRACTION, Throughput, best_timed
+from batchfit.report.throughput import KNEE_FRACTION, Throughput, best_timed, is_warm, warm_rates
 
 __all__ = [
     "DEVICE_TYPES",
@@ -62,9 +67,12 @@ __all__ = [
     "FrontierPoint",
     "LongestLimit",
     "MemoryModel",
+    "NoiseScale",
+    "NoiseSource",
     "Phase",
     "PhaseLine",
     "PlotUnavailableError",
+    "Recommendation",
     "Result",
     "Seconds",
     "Settings",
@@ -76,6 +84,7 @@ __all__ = [
     "TrialKind",
     "Unit",
     "best_timed",
+    "is_warm",
     "compact_rate",
     "device_text",
     "format_rate",
@@ -83,10 +92,12 @@ __all__ = [
     "point_cells",
     "read_document",
     "read_json",
+    "recommend",
     "render_frontier",
     "render_text",
     "require_matplotlib",
     "save_frontier_plot",
     "summary_rows",
     "surface_equation",
+    "warm_rates",
 ]

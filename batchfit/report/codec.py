@@ -23,7 +23,9 @@ or batch can have (``budget_bytes`` of 10**400) is refused here, not when ``str(
 it into a float. A field may also declare that it never exceeds another (:class:`NotAbove`, e.g.
 ``safe_batch`` never above ``max_batch``), where the code that writes the records guarantees it.
 A record may declare the schema its document carries (a ``SCHEMA`` class variable): the
-document's ``"schema"`` must name it, at any depth (the gate's report holds a result).
+document's ``"schema"`` must name it, at any depth (the gate's report holds a result). It may
+also name fields its document carries for readers but that are derived from the others (a
+``DERIVED`` class variable, e.g. the result's recommendation): they are skipped on reading.
 
 Whatever is wrong, a document is refused with one ``ValueError`` saying what and where, e.g.
 ``not a batchfit result: field 'trials[2].peak_bytes' must be an int or null, got str '17'``;
@@ -146,6 +148,9 @@ def _read_record(cls: type[_Record], data: Any, path: str) -> _Record:
             where = f"field {_joined(path, 'schema')!r}" if path else "schema"
             raise _Corrupt(f"{where} is {_shown_plain(data.get('schema'))}, expected {schema!r}")
         data = {name: value for name, value in data.items() if name != "schema"}
+    derived = getattr(cls, "DERIVED", ())
+    if derived:  # what the document carries for its readers, computed again from the fields
+        data = {name: value for name, value in data.items() if name not in derived}
     declared = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
     for name in data:
         if name not in declared:

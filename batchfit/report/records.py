@@ -22,8 +22,9 @@ DEVICE_TYPES = ("cpu", "cuda", "xpu", "unknown")
 Mode = Literal["train", "inference"]
 #: Mixed precision's dtype (``None`` in a record: none).
 Amp = Literal["bf16", "fp16"]
-#: Why a trial ran: the search, the safe batch's verification, or the CI gate's one trial.
-TrialKind = Literal["search", "verify", "gate"]
+#: Why a trial ran: the search, the safe batch's verification, the CI gate's one trial, or a
+#: size timed warm after the search for the throughput answer (``batchfit.probe.timing``).
+TrialKind = Literal["search", "verify", "gate", "time"]
 #: Which memory a budget, a peak or a memory equation counts: what live tensors hold
 #: (``"allocated"``), or what the allocator holds from the device (``"reserved"``, the unit of
 #: a CUDA limit).
@@ -38,7 +39,8 @@ class Trial:
         batch_size: the size tried.
         fits: every step completed without running out of memory.
         kind: ``"search"`` for the search's trials, ``"verify"`` for the extra steps that
-            check the safe batch.
+            check the safe batch, ``"time"`` for a size timed warm after the search (one untimed
+            step, then the timed ones: ``batchfit.probe.timing``), ``"gate"`` for the CI gate's.
         phase: where it ran out of memory (``"batch"``, ``"forward"``, ``"backward"``,
             ``"step"``), ``None`` when it fitted.
         peak_bytes: peak allocated memory (live tensors) of the trial. For a failed trial: a

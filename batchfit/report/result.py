@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from batchfit.report.codec import Batch, Bytes, NotAbove, Seconds, read_document, read_json
 from batchfit.report.memory import MemoryModel
+from batchfit.report.noise import NoiseScale
 from batchfit.report.records import DeviceInfo, Settings, SizedOn, Trial, Unit
 from batchfit.report.throughput import Throughput
 from batchfit.search import StopReason
+
+if TYPE_CHECKING:
+    from batchfit.report.recommendation import Recommendation
 
 SCHEMA = "batchfit.result/1"
 
@@ -49,6 +53,8 @@ class Result:
 
     #: The schema its JSON document names (see :meth:`to_json`).
     SCHEMA: ClassVar[str] = SCHEMA
+    #: What the document carries for its readers, derived from the fields (skipped on reading).
+    DERIVED: ClassVar[tuple[str, ...]] = ("recommendation",)
 
     max_batch: Batch
     safe_batch: Annotated[Batch, NotAbove("max_batch")]
@@ -72,6 +78,7 @@ class Result:
     estimated: bool = False
     assumptions: tuple[str, ...] = field(default=())
     sized_on: SizedOn | None = None
+    noise_scale: NoiseScale | None = None
 
     @property
     def global_max_batch(self) -> int:
@@ -92,10 +99,30 @@ class Result:
         found = [t for t in self.search_trials if t.batch_size == batch_size]
         return found[-1] if found else None
 
+    # The batch to train with ------------------------------------------------------------------
+    def recommend(
+        self, *, target_batch: int | None = None, target_tokens: int | None = None, seq_len: int | None = None
+    ) -> Recommendation:
+        """The batch to train with, and the accumulation and ranks that reach it, with the bound
+        that decided and why (:func:`batchfit.report.recommendation.recommend`): the memory bound,
+        the throughput knee, the noise scale when measured, and a target global batch (or tokens
+        per step at ``seq_len``) when given."""
+        from batchfit.report.recommendation import recommend
+
+        return recommend(self, target_batch=target_batch, target_tokens=target_tokens, seq_len=seq_len)
+
+    @property
+    def recommendation(self) -> Recommendation:
+        """:meth:`recommend` without a target: derived from the fields, never stored, so a result
+        read back from JSON recommends the same (its JSON document carries it, for readers)."""
+        return self.recommend()
+
     # JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The fields, the schema, and the recommendation (derived: :meth:`from_dict` skips it)."""
         data = asdict(self)
         data["schema"] = SCHEMA
+        data["recommendation"] = asdict(self.recommendation)
         return data
 
     def to_json(self, indent: int | None = 2) -> str:

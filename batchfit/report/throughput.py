@@ -1,16 +1,52 @@
-"""What the timed steps say about speed: the best size, the knee, and the noise."""
+"""What the timed steps say about speed: the best size, the knee, and the noise.
+
+Only like is compared with like: when any size was timed warm (steps after an untimed step of
+the same trial, :func:`is_warm`), the rates come from warm steps alone; a cold step (a search
+trial's only step, right after the previous trial's memory was released) is never ranked
+against them. ``batchfit.probe.timing`` times the sizes the answer depends on warm.
+"""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
-from batchfit.report.codec import Batch, NotAbove, Range, Rate
+from batchfit.report.codec import Batch, NotAbove, Range, Rate, Seconds
 from batchfit.report.records import Trial
 
 #: The knee is the smallest timed size whose samples/s reach this fraction of the best.
 KNEE_FRACTION = 0.95
+
+
+def is_warm(trial: Trial) -> bool:
+    """Whether ``trial``'s timed steps ran warm: it fitted and ran an untimed step first (steps
+    2..N are timed; a one-step trial times its only, cold step)."""
+    return trial.fits and trial.steps >= 2 and bool(trial.step_times_s)
+
+
+def warm_steps_by_size(trials: Sequence[Trial]) -> dict[int, list[float]]:
+    """Every warm step time of ``trials``, per batch size (all the trials at a size pooled)."""
+    times: dict[int, list[float]] = {}
+    for trial in trials:
+        if is_warm(trial):
+            times.setdefault(trial.batch_size, []).extend(trial.step_times_s)
+    return times
+
+
+def warm_rates(trials: Sequence[Trial]) -> dict[int, float]:
+    """Samples/s per batch size from warm steps only: ``batch_size / median step time``. Across
+    ranks a trial's times are the slowest rank's and its rate counts every rank's samples, so
+    the rate is scaled as the trials' own ``samples_per_s`` is."""
+    scale = {
+        t.batch_size: (t.samples_per_s or 0.0) * (t.step_time_s or 0.0) / t.batch_size for t in trials if is_warm(t)
+    }
+    return {
+        size: scale.get(size, 1.0) * size / statistics.median(times)
+        for size, times in warm_steps_by_size(trials).items()
+        if statistics.median(times) > 0
+    }
 
 
 def best_timed(trials: Sequence[Trial]) -> dict[int, Trial]:
@@ -47,6 +83,10 @@ class Throughput:
         within_noise: the best rate exceeds the knee's by less than ``spread``: "best" is then
             one measurement's luck as much as a real difference.
         single_step_best: the best rate comes from a single timed step.
+        warm: the rates come from warm steps only (see the module docs); ``False``: from the
+            search's own steps, some of them cold (no size was timed warm).
+        rates: ``(batch_size, samples/s)`` of every size compared, ascending.
+        timing_s: the time spent timing sizes warm after the search (``None``: none was).
     """
 
     best_batch: Batch
@@ -56,21 +96,37 @@ class Throughput:
     spread: Annotated[float, Range(0)] | None = None
     within_noise: bool = False
     single_step_best: bool = False
+    warm: bool = False
+    rates: tuple[tuple[Batch, Rate], ...] = ()
+    timing_s: Seconds | None = None
 
     @classmethod
-    def of(cls, trials: Sequence[Trial]) -> Throughput | None:
-        """The throughput answer of ``trials`` (``None`` when no fitting trial was timed)."""
-        timed = best_timed(trials)
-        if not timed:
-            return None
-        rates = {size: trial.samples_per_s or 0.0 for size, trial in timed.items()}
+    def of(cls, trials: Sequence[Trial], timing_s: float | None = None) -> Throughput | None:
+        """The throughput answer of ``trials`` (``None`` when no fitting trial was timed): from
+        their warm steps when any size has some (``warm``), else from every timed trial.
+        ``timing_s``: the time spent timing sizes warm after the search (``batchfit.probe.timing``)."""
+        warm = warm_rates(trials)
+        if warm:
+            steps = warm_steps_by_size(trials)
+            rates, counts = warm, {size: len(times) for size, times in steps.items()}
+            spreads = [
+                (max(times) - min(times)) / statistics.median(times)
+                for times in steps.values()
+                if len(times) >= 2 and statistics.median(times) > 0
+            ]
+        else:
+            timed = best_timed(trials)
+            if not timed:
+                return None
+            rates = {size: trial.samples_per_s or 0.0 for size, trial in timed.items()}
+            counts = {size: len(trial.step_times_s) for size, trial in timed.items()}
+            spreads = [
+                (max(t.step_times_s) - min(t.step_times_s)) / t.step_time_s
+                for t in timed.values()
+                if len(t.step_times_s) >= 2 and t.step_time_s
+            ]
         best = max(rates, key=lambda size: rates[size])
         knee = min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * rates[best])
-        spreads = [
-            (max(t.step_times_s) - min(t.step_times_s)) / t.step_time_s
-            for t in timed.values()
-            if len(t.step_times_s) >= 2 and t.step_time_s
-        ]
         spread = max(spreads) if spreads else None
         return cls(
             best_batch=best,
@@ -79,5 +135,12 @@ class Throughput:
             knee_samples_per_s=rates[knee],
             spread=spread,
             within_noise=spread is not None and knee != best and rates[best] - rates[knee] < spread * rates[knee],
-            single_step_best=len(timed[best].step_times_s) < 2,
+            single_step_best=counts[best] < 2,
+            warm=bool(warm),
+            rates=tuple(sorted(rates.items())),
+            timing_s=timing_s,
         )
+
+    def rate_of(self, batch_size: int) -> float | None:
+        """The samples/s measured at ``batch_size`` (``None``: not among the sizes compared)."""
+        return dict(self.rates).get(batch_size)

@@ -200,6 +200,8 @@ def check_fits(
             settings,
             max_batch=batch_size - 1,
             verify_steps=settings.verify_steps if "verify_steps" in options else 0,
+            timed_steps=0,  # the gate reports the largest batch below; no throughput answer to time
+            noise_scale=False,
         )
         try:
             search = find_with(model, sample, below, callback=callback, on_trial_start=on_trial_start)

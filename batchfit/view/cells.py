@@ -121,7 +121,9 @@ def summary_rows(result: Result) -> list[tuple[str, str]]:
         if result.boundary_reached
         else f"  (boundary not reached: {result.stop_reason})"
     )
-    rate = f"  ({best.samples_per_s:,.1f} samples/s)" if best and best.samples_per_s else ""
+    best_rate = result.throughput.best_samples_per_s if result.throughput is not None else None
+    best_rate = best_rate or (best.samples_per_s if best else None)  # the rate the answer ranked
+    rate = f"  ({best_rate:,.1f} samples/s)" if best_rate else ""
     checked = "checked on fake steps" if result.estimated else f"verified over {settings.verify_steps} steps"
     rows = [
         ("max batch", f"{result.max_batch}{max_note}"),
@@ -146,6 +148,9 @@ def summary_rows(result: Result) -> list[tuple[str, str]]:
     throughput = result.throughput
     if throughput is not None:
         noise = "" if throughput.spread is None else f"; repeated steps spread {throughput.spread:.0%}"
+        noise += (
+            f"; {len(throughput.rates)} sizes timed warm alike" if throughput.warm else "; from the search's cold steps"
+        )
         rows.append(
             (
                 "throughput knee",

@@ -1,0 +1,112 @@
+"""The sizes the throughput answer rests on, timed warm and alike.
+
+A search trial times one step, right after the previous trial's memory was released: page
+faults, allocator growth and the first use of each shape land in it, and how much depends on
+the size and on what ran before (the built-in GPT at 256 MiB on the CPU: batch 160's single
+search step ran 119 samples/s, the safe batch 144's warm steps 395). Ranking sizes by such
+rates names as "best" whichever size happened to be timed warm: the safe batch, which its
+verification times over several steps. So after the search the sizes the answer depends on
+are timed again, each in the same way: one untimed step, then ``timed_steps`` timed ones
+(:func:`time_warm`):
+
+1. the largest batch and the safe batch, always (the answer names both);
+2. the knee's neighbourhood: halving below the smallest size within 5% of the best rate until a
+   size below it is slower than that, then bisecting (geometrically) between the two until they
+   are within :data:`KNEE_BRACKET` of each other, while the phase's time lasts
+   (:func:`timing_deadline`).
+
+Only warm steps (those after an untimed step of the same trial, :func:`is_warm`) are compared
+with each other (``batchfit.report.throughput``); the knee is then a property of the model and
+the device, not of the search's path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from batchfit.report import KNEE_FRACTION, Trial, warm_rates
+from batchfit.search import Grid
+
+#: The knee is bisected until the slower size below it is within this ratio of it.
+KNEE_BRACKET = 1.25
+#: The knee's neighbourhood may take this share of the probe's time so far, and at least
+#: :data:`MIN_TIMING_S` seconds (the largest and the safe batch are timed in any case).
+TIMING_SHARE = 0.5
+MIN_TIMING_S = 5.0
+
+#: ``run(batch_size) -> Trial``: one trial of an untimed step and the timed ones, kind ``"time"``.
+RunTimed = Callable[[int], Trial]
+
+
+def timing_deadline(now: float, started: float, time_budget: float | None) -> float:
+    """When the knee's neighbourhood stops being timed: :data:`TIMING_SHARE` of the time the
+    probe took so far, at least :data:`MIN_TIMING_S`, and never past the probe's ``time_budget``."""
+    deadline = now + max(MIN_TIMING_S, TIMING_SHARE * (now - started))
+    return deadline if time_budget is None else min(deadline, started + time_budget)
+
+
+def next_knee_size(rates: dict[int, float], grid: Grid) -> int | None:
+    """The next size to time to pin the knee down, ``None`` once it is pinned (or cannot be).
+
+    The knee is the smallest timed size within :data:`KNEE_FRACTION` of the best rate. Until a
+    slower size below it has been timed, the next size is half the knee (on the grid); then the
+    geometric middle between that slower size and the knee, until the two are within
+    :data:`KNEE_BRACKET` of each other or no grid size lies between them.
+    """
+    if not rates:
+        return None
+    best = max(rates.values())
+    knee = min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * best)
+    below = [size for size in rates if size < knee]
+    if not below:
+        candidate = grid.floor(max(grid.init, knee // 2))
+    else:
+        lower = max(below)
+        if knee <= KNEE_BRACKET * lower:
+            return None
+        candidate = grid.floor(math.isqrt(lower * knee))
+        if candidate <= lower:
+            return None
+    if candidate >= knee or candidate < grid.init or candidate in rates:
+        return None
+    return candidate
+
+
+def time_warm(
+    trials: list[Trial],
+    sizes: list[int],
+    grid: Grid,
+    run: RunTimed,
+    out_of_time: Callable[[], bool],
+) -> list[str]:
+    """Time ``sizes`` (the largest and the safe batch), then the knee's neighbourhood while
+    ``out_of_time()`` says there is time, each by ``run``; the trials land in ``trials`` (``run``
+    appends them). Returns the notes a reader needs (a size that failed when timed, a knee left
+    unpinned because time ran out)."""
+    notes: list[str] = []
+    failed: list[int] = []
+    for size in dict.fromkeys(sizes):  # in order, once each
+        if not run(size).fits:
+            failed.append(size)
+    while True:
+        rates = warm_rates([t for t in trials if t.kind == "time"])
+        size = next_knee_size(rates, grid)
+        if size is None:
+            break
+        if out_of_time():
+            notes.append(
+                f"throughput: the knee is not pinned down below batch {min(rates)}: the time for timing sizes "
+                "warm ran out (each size timed is one more trial)"
+            )
+            break
+        if not run(size).fits:
+            failed.append(size)
+            break
+    if failed:
+        notes.append(
+            "throughput: batch "
+            + ", ".join(map(str, failed))
+            + " ran out of memory when timed again after the search, although it fitted in the search"
+        )
+    return notes

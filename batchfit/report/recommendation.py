@@ -1,0 +1,240 @@
+"""The batch to train with: one :class:`Recommendation`, the bound that decided it, and why.
+
+A probe measures several answers to "which batch?": the largest that fits, the safe batch (with
+headroom, verified), the throughput knee (past it, bigger batches stop paying in samples/s) and,
+when asked, the gradient noise scale ``B_simple`` (McCandlish et al. 2018: roughly the critical
+batch, past which a larger batch buys almost no fewer optimizer steps for the same loss).
+:func:`recommend` turns them into one choice, per rank ``batch_size`` x ``accumulation`` x
+``world_size``, by these rules, first match wins:
+
+1. **A target** (``target_batch``, or ``target_tokens`` in whole sequences of ``seq_len``) is the
+   user's: the learning rate and schedule were tuned for it. It is reached exactly where any
+   micro-batch within the safe batch (a multiple of ``settings.multiple_of``) divides each rank's
+   share, with the largest such micro-batch (fewest passes; a global batch costs the same samples
+   however it is split). Otherwise with the fewest accumulation steps and the micro-batch that
+   brings the global batch nearest the target, and ``target_changed_by`` (and the reason) say by
+   how much: never silently. :func:`split_global` is that arithmetic.
+2. **The noise scale**, ``B`` (global): above what fits (``safe x world_size``), train at the safe
+   batch and accumulate to about ``B``: up to ``B`` more samples per step still cut the steps
+   nearly in proportion, and accumulation is the only way there. Below the throughput knee, train
+   at the knee: below it the device idles (every sample costs more time), above it samples past
+   the noise scale buy few steps. Between the knee and the safe batch, train at ``B`` rounded to
+   the grid (the multiples of ``multiple_of``): the most samples a step can use well, at full
+   speed. When the signal drowned in the noise (``b_simple`` is ``None``) the noise scale is large,
+   at least ``low``: larger batches still pay, so the safe batch, accumulated to ``low`` when that
+   is above what fits.
+3. **The throughput knee**, without a noise scale: the smallest batch within 5% of the best
+   samples/s. Bigger batches are hardly faster per sample, and without a noise scale nothing says
+   they still buy fewer steps (past the critical batch they do not), so the knee is the cheapest
+   bet; the reason says how much faster per sample the safe batch measured.
+4. **Memory**: the safe batch, when nothing was timed (an estimate), or when the knee (or the
+   noise scale's choice) is above it.
+
+Never above ``safe_batch`` per rank: the largest batch that fits leaves no headroom for a
+fragmenting allocator or a longer batch. Caveats say what the numbers cannot: the noise scale is
+derived for SGD (a guide for Adam), near zero at initialisation and growing while training (so
+measure it again later), and a wide interval asks for more passes.
+
+Pure Python (no torch, no estimation layer): a result read back from JSON on a machine without
+torch recommends the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from batchfit.report.codec import Batch, Count, NotAbove, Range, Rate, read_document
+from batchfit.report.recommendation_rules import (
+    Facts,
+    by_noise,
+    by_speed,
+    by_target,
+    caveats_for,
+    check_positive,
+    split_global,
+)
+
+if TYPE_CHECKING:
+    from batchfit.report.result import Result
+
+__all__ = ["DECIDERS", "Decider", "Recommendation", "recommend", "split_global"]
+
+#: The bound that decided a recommendation.
+Decider = Literal["target", "noise scale", "throughput knee", "memory"]
+DECIDERS: tuple[str, ...] = ("target", "noise scale", "throughput knee", "memory")
+#: What :func:`recommend` reads of a result.
+_READS = ("max_batch", "safe_batch", "safe_verified", "settings", "throughput", "world_size", "noise_scale", "sized_on")
+#: The width of the label column of :meth:`Recommendation.lines`, as the probe's summary has it.
+LABEL = 17
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The batch to train with, how to reach it, the bound that decided it, and the numbers behind it.
+
+    Attributes:
+        batch_size: the micro-batch each rank runs per forward/backward (never above ``safe_batch``).
+        accumulation: forward/backward passes whose gradients are summed before one optimizer step.
+        world_size: the ranks the probe ran on.
+        global_batch: ``batch_size * accumulation * world_size``: the samples one optimizer step sees.
+        decided_by: ``"target"``, ``"noise scale"``, ``"throughput knee"`` or ``"memory"``.
+        reason: one sentence with the numbers that decided it.
+        caveats: what a reader should know before trusting it.
+        max_batch, safe_batch: the probe's largest fitting and safe batch, per rank.
+        knee_batch: the throughput knee (``None``: nothing was timed).
+        best_batch: the size with the most samples/s measured.
+        samples_per_s: the rate measured at ``batch_size`` (``None``: not timed).
+        noise_scale, noise_low, noise_high: ``B_simple`` and its interval, in samples (``None``:
+            not measured; ``noise_scale`` ``None`` with a ``noise_low``: the signal drowned in
+            noise, the scale is large; ``noise_high`` ``None``: no upper bound measured).
+        target: the global batch asked for, in samples (``None``: none).
+        target_tokens, seq_len, tokens_per_step: the token view, where a length is known.
+        target_changed_by: ``global_batch - target`` (0: reached exactly; ``None``: no target).
+    """
+
+    batch_size: Annotated[Batch, NotAbove("safe_batch")]
+    accumulation: Batch
+    world_size: Batch
+    global_batch: Batch
+    decided_by: Decider
+    reason: str
+    max_batch: Batch
+    safe_batch: Annotated[Batch, NotAbove("max_batch")]
+    best_batch: Batch
+    caveats: tuple[str, ...] = ()
+    knee_batch: Batch | None = None
+    samples_per_s: Rate | None = None
+    noise_scale: Annotated[float, Range(0)] | None = None
+    noise_low: Annotated[float, Range(0)] | None = None
+    noise_high: Annotated[float, Range(0)] | None = None
+    target: Batch | None = None
+    target_tokens: Batch | None = None
+    seq_len: Batch | None = None
+    tokens_per_step: Count | None = None
+    target_changed_by: int | None = None
+
+    def __post_init__(self) -> None:
+        # The numbers a step is set up from must agree: a record that says otherwise would mislead
+        # exactly where it matters (how many samples an optimizer step sees).
+        if self.global_batch != self.batch_size * self.accumulation * self.world_size:
+            raise ValueError(
+                f"global_batch {self.global_batch} is not batch_size {self.batch_size} x accumulation "
+                f"{self.accumulation} x world_size {self.world_size}"
+            )
+        changed = None if self.target is None else self.global_batch - self.target
+        if self.target_changed_by != changed:
+            raise ValueError(f"target_changed_by {self.target_changed_by} is not global_batch - target ({changed})")
+        tokens = None if self.seq_len is None else self.global_batch * self.seq_len
+        if self.tokens_per_step != tokens:
+            raise ValueError(f"tokens_per_step {self.tokens_per_step} is not global_batch x seq_len ({tokens})")
+
+    @property
+    def exact(self) -> bool:
+        """The target was reached exactly (``True`` without a target)."""
+        return not self.target_changed_by
+
+    def split(self) -> str:
+        """``global batch 384 = micro-batch 48 x 4 accumulation steps x 2 ranks``: the set-up in words."""
+        text = f"global batch {self.global_batch} = micro-batch {self.batch_size}"
+        if self.accumulation > 1:
+            text += f" x {self.accumulation} accumulation steps"
+        if self.world_size > 1:
+            text += f" x {self.world_size} ranks"
+        return text + (", no accumulation" if self.accumulation == 1 else "")
+
+    def lines(self) -> list[str]:
+        """The lines the CLI prints last: the recommendation and its reason, the split and what
+        decided it, then one line per caveat (unwrapped; the caller fits them to its width)."""
+        tokens = f" ({self.tokens_per_step:,} tokens)" if self.tokens_per_step is not None else ""
+        decider = self.decided_by if self.decided_by == "memory" else f"the {self.decided_by}"
+        lines = [
+            f"{'recommended':<{LABEL}}{self.reason}",
+            f"{'':<{LABEL}}{self.split()}{tokens}; decided by {decider}",
+        ]
+        return lines + [f"{'caveat':<{LABEL}}{caveat}" for caveat in self.caveats]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Recommendation:
+        """The inverse of ``dataclasses.asdict(recommendation)``; ``ValueError`` naming the field otherwise."""
+        try:
+            return read_document(cls, data, "recommendation")
+        except ValueError as exc:  # __post_init__'s consistency checks, said as the codec says the rest
+            if str(exc).startswith("not a batchfit"):
+                raise
+            raise ValueError(f"not a batchfit recommendation: {exc}") from None
+
+
+# The recommendation --------------------------------------------------------------------------------
+def recommend(
+    result: Result, *, target_batch: int | None = None, target_tokens: int | None = None, seq_len: int | None = None
+) -> Recommendation:
+    """The batch to train with for ``result``, by the rules of this module's docstring.
+
+    Args:
+        result: a probe's answer (:func:`batchfit.find`, :func:`batchfit.estimate`), batch sizes
+            per rank; its ``noise_scale`` is used when measured.
+        target_batch: a global batch to reach, in samples (over every rank and accumulation step).
+        target_tokens: instead, tokens per optimizer step: ``ceil(target_tokens / seq_len)``
+            whole sequences.
+        seq_len: the tokens in each sequence; default the length the probe sized on
+            (``result.sized_on``). It adds the token view (``tokens_per_step``).
+
+    Raises:
+        TypeError: ``result`` is not a result; a target or ``seq_len`` is not an int; both
+            targets given.
+        ValueError: a target or ``seq_len`` is not positive; ``target_tokens`` without a known length.
+    """
+    # Duck-typed: the result module calls this one (Result.recommend), so it is not imported here.
+    if not all(hasattr(result, name) for name in _READS):
+        raise TypeError(f"result must be a batchfit Result, got {type(result).__name__}")
+    if target_batch is not None and target_tokens is not None:
+        raise TypeError("give target_batch (samples per step) or target_tokens (tokens per step), not both")
+    for name, value in (("target_batch", target_batch), ("target_tokens", target_tokens), ("seq_len", seq_len)):
+        if value is not None:
+            check_positive(name, value)
+    sized = getattr(result.sized_on, "length", None)
+    length = seq_len if seq_len is not None else sized
+    if target_tokens is not None and length is None:
+        raise ValueError(
+            f"target_tokens {target_tokens:,} needs seq_len=, the tokens in each sequence: the result does not "
+            "record the length it was sized on"
+        )
+    facts = Facts.of(result)
+    if target_tokens is not None:
+        assert length is not None
+        target_batch = -(-target_tokens // length)
+    if target_batch is not None:
+        micro, steps, decided, reason, caveats = by_target(facts, target_batch, target_tokens, length)
+    elif facts.noise is not None:
+        micro, steps, decided, reason, caveats = by_noise(facts, facts.noise)
+    else:
+        micro, steps, decided, reason, caveats = by_speed(facts)
+    caveats += caveats_for(result, facts, micro)
+    noise = facts.noise
+    global_batch = micro * steps * facts.ranks
+    return Recommendation(
+        batch_size=micro,
+        accumulation=steps,
+        world_size=facts.ranks,
+        global_batch=global_batch,
+        decided_by=decided,
+        reason=reason,
+        caveats=tuple(caveats),
+        max_batch=result.max_batch,
+        safe_batch=result.safe_batch,
+        best_batch=facts.best,
+        knee_batch=facts.knee,
+        samples_per_s=facts.rate(micro),
+        noise_scale=None if noise is None else noise.b_simple,
+        noise_low=None if noise is None else noise.low,
+        noise_high=None if noise is None else noise.high,
+        target=target_batch,
+        target_tokens=target_tokens,
+        seq_len=length,
+        tokens_per_step=None if length is None else global_batch * length,
+        target_changed_by=None if target_batch is None else global_batch - target_batch,
+    )

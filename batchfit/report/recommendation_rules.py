@@ -1,0 +1,354 @@
+"""The rules of :mod:`batchfit.report.recommendation`, and the arithmetic and words they share.
+
+Apart from the record so that each stays a size one can read: the record and :func:`recommend`
+(what users call) there, the rules that pick the batch here. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from batchfit.report.throughput import KNEE_FRACTION
+
+if TYPE_CHECKING:
+    from batchfit.report.noise import NoiseScale
+    from batchfit.report.recommendation import Decider
+    from batchfit.report.result import Result
+
+__all__ = [
+    "WIDE",
+    "Choice",
+    "Facts",
+    "by_noise",
+    "by_speed",
+    "by_target",
+    "caveats_for",
+    "check_positive",
+    "split_global",
+    "split_text",
+]
+
+#: An interval wider than this ratio (``high / low``) asks for more passes.
+WIDE = 2.0
+
+
+# The split of a global batch ----------------------------------------------------------------------
+def split_global(target: int, safe_batch: int, world_size: int = 1, multiple_of: int = 1) -> tuple[int, int]:
+    """``(micro_batch, accumulation)`` for a global batch of ``target`` samples over ``world_size`` ranks.
+
+    The micro-batch is at most ``safe_batch`` and a multiple of ``multiple_of`` (ignored only when
+    ``safe_batch`` is below it: then no multiple fits). Exact (``micro * accumulation *
+    world_size == target``) whenever any such micro-batch divides each rank's share, with the
+    largest one; otherwise the fewest accumulation steps that reach the target with micro-batches
+    that fit, and among those micro-batches the one whose global batch is nearest the target
+    (more samples on a tie, as tokens round up to whole sequences).
+    """
+    for name, value in (("target", target), ("safe_batch", safe_batch), ("world_size", world_size)):
+        check_positive(name, value)
+    check_positive("multiple_of", multiple_of)
+    step = multiple_of if multiple_of <= safe_batch else 1
+    top = safe_batch // step * step
+    if target % world_size == 0:
+        share = target // world_size
+        for micro in range(min(top, share // step * step), 0, -step):
+            if share % micro == 0:
+                return micro, share // micro
+    steps = max(1, -(-target // (top * world_size)))
+    ideal = target / (steps * world_size)
+    low = min(top, max(step, math.floor(ideal / step) * step))
+    high = min(top, max(step, math.ceil(ideal / step) * step))
+    micro = high if abs(high * steps * world_size - target) <= abs(low * steps * world_size - target) else low
+    return micro, steps
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the rules read from a result: per rank, on the grid of ``multiple_of``."""
+
+    safe: int  # the largest micro-batch allowed: the safe batch, down to a multiple of multiple_of
+    ranks: int
+    step: int  # multiple_of, or 1 when the safe batch is below it
+    knee: int | None
+    best: int
+    rates: dict[int, float]
+    noise: NoiseScale | None
+    result: Result
+
+    @classmethod
+    def of(cls, result: Result) -> Facts:
+        multiple = max(1, result.settings.multiple_of)
+        step = multiple if multiple <= result.safe_batch else 1
+        throughput = result.throughput
+        rates: dict[int, float] = {}
+        if throughput is not None:
+            rates = {throughput.knee_batch: throughput.knee_samples_per_s}
+            rates[throughput.best_batch] = throughput.best_samples_per_s
+            rates.update(dict(throughput.rates))
+        return cls(
+            safe=result.safe_batch // step * step,
+            ranks=result.world_size,
+            step=step,
+            knee=None if throughput is None else throughput.knee_batch,
+            best=result.best_throughput_batch if throughput is None else throughput.best_batch,
+            rates=rates,
+            noise=result.noise_scale,
+            result=result,
+        )
+
+    def rate(self, size: int) -> float | None:
+        return self.rates.get(size)
+
+    def faster(self, size: int, than: int) -> str:
+        """``"only 2% faster per sample"``: how ``size`` measured against ``than``."""
+        mine, theirs = self.rate(size), self.rate(than)
+        if mine is None or theirs is None or theirs <= 0:
+            return "not timed"
+        gain = mine / theirs - 1
+        if gain <= 0:
+            return f"{-gain:.0%} slower per sample" if gain < -0.005 else "no faster per sample"
+        return (
+            f"only {gain:.0%} faster per sample"
+            if gain < 1 - KNEE_FRACTION + 0.005
+            else f"{gain:.0%} faster per sample"
+        )
+
+    def headroom(self) -> str:
+        settings = self.result.settings
+        verified = "estimated" if self.result.estimated else "verified" if self.result.safe_verified else "NOT verified"
+        return f"the safe batch {self.result.safe_batch} ({settings.headroom:.0%} of the budget left free, {verified})"
+
+
+#: What a rule decides: micro-batch, accumulation steps, the bound that decided, the reason, caveats.
+Choice = tuple[int, int, "Decider", str, list[str]]
+
+
+def by_target(facts: Facts, target: int, tokens: int | None, length: int | None) -> Choice:
+    """Rule 1: reach the target, exactly where a split allows."""
+    micro, steps = split_global(target, facts.result.safe_batch, facts.ranks, facts.step)
+    reached = micro * steps * facts.ranks
+    asked = f"the target global batch {target}"
+    if tokens is not None:
+        assert length is not None
+        asked = f"the target of {tokens:,} tokens per step ({target} sequences of {length:,})"
+    bound = f"micro-batches up to the safe batch {facts.safe}" + (
+        f" in multiples of {facts.step}" if facts.step > 1 else ""
+    )
+    caveats: list[str] = []
+    if reached == target:
+        reason = f"train at {split_text(micro, steps, facts.ranks)}: {asked}, exactly, with the largest of the {bound}"
+        quick = _fewest_steps(facts, target)
+        if quick[0] >= 2 * micro and quick[1] < steps:
+            other = quick[0] * quick[1] * facts.ranks
+            caveats.append(
+                f"the exact split runs small micro-batches: {split_text(*quick, facts.ranks)} would need "
+                f"{quick[1]} passes per step instead of {steps}, at a global batch of {other} "
+                f"({_off(other - target)} the target)"
+            )
+    else:
+        why = f"no split into {bound}" + (f" over {facts.ranks} ranks" if facts.ranks > 1 else "") + " reaches it"
+        reason = (
+            f"train at {split_text(micro, steps, facts.ranks)}: {asked} becomes {reached}, "
+            f"{_off(reached - target)} it, because {why}"
+        )
+    if tokens is not None and length is not None and reached * length != tokens:
+        caveats.append(
+            f"a step holds {reached * length:,} tokens, {_off(reached * length - tokens, ' tokens')} the "
+            f"{tokens:,} asked"
+        )
+    noise = facts.noise
+    if noise is not None:
+        scale = _noise_text(noise)
+        if noise.b_simple is not None and noise.high is not None and reached > noise.high:
+            caveats.append(
+                f"the global batch {reached} is above the noise scale ({scale}): past it, extra samples per step "
+                "buy few steps; a smaller batch (the learning rate tuned for it) would need fewer samples"
+            )
+        elif reached < noise.low:
+            caveats.append(
+                f"the global batch {reached} is below the noise scale ({scale}): a larger batch would still cut "
+                "the optimizer steps nearly in proportion"
+            )
+    if facts.knee is not None and micro < facts.knee <= facts.safe:  # a knee above the safe batch is out of reach
+        caveats.append(f"micro-batch {micro} is below the throughput knee {facts.knee}: {_slower(facts, micro)}")
+    return micro, steps, "target", reason, caveats
+
+
+def by_noise(facts: Facts, noise: NoiseScale) -> Choice:
+    """Rule 2: the noise scale against what fits and the knee."""
+    safe, ranks, scale = facts.safe, facts.ranks, _noise_text(noise)
+    fits = safe * ranks
+    knee = None if facts.knee is None else min(facts.knee, safe)
+    past = "" if noise.high is None else f"; beyond ~{_num(noise.high)} the extra samples buy little"
+    if noise.b_simple is None:
+        if noise.low > fits:
+            steps = max(1, -(-math.ceil(noise.low) // fits))
+            reason = (
+                f"train at {split_text(safe, steps, ranks)}: the noise scale is large ({scale}), above the "
+                f"{fits} that fits{_per(ranks)}, so accumulate to at least that"
+            )
+            return safe, steps, "noise scale", reason, []
+        reason = (
+            f"train at {split_text(safe, 1, ranks)}: the noise scale is large ({scale}), so a larger batch still "
+            f"buys fewer steps, and {facts.headroom()} is the largest that fits"
+        )
+        return safe, 1, "memory", reason, []
+    scale_b = noise.b_simple
+    if scale_b > fits:
+        steps = max(1, math.floor(scale_b / fits + 0.5))
+        if steps == 1:
+            reason = (
+                f"train at {split_text(safe, 1, ranks)}: the noise scale ({scale}) is just above the {fits} that "
+                f"fits{_per(ranks)}; accumulating 2 steps would double that to {2 * fits}{past}"
+            )
+            return safe, 1, "noise scale", reason, []
+        reason = (
+            f"train at {split_text(safe, steps, ranks)}: the noise scale ({scale}) is above the {fits} that "
+            f"fits{_per(ranks)}, so accumulate{past}"
+        )
+        return safe, steps, "noise scale", reason, []
+    if knee is not None and scale_b < knee * ranks:
+        if facts.knee is not None and facts.knee > safe:
+            reason = (
+                f"train at {split_text(safe, 1, ranks)}: {facts.headroom()}; the throughput knee {facts.knee} is "
+                f"above it, and below the knee the device idles, though samples past the noise scale ({scale}) buy "
+                "few steps"
+            )
+            return safe, 1, "memory", reason, []
+        above = f"; {safe} fits but is {facts.faster(safe, knee)}" if safe > knee else ""
+        reason = (
+            f"train at {split_text(knee, 1, ranks)}: the throughput knee{above}, and the noise scale ({scale}) is "
+            "below it: below the knee the device idles, above it samples past the noise scale buy few steps"
+        )
+        return knee, 1, "throughput knee", reason, []
+    floor = knee if knee is not None else facts.step
+    micro = min(safe, max(floor, math.floor(scale_b / ranks / facts.step + 0.5) * facts.step))
+    where = f"between the throughput knee {knee} and" if knee is not None else "within"
+    reason = (
+        f"train at {split_text(micro, 1, ranks)}: the noise scale ({scale}), {where} the {fits} that "
+        f"fits{_per(ranks)}: the most samples a step uses well, at full speed{past}"
+    )
+    return micro, 1, "noise scale", reason, []
+
+
+def by_speed(facts: Facts) -> Choice:
+    """Rules 3 and 4: the knee where something was timed, else the safe batch."""
+    safe, ranks = facts.safe, facts.ranks
+    if facts.knee is None:
+        why = "the estimate timed no step" if facts.result.estimated else "no step was timed"
+        reason = f"train at {split_text(safe, 1, ranks)}: {facts.headroom()}; {why}, so there is no throughput knee"
+        return safe, 1, "memory", reason, []
+    if facts.knee >= safe:
+        knee = "is also the throughput knee" if facts.knee == safe else f"is below the throughput knee {facts.knee}"
+        reason = f"train at {split_text(safe, 1, ranks)}: {facts.headroom()}, which {knee}"
+        return safe, 1, "memory", reason, []
+    compared = safe if facts.rate(safe) is not None else facts.best
+    which = f"{safe} fits but" if compared == safe else f"the fastest measured, {compared},"
+    reason = (
+        f"train at {split_text(facts.knee, 1, ranks)}: the throughput knee, the smallest batch within "
+        f"{1 - KNEE_FRACTION:.0%} of the best rate; {which} is {facts.faster(compared, facts.knee)}"
+    )
+    return facts.knee, 1, "throughput knee", reason, []
+
+
+def caveats_for(result: Result, facts: Facts, micro: int) -> list[str]:
+    """What holds whichever rule decided: the noise scale's limits, or how to get one; the probe's own."""
+    caveats: list[str] = []
+    noise = facts.noise
+    if noise is None:
+        caveats.append(
+            "no noise scale was measured, so nothing says whether a larger batch still buys fewer steps: "
+            "find(..., noise_scale=True) or batchfit probe --noise-scale measures it from real batches"
+        )
+    else:
+        caveats.append(
+            "the noise scale is derived for SGD: with Adam (or another adaptive optimizer) treat it as a guide"
+        )
+        caveats.append(
+            "it is near zero at initialisation and grows as the loss falls: measure it again later in training"
+        )
+        if noise.high is None or noise.low <= 0 or noise.high / noise.low > WIDE:
+            caveats.append(
+                f"its interval is wide ({_interval(noise)}): measure with more passes "
+                f"(noise_passes={2 * noise.passes}, --noise-passes {2 * noise.passes})"
+            )
+    throughput = result.throughput
+    if throughput is not None and throughput.within_noise and micro < facts.best:
+        caveats.append(
+            f"the rates differ by less than the repeated steps' spread ({throughput.spread or 0:.0%}): the knee is "
+            "approximate"
+        )
+    if not result.safe_verified:
+        caveats.append(f"the safe batch {result.safe_batch} was not verified: see the result's notes")
+    if result.settings.multiple_of > result.safe_batch:
+        caveats.append(
+            f"no multiple of {result.settings.multiple_of} (multiple_of) fits within the safe batch "
+            f"{result.safe_batch}, so it is ignored"
+        )
+    return caveats
+
+
+# Words -----------------------------------------------------------------------------------------------
+def _fewest_steps(facts: Facts, target: int) -> tuple[int, int]:
+    """The split with the fewest accumulation steps (the largest micro-batch), exact or not."""
+    steps = max(1, -(-target // (facts.safe * facts.ranks)))
+    ideal = target / (steps * facts.ranks)
+    micro = min(facts.safe, max(facts.step, math.floor(ideal / facts.step + 0.5) * facts.step))
+    return micro, steps
+
+
+def split_text(micro: int, steps: int, ranks: int) -> str:
+    """``48``, ``48 x 4 accumulation``, ``48 per rank x 4 accumulation x 2 ranks``."""
+    text = f"{micro}" + (" per rank" if ranks > 1 else "")
+    if steps > 1:
+        text += f" x {steps} accumulation"
+    return text + (f" x {ranks} ranks" if ranks > 1 else "")
+
+
+def _per(ranks: int) -> str:
+    return f" over {ranks} ranks" if ranks > 1 else ""
+
+
+def _off(change: int, unit: str = "") -> str:
+    """``"3 over"``, ``"3 short of"``, ``"exactly"``; tokens (``unit``) with thousands separated."""
+    size = f"{abs(change):,}{unit}" if unit else f"{abs(change)}"
+    if change > 0:
+        return f"{size} over"
+    return f"{size} short of" if change < 0 else "exactly"
+
+
+def _num(value: float) -> str:
+    """A noise-scale number as a reader needs it: whole samples from 10 up (written plain, as batch
+    sizes are), two digits below."""
+    return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+
+def _interval(noise: NoiseScale) -> str:
+    """``90% 150-240``, or ``90% at least 150, no upper bound``."""
+    if noise.high is None:
+        return f"{noise.confidence:.0%} at least {_num(noise.low)}, no upper bound"
+    return f"{noise.confidence:.0%} {_num(noise.low)}-{_num(noise.high)}"
+
+
+def _noise_text(noise: NoiseScale) -> str:
+    """``~190, 90% 150-240 samples``, or for a drowned signal ``90% at least ~150 samples``."""
+    if noise.b_simple is None:
+        return f"the gradient signal drowned in its noise; {noise.confidence:.0%} at least ~{_num(noise.low)} samples"
+    return f"~{_num(noise.b_simple)}, {_interval(noise)} samples"
+
+
+def _slower(facts: Facts, micro: int) -> str:
+    knee = facts.knee
+    assert knee is not None
+    mine, theirs = facts.rate(micro), facts.rate(knee)
+    if mine is None or theirs is None or theirs <= 0:
+        return "each pass uses the device less well"
+    return f"it measured {1 - mine / theirs:.0%} slower per sample"
+
+
+def check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be positive, got {value}")
