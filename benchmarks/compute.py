@@ -14,7 +14,8 @@ more on two cores. Per case, one after another in this process, each on a freshl
 identical) model under the same live-tensor cap:
 
 * **batchfit** ``find()`` with its defaults: the whole answer (the exact maximum, a verified
-  safe batch, throughput).
+  safe batch, the sizes around the throughput knee timed warm); and with ``timed_steps=0``, the
+  largest and safe batch without that timing (what the peers answer, and less).
 * **Lightning** ``Tuner.scale_batch_size(mode="binsearch", margin=0)`` with
   ``steps_per_trial=2``: the fewest steps that show the optimizer state (Lightning builds a new
   optimizer for every trial, so its step 1 runs without the state); its default of 3 only costs
@@ -186,16 +187,18 @@ def sample_steps_of(sizes: list[int], completed: list[int], fits: list[bool]) ->
     return sum(size * (done + (0 if fit else 1)) for size, done, fit in zip(sizes, completed, fits))
 
 
-def run_batchfit(case: ComputeCase) -> tuple[Row, batchfit.Result]:
+def run_batchfit(case: ComputeCase, **options: Any) -> tuple[Row, batchfit.Result]:
+    """``find()`` with its defaults, or with ``options`` (``timed_steps=0``: no warm timing after
+    the search, the largest and safe batch alone, as the peers answer)."""
     model, sample = case.build()
     started = time.perf_counter()
-    result = batchfit.find(model, sample, memory_limit=case.cap_bytes, device="cpu")
+    result = batchfit.find(model, sample, memory_limit=case.cap_bytes, device="cpu", **options)
     wall = time.perf_counter() - started
     compare.release(torch.device("cpu"))
     trials = result.trials
     row = Row(
         "batchfit",
-        "find() defaults",
+        ", ".join(f"{k}={v}" for k, v in options.items()) if options else "find() defaults",
         found=result.max_batch,
         trials=len(trials),
         sample_steps=sample_steps_of(
@@ -206,8 +209,10 @@ def run_batchfit(case: ComputeCase) -> tuple[Row, batchfit.Result]:
     )
     throughput = result.throughput
     knee = f", knee {throughput.knee_batch}" if throughput else ""
+    kinds = {kind: sum(t.kind == kind for t in trials) for kind in ("search", "verify", "time")}
+    timing = f" ({throughput.timing_s:.1f} s)" if throughput and throughput.timing_s is not None else ""
     row.note = (
-        f"{len(result.search_trials)} search + {len(trials) - len(result.search_trials)} verify; "
+        f"{kinds['search']} search + {kinds['verify']} verify + {kinds['time']} time{timing}; "
         f"safe {result.safe_batch}{' verified' if result.safe_verified else ''}{knee}"
     )
     return row, result
@@ -287,7 +292,7 @@ def run_case(case: ComputeCase, peers: set[str]) -> dict[str, Any]:
     truth, truth_note = check_truth(case, result.max_batch)
     print(f"   truth {truth_note}", flush=True)
     reference = truth if truth is not None else result.max_batch
-    rows = [bf_row]
+    rows = [bf_row, run_batchfit(case, timed_steps=0)[0]]
     if "lightning" in peers:
         rows.append(run_lightning(case, reference))
     if "accelerate" in peers:
@@ -356,18 +361,20 @@ def print_table(case: ComputeCase, rows: list[Row], truth_note: str, contention:
 
 def print_summary(cases: list[dict[str, Any]]) -> None:
     print("\nSummary: batchfit's wall time as a multiple of each peer's (goal: <= 0.50x Lightning, <= 1.00x")
-    print("Accelerate, <= 3.00x three plain steps at the batch found)")
+    print("Accelerate, <= 3.00x three plain steps at the batch found); per case find()'s defaults, then")
+    print("timed_steps=0 (no warm timing after the search: the largest and the safe batch, as the peers answer)")
     header = f"{'case':<22}{'truth':>6}{'step at max':>12}{'bf s':>7}{'Lightning':>11}{'Accelerate':>11}{'3 plain':>9}"
     print(header)
     for case in cases:
-        by = {row["finder"]: row for row in case["rows"]}
-        wall = by["batchfit"]["wall_s"]
-        ratios = [_fraction(wall, by.get(name)) for name in ("Lightning", "Accelerate", "plain steps")]
+        by = {row["finder"]: row for row in case["rows"] if row["finder"] != "batchfit"}
         step = case["step_at_boundary_s"]
-        print(
-            f"{case['case']:<22}{case['truth'] or '?':>6}{(f'{step:.2f} s' if step else '-'):>12}{wall:>7.1f}"
-            f"{ratios[0]:>11}{ratios[1]:>11}{ratios[2]:>9}"
-        )
+        for number, row in enumerate(r for r in case["rows"] if r["finder"] == "batchfit"):
+            wall = row["wall_s"]
+            ratios = [_fraction(wall, by.get(name)) for name in ("Lightning", "Accelerate", "plain steps")]
+            label = case["case"] if number == 0 else f"  {row['setting']}"
+            truth = (case["truth"] or "?") if number == 0 else ""
+            at_max = (f"{step:.2f} s" if step else "-") if number == 0 else ""
+            print(f"{label:<22}{truth:>6}{at_max:>12}{wall:>7.1f}{ratios[0]:>11}{ratios[1]:>11}{ratios[2]:>9}")
 
 
 def _fraction(wall: float, row: dict[str, Any] | None) -> str:

@@ -306,6 +306,20 @@ def test_probe_strategy_option_reaches_find(tmp_path: Path) -> None:
     assert run_cli("probe", "batchfit.examples:gpt", "--strategy", "guess").returncode == 2
 
 
+@pytest.mark.parametrize("timed_steps", [0, 3])
+def test_probe_timed_steps_option_reaches_find(tmp_path: Path, timed_steps: int) -> None:
+    out = tmp_path / "result.json"
+    proc = run_cli(
+        "probe", "batchfit.examples:gpt", "--device", "cpu", "--memory-limit", "24MiB",
+        "--timed-steps", str(timed_steps), "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    timed = [t for t in Result.from_json(out.read_text()).trials if t.kind == "time"]
+    assert [t.steps for t in timed] == [1 + timed_steps] * len(timed)
+    assert bool(timed) == bool(timed_steps)
+    assert run_cli("probe", "batchfit.examples:gpt", "--timed-steps", "-1").returncode == 2
+
+
 @pytest.mark.skipif(not NO_GPU, reason="the CPU default applies only where there is no GPU")
 def test_probe_without_gpu_says_it_runs_on_cpu_under_the_cli_default(targets: Path) -> None:
     proc = run_cli("probe", f"{targets}:wide", "--max-batch", "16", "--verify-steps", "0")

@@ -127,6 +127,13 @@ def test_without_a_noise_scale_the_knee_says_how_much_faster_the_safe_batch_is(r
     assert rec.knee_batch == 64 and rec.best_batch == 96 and rec.samples_per_s == 1000.0
 
 
+
+@pytest.mark.parametrize(("safe_rate", "says"), [(1003.0, "no faster per sample"), (990.0, "1% slower per sample")])
+def test_a_gain_that_rounds_to_nothing_reads_as_none(real: Result, safe_rate: float, says: str) -> None:
+    rec = _result(real, 96, {16: 400.0, 64: 1000.0, 96: safe_rate}).recommendation
+    assert rec.batch_size == 64 and rec.reason.endswith(f"96 fits but is {says}")
+
+
 def test_a_knee_at_or_above_the_safe_batch_leaves_memory_to_decide(real: Result) -> None:
     for knee in (48, 64):
         result = _result(real, 48, {16: 300.0, knee: 1000.0})

@@ -71,10 +71,10 @@ def find_kwargs(args: argparse.Namespace, target: Target | None, device: str, li
     }
     if getattr(args, "noise_scale", False):
         kwargs["noise_scale"] = True
-    for name in ("max_batch", "init_batch", "verify_steps", "strategy", "seq_len", "scan_batches", "noise_passes"):
+    for name in ("max_batch", "init_batch", "verify_steps", "timed_steps", "strategy", "seq_len", "scan_batches"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
-    for name in ("time_budget", "rank_timeout"):
+    for name in ("time_budget", "rank_timeout", "noise_passes"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     return kwargs

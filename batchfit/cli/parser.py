@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument("--time-budget", type=_seconds, metavar="SECONDS", help="start no new search trial after this")
     probe.add_argument(
+        "--timed-steps", type=_count, metavar="N", help="warm steps timed per size after the search (default 2)"
+    )
+    probe.add_argument(
         "--strategy",
         choices=("interpolate", "binary"),
         help="search strategy: aim at the budget from measured memory (default), or plain bisection",

@@ -198,13 +198,18 @@ def search_with(
         timing_s: float | None = None
         if time_sizes and options.timed_steps and getattr(prober, "times_warm", False) and not out_of_time():
             timing_started = time.monotonic()
-            deadline = timing_deadline(timing_started, started, options.time_budget)
+
+            def start_neighbourhood() -> Callable[[], bool]:
+                deadline = timing_deadline(time.monotonic(), started, options.time_budget)
+                return lambda: bool(prober.ranks.any(time.monotonic() > deadline))
+
             timing_notes = time_warm(
                 trials,
                 [report.largest_fit, safe],
                 grid,
                 lambda b: run(b, "time", 1 + options.timed_steps),
-                lambda: bool(prober.ranks.any(time.monotonic() > deadline)),
+                start_neighbourhood,
+                options.timed_steps,
             )
             timing_s = time.monotonic() - timing_started
     # 6. The answer: what the trials measured, and what a reader should know about them.

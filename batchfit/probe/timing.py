@@ -9,11 +9,15 @@ verification times over several steps. So after the search the sizes the answer 
 are timed again, each in the same way: one untimed step, then ``timed_steps`` timed ones
 (:func:`time_warm`):
 
-1. the largest batch and the safe batch, always (the answer names both);
+1. the largest batch and the safe batch (the answer names both), unless a size already has
+   ``timed_steps`` warm steps in one trial: the safe batch's verification (one step that
+   allocates the optimizer state, then timed ones) is such a trial with the default
+   ``verify_steps=3``, and timing it again would only double the cost of its large steps;
 2. the knee's neighbourhood: halving below the smallest size within 5% of the best rate until a
    size below it is slower than that, then bisecting (geometrically) between the two until they
    are within :data:`KNEE_BRACKET` of each other, while the phase's time lasts
-   (:func:`timing_deadline`).
+   (:func:`timing_deadline`, counted from when step 1 is done: on a CPU the two largest sizes'
+   steps alone can outlast any share of a short search, and must not leave the knee untimed).
 
 Only warm steps (those after an untimed step of the same trial, :func:`is_warm`) are compared
 with each other (``batchfit.report.throughput``); the knee is then a property of the model and
@@ -25,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from batchfit.report import KNEE_FRACTION, Trial, warm_rates
+from batchfit.report import KNEE_FRACTION, Trial, is_warm, warm_rates
 from batchfit.search import Grid
 
 #: The knee is bisected until the slower size below it is within this ratio of it.
@@ -78,19 +82,25 @@ def time_warm(
     sizes: list[int],
     grid: Grid,
     run: RunTimed,
-    out_of_time: Callable[[], bool],
+    start_neighbourhood: Callable[[], Callable[[], bool]],
+    timed_steps: int,
 ) -> list[str]:
-    """Time ``sizes`` (the largest and the safe batch), then the knee's neighbourhood while
-    ``out_of_time()`` says there is time, each by ``run``; the trials land in ``trials`` (``run``
-    appends them). Returns the notes a reader needs (a size that failed when timed, a knee left
+    """Time ``sizes`` (the largest and the safe batch; a size with a trial of ``timed_steps``
+    warm steps already is not timed again), then the knee's neighbourhood, each by
+    ``run``; the trials land in ``trials`` (``run`` appends them). ``start_neighbourhood()`` is
+    called once ``sizes`` are timed and returns the ``out_of_time()`` that bounds the
+    neighbourhood. Returns the notes a reader needs (a size that failed when timed, a knee left
     unpinned because time ran out)."""
     notes: list[str] = []
     failed: list[int] = []
     for size in dict.fromkeys(sizes):  # in order, once each
+        if any(is_warm(t) and t.batch_size == size and len(t.step_times_s) >= timed_steps for t in trials):
+            continue  # already timed warm, as a "time" trial would
         if not run(size).fits:
             failed.append(size)
+    out_of_time = start_neighbourhood()
     while True:
-        rates = warm_rates([t for t in trials if t.kind == "time"])
+        rates = warm_rates(trials)  # as ``Throughput.of`` ranks them
         size = next_knee_size(rates, grid)
         if size is None:
             break

@@ -106,7 +106,7 @@ class Facts:
         if mine is None or theirs is None or theirs <= 0:
             return "not timed"
         gain = mine / theirs - 1
-        if gain <= 0:
+        if gain < 0.005:  # a gain that rounds to 0% reads as none
             return f"{-gain:.0%} slower per sample" if gain < -0.005 else "no faster per sample"
         return (
             f"only {gain:.0%} faster per sample"

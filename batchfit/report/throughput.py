@@ -67,10 +67,11 @@ def best_timed(trials: Sequence[Trial]) -> dict[int, Trial]:
 class Throughput:
     """What the timed steps say about speed, and how far to trust it.
 
-    Each size's rate is ``batch_size / median step time`` of its best-timed trial (the one with
-    the most timed steps: the verification at the safe batch times two steps after the step that
-    allocates the optimizer state; a one-step search trial times its only step, which on a GPU
-    also pays for the first use of that shape).
+    When any size was timed warm (after the search, ``batchfit.probe.timing``), only warm steps
+    are ranked: each size's rate is ``batch_size / median`` of its pooled warm steps. Otherwise
+    (``timed_steps=0``, a frontier length) each size's rate comes from its best-timed trial (the
+    one with the most timed steps); a one-step search trial times its only step, which pays for
+    page faults, allocator growth and, on a GPU, the first use of that shape.
 
     Attributes:
         best_batch, best_samples_per_s: the size with the highest rate.
