@@ -704,6 +704,15 @@ def print_summary(cases: list[dict[str, Any]]) -> None:
         print(f"{name:<{width}}" + "".join(cells))
 
 
+def write_results(document: dict[str, Any], out: Path, name: str) -> Path:
+    """Write a benchmark's JSON ``document`` to ``out/<name>-<date>-<time>.json`` and say where."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(document, indent=1, default=str) + "\n")
+    print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
+    return path
+
+
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or ""
     with contextlib.suppress(OSError):

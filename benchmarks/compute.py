@@ -415,10 +415,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_summary(results)
     print(f"\ntotal {meta['total_wall_s']:.0f} s")
     if not args.no_json:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"compute-cpu-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(json.dumps(document, indent=1, default=str) + "\n")
-        print(f"wrote {path}")
+        compare.write_results(document, args.out, "compute-cpu")
     return document
 
 

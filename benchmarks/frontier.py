@@ -474,11 +474,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "skipped_cases": skipped,
     }
     if not args.no_json:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"frontier-cpu-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
-        path.write_text(json.dumps(document, indent=1, default=str) + "\n")
-        shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
-        print(f"wrote {shown}")
+        compare.write_results(document, args.out, "frontier-cpu")
     return document
 
 

@@ -40,7 +40,6 @@ import copy
 import datetime as _dt
 import importlib.util
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -352,11 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "skipped_cases": skipped,
     }
     if not args.no_json:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"noise_scale-cpu-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
-        path.write_text(json.dumps(document, indent=1, default=str) + "\n")
-        shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
-        print(f"wrote {shown}")
+        compare.write_results(document, args.out, "noise_scale-cpu")
     return document
 
 

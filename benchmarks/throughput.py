@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import statistics
 import sys
 import time
@@ -160,10 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     document = {"schema": "batchfit.throughput-benchmark/1", **meta, "cases": results}
     print(f"\ntotal {meta['total_wall_s']:.0f} s; caps {', '.join(format_bytes(c.cap_bytes) for c in cases)}")
     if not args.no_json:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"throughput-cpu-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(json.dumps(document, indent=1, default=str) + "\n")
-        print(f"wrote {path}")
+        compare.write_results(document, args.out, "throughput-cpu")
     return document
 
 
