@@ -704,6 +704,15 @@ def print_summary(cases: list[dict[str, Any]]) -> None:
         print(f"{name:<{width}}" + "".join(cells))
 
 
+def stamp(argv: list[str] | None, device: str = "cpu") -> dict[str, str]:
+    """When, how and where a benchmark ran: the first keys of its JSON document."""
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
+        "device": device,
+    }
+
+
 def write_results(document: dict[str, Any], out: Path, name: str) -> Path:
     """Write a benchmark's JSON ``document`` to ``out/<name>-<date>-<time>.json`` and say where."""
     out.mkdir(parents=True, exist_ok=True)

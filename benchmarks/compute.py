@@ -39,7 +39,6 @@ Benchmarks are not tests: nothing asserts a timing. Output: a table on stdout an
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib.util
 import json
 import os
@@ -392,9 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     compare.quiet_lightning()
     started = time.perf_counter()
     meta = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
-        "device": "cpu",
+        **compare.stamp(argv),
         "machine": compare.machine(),
         "versions": {**compare.versions(), "transformers": _version("transformers")},
         "peer_steps_per_trial": PEER_STEPS,

@@ -42,7 +42,6 @@ asserts a timing. Output: a table on stdout and JSON under
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib.util
 import json
 import os
@@ -464,9 +463,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         transformers.logging.set_verbosity_error()
     started = time.perf_counter()
     meta = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
-        "device": "cpu",
+        **compare.stamp(argv),
         "machine": compare.machine(),
         "versions": {
             "torch": torch.__version__,

@@ -57,7 +57,6 @@ and JSON under ``benchmarks/results/frontier-cpu-*.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib.util
 import json
 import os
@@ -429,9 +428,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         transformers.logging.set_verbosity_error()
     started = time.perf_counter()
     meta = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
-        "device": "cpu",
+        **compare.stamp(argv),
         "quick": args.quick,
         "machine": compare.machine(),
         "versions": {

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
 import importlib.util
 import inspect
 import os
@@ -302,9 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     size = QUICK if args.quick else FULL
     started = time.perf_counter()
     meta = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
-        "device": "cpu",
+        **compare.stamp(argv),
         "quick": args.quick,
         "size": asdict(size),
         "machine": compare.machine(),

@@ -26,7 +26,6 @@ table and JSON under ``benchmarks/results/throughput-cpu-*.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import statistics
 import sys
 import time
@@ -147,9 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cases = [QUICK] if args.quick else [c for c in CASES if args.case in (None, c.model)]
     started = time.perf_counter()
     meta = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
-        "device": "cpu",
+        **compare.stamp(argv),
         "machine": compare.machine(),
         "versions": compare.versions(),
     }
