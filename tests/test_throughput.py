@@ -14,7 +14,7 @@ import torch
 
 import batchfit
 from batchfit import examples
-from batchfit.probe.timing import KNEE_BRACKET, MIN_TIMING_S, next_knee_size, timing_deadline
+from batchfit.probe.timing import KNEE_BRACKET, MIN_TIMING_S, next_knee_size, time_warm, timing_deadline
 from batchfit.report import KNEE_FRACTION, Throughput, Trial
 from batchfit.report.throughput import is_warm, warm_rates
 from batchfit.search import Grid
@@ -98,6 +98,63 @@ def test_the_timing_phase_has_a_bounded_share_of_the_probe() -> None:
     assert timing_deadline(now=100.0, started=0.0, time_budget=None) == 150.0
     assert timing_deadline(now=1.0, started=0.0, time_budget=None) == 1.0 + MIN_TIMING_S
     assert timing_deadline(now=100.0, started=0.0, time_budget=120.0) == 120.0
+
+
+def _timer(trials: list[Trial], curve: dict[int, float], timed: int = 2, warm: bool = True):  # noqa: ANN202
+    """A ``run`` for ``time_warm`` that times sizes on a known rate curve (the rules, not the device)."""
+
+    def run(size: int) -> Trial:
+        step = size / curve[size]
+        times = (step,) * timed if warm else ()
+        trial = Trial(
+            batch_size=size,
+            fits=True,
+            kind="time",
+            steps=1 + timed,
+            step_times_s=times,
+            step_time_s=step if warm else None,
+            samples_per_s=curve[size] if warm else None,
+        )
+        trials.append(trial)
+        return trial
+
+    return run
+
+
+def test_time_warm_skips_a_size_its_verification_timed_and_pins_the_knee() -> None:
+    grid = Grid(init=2, maximum=4096, multiple_of=1)
+    curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
+    verified = 900 / curve[900]
+    trials = [_trial(1000, (1.0,), steps=1), _trial(900, (verified, verified), steps=3, kind="verify")]
+    notes = time_warm(trials, [1000, 900], grid, _timer(trials, curve), lambda: lambda: False, timed_steps=2)
+    timed = [t.batch_size for t in trials if t.kind == "time"]
+    assert timed[0] == 1000 and 900 not in timed  # the verification's two warm steps count
+    assert notes == []
+    rates = warm_rates(trials)
+    knee = min(b for b, r in rates.items() if r >= KNEE_FRACTION * max(rates.values()))
+    lower = max(b for b in rates if b < knee)
+    assert curve[lower] < KNEE_FRACTION * max(rates.values()) and knee <= KNEE_BRACKET * lower + 1
+
+
+def test_time_warm_says_when_time_ran_out_and_names_the_knee() -> None:
+    grid = Grid(init=2, maximum=4096, multiple_of=1)
+    curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
+    trials: list[Trial] = []
+    notes = time_warm(trials, [1000], grid, _timer(trials, curve), lambda: lambda: True, timed_steps=2)
+    assert [t.batch_size for t in trials] == [1000]
+    assert notes == [
+        "throughput: the knee is not pinned down below batch 1000: the time for timing sizes warm ran out "
+        "(each size timed is one more trial)"
+    ]
+
+
+def test_time_warm_never_asks_twice_for_a_size_that_timed_no_warm_step() -> None:
+    grid = Grid(init=2, maximum=4096, multiple_of=1)
+    curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
+    trials: list[Trial] = [_trial(1000, (1.0, 1.0), steps=3, kind="time")]
+    time_warm(trials, [], grid, _timer(trials, curve, warm=False), lambda: lambda: False, timed_steps=2)
+    asked = [t.batch_size for t in trials[1:]]
+    assert len(asked) == len(set(asked)) == 1  # its trial timed nothing warm: not asked again
 
 
 def _check_warm_alike(result: batchfit.Result, timed_steps: int) -> None:

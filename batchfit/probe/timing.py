@@ -50,6 +50,12 @@ def timing_deadline(now: float, started: float, time_budget: float | None) -> fl
     return deadline if time_budget is None else min(deadline, started + time_budget)
 
 
+def knee_of(rates: dict[int, float]) -> int:
+    """The smallest size whose rate is within :data:`KNEE_FRACTION` of the best (``rates`` not empty)."""
+    best = max(rates.values())
+    return min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * best)
+
+
 def next_knee_size(rates: dict[int, float], grid: Grid) -> int | None:
     """The next size to time to pin the knee down, ``None`` once it is pinned (or cannot be).
 
@@ -60,8 +66,7 @@ def next_knee_size(rates: dict[int, float], grid: Grid) -> int | None:
     """
     if not rates:
         return None
-    best = max(rates.values())
-    knee = min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * best)
+    knee = knee_of(rates)
     below = [size for size in rates if size < knee]
     if not below:
         candidate = grid.floor(max(grid.init, knee // 2))
@@ -99,17 +104,19 @@ def time_warm(
         if not run(size).fits:
             failed.append(size)
     out_of_time = start_neighbourhood()
+    asked: set[int] = set()
     while True:
         rates = warm_rates(trials)  # as ``Throughput.of`` ranks them
         size = next_knee_size(rates, grid)
-        if size is None:
+        if size is None or size in asked:  # asked already: its trial timed no warm step (a skipped update)
             break
         if out_of_time():
             notes.append(
-                f"throughput: the knee is not pinned down below batch {min(rates)}: the time for timing sizes "
-                "warm ran out (each size timed is one more trial)"
+                f"throughput: the knee is not pinned down below batch {knee_of(rates)}: the time for timing "
+                "sizes warm ran out (each size timed is one more trial)"
             )
             break
+        asked.add(size)
         if not run(size).fits:
             failed.append(size)
             break
