@@ -81,7 +81,6 @@ def search_with(
     searcher: Searcher | None = None,
     memory_hint: MemoryHint | None = None,
     keep_verified_within: float = 0.0,
-    time_sizes: bool = True,
 ) -> Result:
     """The search, the safe batch and the :class:`Result`, over any ``prober`` that does what
     :class:`Prober` does (a context manager with ``trial()``, ``budget_bytes``, ``counts``,
@@ -100,9 +99,9 @@ def search_with(
     at most that much above it (see :func:`~batchfit.probe.safe_batch.safe_batch`).
     ``memory_hint`` gives the memory equation when the trials measured fewer than two fitting
     sizes (such a search can end after one fit and one failure), so that the safe batch is still
-    aimed by memory and not set to ``init_batch``. ``time_sizes``: time the sizes the throughput
-    answer rests on warm after the search (``batchfit.probe.timing``), where the prober's trials
-    can (``prober.times_warm``) and ``options.timed_steps`` is not 0; the frontier's lengths skip it."""
+    aimed by memory and not set to ``init_batch``. The sizes the throughput answer rests on are
+    timed warm after the search (``batchfit.probe.timing``) where the prober's trials can
+    (``prober.times_warm``) and ``options.timed_steps`` is not 0."""
     check_callbacks(callback, on_trial_start, on_start)
     grid, chooser = options.grid(), options.make_strategy()
     trials: list[Trial] = []
@@ -196,7 +195,7 @@ def search_with(
         #    single step after a release runs cold, and must not be ranked against warm ones).
         timing_notes: list[str] = []
         timing_s: float | None = None
-        if time_sizes and options.timed_steps and getattr(prober, "times_warm", False) and not out_of_time():
+        if options.timed_steps and getattr(prober, "times_warm", False) and not out_of_time():
             timing_started = time.monotonic()
 
             def start_neighbourhood() -> Callable[[], bool]:

@@ -135,7 +135,9 @@ def frontier_with(
     for s in _order(lengths):
         if on_length is not None:
             on_length(s)
-        at_length = replace(options, make_batch=make_batch, seq_len=s)  # find(make_batch, seq_len=s)
+        # find(make_batch, seq_len=s); a point's tokens/s is its verification's warm steps, no
+        # sizes are timed again after each length's search
+        at_length = replace(options, make_batch=make_batch, seq_len=s, timed_steps=0)
         searcher = memory_hint = None
         predicted: list[float] = []
         if surface is not None:
@@ -150,7 +152,6 @@ def frontier_with(
             searcher=searcher,
             memory_hint=memory_hint,
             keep_verified_within=0.0 if searcher is None else STEP_DOWN,
-            time_sizes=False,  # a point's tokens/s is its safe batch's warm steps (its verification)
         )
         results[s] = result
         if predicted and result.boundary_reached:
