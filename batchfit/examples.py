@@ -148,18 +148,21 @@ def gpt2_small(seq_len: int = 1024, seed: int = 0) -> tuple[nn.Module, dict[str,
     return gpt(vocab_size=50257, seq_len=seq_len, d_model=768, n_layers=12, n_heads=12, seed=seed)
 
 
-def text_loader(seq_len: int = 64, batch_size: int = 16, seed: int = 0) -> DataLoader:
-    """Real text, shipped with Python: the source of a few standard-library modules as bytes
-    (token ids 0-255), cut into ``seq_len`` windows, shuffled by a seeded generator. Real data
-    carries real gradient noise, which tiled copies of one sample do not (``batchfit.noise_scale``)."""
-    import argparse
-    import collections
+def text_ids(modules: tuple[str, ...] = ("argparse", "collections", "json", "textwrap")) -> torch.Tensor:
+    """Real text, shipped with Python: the source of these standard-library modules, as byte
+    token ids (0-255), one after another."""
+    import importlib
     import inspect
-    import json
-    import textwrap
 
-    text = "".join(inspect.getsource(module) for module in (argparse, collections, json, textwrap))
-    ids = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    text = "".join(inspect.getsource(importlib.import_module(name)) for name in modules)
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def text_loader(seq_len: int = 64, batch_size: int = 16, seed: int = 0) -> DataLoader:
+    """:func:`text_ids` cut into ``seq_len`` windows as ``{"input_ids", "labels"}`` rows, shuffled by
+    a seeded generator. Real data carries real gradient noise, which tiled copies of one sample
+    do not (``batchfit.noise_scale``)."""
+    ids = text_ids()
     windows = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)
     rows = [{"input_ids": row, "labels": row} for row in windows]
     return DataLoader(rows, batch_size=batch_size, shuffle=True, generator=_seeded(seed))

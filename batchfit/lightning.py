@@ -147,7 +147,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             self.result = self._measure_noise(trainer, pl_module, self.result, size)
         self.recommendation = self.result.recommend(target_batch=self.target_batch)
         if self.result.noise_scale is not None:
-            _log_noise(trainer, self.result, self.recommendation)
+            _log_noise(trainer, self.recommendation)
 
     # the work ----------------------------------------------------------------------------------
     def _probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Result:
@@ -432,15 +432,10 @@ def _on_device(loader: Any, strategy: Any) -> Iterator[Any]:
         yield strategy.batch_to_device(batch, dataloader_idx=0)
 
 
-def _log_noise(trainer: pl.Trainer, result: Result, recommendation: Recommendation) -> None:
+def _log_noise(trainer: pl.Trainer, recommendation: Recommendation) -> None:
     """The noise scale and the recommended batch to every logger, the recommendation's reason to the log."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-    noise = result.noise_scale
-    assert noise is not None
-    names = ("noise_scale", "noise_scale_low", "noise_scale_high", "recommended_batch", "recommended_global_batch")
-    values = (noise.b_simple, noise.low, noise.high, recommendation.batch_size, recommendation.global_batch)
-    metrics = {f"batchfit/{name}": float(value) for name, value in zip(names, values) if value is not None}
     for logger in trainer.loggers:  # rank zero's write
-        logger.log_metrics(metrics, step=trainer.global_step)
+        logger.log_metrics(recommendation.metrics(), step=trainer.global_step)
     rank_zero_info(f"BatchFit: recommended {recommendation.split()}: {recommendation.reason}")

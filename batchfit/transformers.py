@@ -254,7 +254,7 @@ def autosize(
             f"target_batch={sized.previous_global_batch} to keep it (the learning rate was tuned for it)"
         )
     if result.noise_scale is not None and sized.recommendation is not None:
-        _log_noise(trainer, result, sized.recommendation)
+        trainer.log(sized.recommendation.metrics())  # to its reporting callbacks
         logger.info(f"batchfit: recommended {sized.recommendation.split()}: {sized.recommendation.reason}")
     if not result.safe_verified:
         logger.warning(f"batchfit: the safe batch {result.safe_batch} was not verified with extra steps")
@@ -356,15 +356,6 @@ def _noise_of(trainer: Trainer, kwargs: dict[str, Any], micro_batch: int) -> Any
     options = Options(**{name: value for name, value in kwargs.items() if name in known})
     with _loader_kept(trainer) as loader:
         return measure_noise(trainer.model, loader, options, micro_batch=micro_batch)
-
-
-def _log_noise(trainer: Trainer, result: Result, recommendation: Recommendation) -> None:
-    """The noise scale and the recommended batch through ``trainer.log``: its reporting callbacks."""
-    noise = result.noise_scale
-    assert noise is not None
-    names = ("noise_scale", "noise_scale_low", "noise_scale_high", "recommended_batch", "recommended_global_batch")
-    values = (noise.b_simple, noise.low, noise.high, recommendation.batch_size, recommendation.global_batch)
-    trainer.log({f"batchfit/{name}": float(value) for name, value in zip(names, values) if value is not None})
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Byte quantities: parsing user limits ("24GiB", 0.8, 10**9) and formatting sizes (and durations).
+"""Byte quantities: parsing user limits ("24GiB", 0.8, 10**9) and formatting sizes (and durations);
+the check of a positive count (a batch, a target, ranks) that the pure layers share.
 
 Pure Python, no torch import.
 """
@@ -6,6 +7,7 @@ Pure Python, no torch import.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _UNITS = {
     "": 1,
@@ -107,6 +109,14 @@ def parse_reserve(reserve: int | str) -> int | str:
         return parse_memory_limit(reserve, None, name="reserve")
     except ValueError as exc:
         raise ValueError(f"{exc}; or 'auto' to measure it on the device") from None
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """``TypeError`` unless ``value`` is an int (not a bool), ``ValueError`` unless it is >= 1; each names ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be positive, got {value}")
 
 
 def format_bytes(nbytes: float | int | None) -> str:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import inspect
 import os
 import statistics
 import sys
@@ -57,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare  # noqa: E402  (this directory, not a package)
 
 import batchfit  # noqa: E402
+from batchfit import examples  # noqa: E402
 from batchfit.examples import gpt  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -96,10 +96,7 @@ class Chunks(Dataset):
 
 
 def text_ids() -> torch.Tensor:
-    import importlib
-
-    text = "".join(inspect.getsource(importlib.import_module(name)) for name in SOURCES)
-    return torch.tensor(list(text.encode()), dtype=torch.long)
+    return examples.text_ids(SOURCES)
 
 
 def loader(dataset: Dataset, seed: int) -> DataLoader:

@@ -114,6 +114,19 @@ def test_the_result_document_carries_the_recommendation_and_reads_back(real: Res
     assert back == noisy and back.recommendation == noisy.recommendation
 
 
+def test_metrics_log_what_was_measured_and_nothing_else(real: Result) -> None:
+    noisy = _result(real, 48, {16: 500.0, 48: 1000.0}, _noise(None, 150.0, None)).recommendation
+    assert noisy.metrics() == {
+        "batchfit/noise_scale_low": 150.0,
+        "batchfit/recommended_batch": float(noisy.batch_size),
+        "batchfit/recommended_global_batch": float(noisy.global_batch),
+    }
+    measured = _result(real, 48, {16: 500.0, 48: 1000.0}, _noise(30.0, 20.0, 40.0)).recommendation.metrics()
+    noise = ("batchfit/noise_scale", "batchfit/noise_scale_low", "batchfit/noise_scale_high")
+    assert [measured[name] for name in noise] == [30.0, 20.0, 40.0]
+    assert len(measured) == 5
+
+
 # Rule 3 and 4: no noise scale -------------------------------------------------------------------
 def test_without_a_noise_scale_the_knee_says_how_much_faster_the_safe_batch_is(real: Result) -> None:
     result = _result(real, 96, {16: 400.0, 32: 800.0, 64: 1000.0, 96: 1020.0})
@@ -125,7 +138,6 @@ def test_without_a_noise_scale_the_knee_says_how_much_faster_the_safe_batch_is(r
         "faster per sample"
     )
     assert rec.knee_batch == 64 and rec.best_batch == 96 and rec.samples_per_s == 1000.0
-
 
 
 @pytest.mark.parametrize(("safe_rate", "says"), [(1003.0, "no faster per sample"), (990.0, "1% slower per sample")])

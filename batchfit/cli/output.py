@@ -271,16 +271,9 @@ def noise_summary(noise: Any) -> str:
     """``~190 samples (90% 150-240), from batches 8 and 64: 128 passes in 12.3 s``."""
     from batchfit.units import format_duration
 
-    def number(value: float) -> str:
-        return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
-
-    if noise.high is None:
-        interval = f"{noise.confidence:.0%} at least {number(noise.low)}, no upper bound"
-    else:
-        interval = f"{noise.confidence:.0%} {number(noise.low)}-{number(noise.high)}"
-    value = "large: the signal drowned in its noise" if noise.b_simple is None else f"~{number(noise.b_simple)}"
+    value = "large: the signal drowned in its noise" if noise.b_simple is None else f"~{noise.plain(noise.b_simple)}"
     text = (
-        f"{value} samples ({interval}), from batches {noise.small_batch} and {noise.big_batch}: "
+        f"{value} samples ({noise.interval_text()}), from batches {noise.small_batch} and {noise.big_batch}: "
         f"{noise.passes} passes in {format_duration(noise.elapsed_s)}"
     )
     return text + "".join(f"; {note}" for note in noise.notes)

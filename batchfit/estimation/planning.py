@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfit.report import KNEE_FRACTION, Frontier, Result, Trial
+from batchfit.units import check_positive_int
 
 __all__ = ["ALTERNATIVE_FACTOR", "Plan", "check_target", "plan_for", "tokens_to_batch"]
 
@@ -282,13 +283,13 @@ def check_target(
             f"with seq_len): {'both were given' if target_batch is not None else 'neither was given'}"
         )
     if target_tokens is not None:
-        _check_positive_int("target_tokens", target_tokens)
+        check_positive_int("target_tokens", target_tokens)
     else:
-        _check_positive_int("target_batch", target_batch)
+        check_positive_int("target_batch", target_batch)
     if seq_len is not None:
-        _check_positive_int("seq_len", seq_len)
+        check_positive_int("seq_len", seq_len)
     if world_size is not None:
-        _check_positive_int("world_size", world_size)
+        check_positive_int("world_size", world_size)
     if target_tokens is not None:
         if seq_len is not None and target_tokens < seq_len * (world_size or 1):
             per = f" on each of {world_size} ranks ({seq_len * world_size:,} tokens)" if (world_size or 1) > 1 else ""
@@ -341,13 +342,6 @@ def _sized_on_length(result: Result) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be positive, got {value}")
 
 
 def _divisors_within(n: int, limit: int) -> list[int]:

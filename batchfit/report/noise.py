@@ -229,6 +229,18 @@ class NoiseScale:
             big_norm_sq=found.big_norm_sq,
         )
 
+    @staticmethod
+    def plain(value: float) -> str:
+        """A noise-scale number as the recommendation and the CLI write it: whole samples from 10 up
+        (written plain, as batch sizes are), two digits below."""
+        return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+    def interval_text(self) -> str:
+        """``90% 150-240``, or ``90% at least 150, no upper bound``."""
+        if self.high is None:
+            return f"{self.confidence:.0%} at least {self.plain(self.low)}, no upper bound"
+        return f"{self.confidence:.0%} {self.plain(self.low)}-{self.plain(self.high)}"
+
     def summary(self) -> str:
         """One line: ``B_simple ~190 samples (90% interval 150-240; 128 passes of batch 16 in 12.3 s)``."""
         share = f"{self.confidence:.0%}"

@@ -51,9 +51,9 @@ from batchfit.report.recommendation_rules import (
     by_speed,
     by_target,
     caveats_for,
-    check_positive,
     split_global,
 )
+from batchfit.units import check_positive_int
 
 if TYPE_CHECKING:
     from batchfit.report.result import Result
@@ -143,6 +143,19 @@ class Recommendation:
             text += f" x {self.world_size} ranks"
         return text + (", no accumulation" if self.accumulation == 1 else "")
 
+    def metrics(self) -> dict[str, float]:
+        """What the integrations log beside the batch they set (``batchfit/noise_scale``, ``_low``,
+        ``_high``, ``batchfit/recommended_batch``, ``batchfit/recommended_global_batch``): the
+        numbers measured, none that was not."""
+        named = {
+            "noise_scale": self.noise_scale,
+            "noise_scale_low": self.noise_low,
+            "noise_scale_high": self.noise_high,
+            "recommended_batch": self.batch_size,
+            "recommended_global_batch": self.global_batch,
+        }
+        return {f"batchfit/{name}": float(value) for name, value in named.items() if value is not None}
+
     def lines(self) -> list[str]:
         """The lines the CLI prints last: the recommendation and its reason, the split and what
         decided it, then one line per caveat (unwrapped; the caller fits them to its width)."""
@@ -195,7 +208,7 @@ def recommend(
         raise TypeError("give target_batch (samples per step) or target_tokens (tokens per step), not both")
     for name, value in (("target_batch", target_batch), ("target_tokens", target_tokens), ("seq_len", seq_len)):
         if value is not None:
-            check_positive(name, value)
+            check_positive_int(name, value)
     sized = getattr(result.sized_on, "length", None)
     length = seq_len if seq_len is not None else sized
     if target_tokens is not None and length is None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from batchfit.report.throughput import KNEE_FRACTION
+from batchfit.units import check_positive_int
 
 if TYPE_CHECKING:
     from batchfit.report.noise import NoiseScale
@@ -25,7 +26,6 @@ __all__ = [
     "by_speed",
     "by_target",
     "caveats_for",
-    "check_positive",
     "split_global",
     "split_text",
 ]
@@ -46,8 +46,8 @@ def split_global(target: int, safe_batch: int, world_size: int = 1, multiple_of:
     (more samples on a tie, as tokens round up to whole sequences).
     """
     for name, value in (("target", target), ("safe_batch", safe_batch), ("world_size", world_size)):
-        check_positive(name, value)
-    check_positive("multiple_of", multiple_of)
+        check_positive_int(name, value)
+    check_positive_int("multiple_of", multiple_of)
     step = multiple_of if multiple_of <= safe_batch else 1
     top = safe_batch // step * step
     if target % world_size == 0:
@@ -180,7 +180,7 @@ def by_noise(facts: Facts, noise: NoiseScale) -> Choice:
     safe, ranks, scale = facts.safe, facts.ranks, _noise_text(noise)
     fits = safe * ranks
     knee = None if facts.knee is None else min(facts.knee, safe)
-    past = "" if noise.high is None else f"; beyond ~{_num(noise.high)} the extra samples buy little"
+    past = "" if noise.high is None else f"; beyond ~{noise.plain(noise.high)} the extra samples buy little"
     if noise.b_simple is None:
         if noise.low > fits:
             steps = max(1, -(-math.ceil(noise.low) // fits))
@@ -270,7 +270,7 @@ def caveats_for(result: Result, facts: Facts, micro: int) -> list[str]:
         )
         if noise.high is None or noise.low <= 0 or noise.high / noise.low > WIDE:
             caveats.append(
-                f"its interval is wide ({_interval(noise)}): measure with more passes "
+                f"its interval is wide ({noise.interval_text()}): measure with more passes "
                 f"(noise_passes={2 * noise.passes}, --noise-passes {2 * noise.passes})"
             )
     throughput = result.throughput
@@ -318,24 +318,12 @@ def _off(change: int, unit: str = "") -> str:
     return f"{size} short of" if change < 0 else "exactly"
 
 
-def _num(value: float) -> str:
-    """A noise-scale number as a reader needs it: whole samples from 10 up (written plain, as batch
-    sizes are), two digits below."""
-    return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
-
-
-def _interval(noise: NoiseScale) -> str:
-    """``90% 150-240``, or ``90% at least 150, no upper bound``."""
-    if noise.high is None:
-        return f"{noise.confidence:.0%} at least {_num(noise.low)}, no upper bound"
-    return f"{noise.confidence:.0%} {_num(noise.low)}-{_num(noise.high)}"
-
-
 def _noise_text(noise: NoiseScale) -> str:
     """``~190, 90% 150-240 samples``, or for a drowned signal ``90% at least ~150 samples``."""
     if noise.b_simple is None:
-        return f"the gradient signal drowned in its noise; {noise.confidence:.0%} at least ~{_num(noise.low)} samples"
-    return f"~{_num(noise.b_simple)}, {_interval(noise)} samples"
+        at_least = f"{noise.confidence:.0%} at least ~{noise.plain(noise.low)}"
+        return f"the gradient signal drowned in its noise; {at_least} samples"
+    return f"~{noise.plain(noise.b_simple)}, {noise.interval_text()} samples"
 
 
 def _slower(facts: Facts, micro: int) -> str:
@@ -345,10 +333,3 @@ def _slower(facts: Facts, micro: int) -> str:
     if mine is None or theirs is None or theirs <= 0:
         return "each pass uses the device less well"
     return f"it measured {1 - mine / theirs:.0%} slower per sample"
-
-
-def check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be positive, got {value}")
