@@ -126,7 +126,9 @@ def test_time_warm_skips_a_size_its_verification_timed_and_pins_the_knee() -> No
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
     verified = 900 / curve[900]
     trials = [_trial(1000, (1.0,), steps=1), _trial(900, (verified, verified), steps=3, kind="verify")]
-    notes = time_warm(trials, [1000, 900], grid, _timer(trials, curve), lambda: lambda: False, timed_steps=2)
+    notes = time_warm(
+        trials, [1000, 900], grid, _timer(trials, curve), timed_steps=2, start_neighbourhood=lambda: lambda: False
+    )
     timed = [t.batch_size for t in trials if t.kind == "time"]
     assert timed[0] == 1000 and 900 not in timed  # the verification's two warm steps count
     assert notes == []
@@ -140,7 +142,9 @@ def test_time_warm_says_when_time_ran_out_and_names_the_knee() -> None:
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
     trials: list[Trial] = []
-    notes = time_warm(trials, [1000], grid, _timer(trials, curve), lambda: lambda: True, timed_steps=2)
+    notes = time_warm(
+        trials, [1000], grid, _timer(trials, curve), timed_steps=2, start_neighbourhood=lambda: lambda: True
+    )
     assert [t.batch_size for t in trials] == [1000]
     assert notes == [
         "throughput: the knee is not pinned down below batch 1000: the time for timing sizes warm ran out "
@@ -152,7 +156,9 @@ def test_time_warm_never_asks_twice_for_a_size_that_timed_no_warm_step() -> None
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
     trials: list[Trial] = [_trial(1000, (1.0, 1.0), steps=3, kind="time")]
-    time_warm(trials, [], grid, _timer(trials, curve, warm=False), lambda: lambda: False, timed_steps=2)
+    time_warm(
+        trials, [], grid, _timer(trials, curve, warm=False), timed_steps=2, start_neighbourhood=lambda: lambda: False
+    )
     asked = [t.batch_size for t in trials[1:]]
     assert len(asked) == len(set(asked)) == 1  # its trial timed nothing warm: not asked again
 
@@ -169,8 +175,16 @@ def _check_warm_alike(result: batchfit.Result, timed_steps: int) -> None:
         assert any(len(t.step_times_s) >= timed_steps for t in alike), size
         if size in by_size:
             assert by_size[size].steps == 1 + timed_steps and len(by_size[size].step_times_s) == timed_steps
-    verification = next(t for t in result.trials if t.kind == "verify")
-    assert (result.safe_batch in by_size) == (len(verification.step_times_s) < timed_steps)
+    # The verification is the last trial of a new size: only the safe batch is timed after it, and
+    # only when the verification timed fewer warm steps (a neighbourhood size timed before it may
+    # be the safe batch itself).
+    last_verify = max(i for i, t in enumerate(result.trials) if t.kind == "verify")
+    verification = result.trials[last_verify]
+    after = result.trials[last_verify + 1 :]
+    assert all(t.kind == "time" and t.batch_size == result.safe_batch for t in after)
+    before = [t for t in result.trials[:last_verify] if t.batch_size == result.safe_batch and is_warm(t)]
+    timed_enough = any(len(t.step_times_s) >= timed_steps for t in [*before, verification])
+    assert bool(after) == (not timed_enough)  # never timed again when as many warm steps were timed
     assert timed[0].batch_size == result.max_batch  # its search trial timed one cold step
     # Every rate compared comes from warm steps; no search trial's single cold step is among them.
     warm_sizes = {t.batch_size for t in result.trials if is_warm(t)}

@@ -184,18 +184,22 @@ def search_with(
         # 3. What lives outside the allocator may have grown since the set-up (kernels and
         #    handles load lazily): reserve="auto" measures it again, and the budget shrinks.
         budget = prober.settle_reserve()
-        # 4. The memory equation, then the safe batch it predicts, verified by real steps.
+        # 4. The memory equation, fitted on the search's trials.
         memory = prober.memory_model(trials)
         if memory is None and memory_hint is not None:
             memory = memory_hint(trials, budget, unit)
-        safe, verified, safe_notes = safe_batch(
-            report, trials, memory, budget, options, unit, run, keep_within=keep_verified_within
-        )
         # 5. The sizes the throughput answer rests on, timed warm and alike (a search trial's
-        #    single step after a release runs cold, and must not be ranked against warm ones).
+        #    single step after a release runs cold, and must not be ranked against warm ones);
+        #    before the safe batch's verification, so that what timing leaves behind (kernels and
+        #    caches for new shapes, a fragmented heap) is in the state the verification proves.
         timing_notes: list[str] = []
         timing_s: float | None = None
-        if options.timed_steps and getattr(prober, "times_warm", False) and not out_of_time():
+        timing = bool(options.timed_steps) and getattr(prober, "times_warm", False) and not out_of_time()
+
+        def timed(b: int) -> Trial:
+            return run(b, "time", 1 + options.timed_steps)
+
+        if timing:
             timing_started = time.monotonic()
 
             def start_neighbourhood() -> Callable[[], bool]:
@@ -203,15 +207,20 @@ def search_with(
                 return lambda: bool(prober.ranks.any(time.monotonic() > deadline))
 
             timing_notes = time_warm(
-                trials,
-                [report.largest_fit, safe],
-                grid,
-                lambda b: run(b, "time", 1 + options.timed_steps),
-                start_neighbourhood,
-                options.timed_steps,
+                trials, [report.largest_fit], grid, timed, options.timed_steps, start_neighbourhood
             )
             timing_s = time.monotonic() - timing_started
-    # 6. The answer: what the trials measured, and what a reader should know about them.
+        # 6. The safe batch the equation predicts, verified by real steps (the search's trials are
+        #    its candidates; the sizes just timed are not).
+        searched = [t for t in trials if t.kind != "time"]
+        safe, verified, safe_notes = safe_batch(
+            report, searched, memory, budget, options, unit, run, keep_within=keep_verified_within
+        )
+        if timing:  # the safe batch alike, unless its verification timed as many warm steps
+            timing_started = time.monotonic()
+            timing_notes += time_warm(trials, [safe], grid, timed, options.timed_steps)
+            timing_s = (timing_s or 0.0) + time.monotonic() - timing_started
+    # 7. The answer: what the trials measured, and what a reader should know about them.
     throughput = Throughput.of(trials, timing_s=timing_s)
 
     return Result(

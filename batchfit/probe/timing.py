@@ -12,7 +12,9 @@ are timed again, each in the same way: one untimed step, then ``timed_steps`` ti
 1. the largest batch and the safe batch (the answer names both), unless a size already has
    ``timed_steps`` warm steps in one trial: the safe batch's verification (one step that
    allocates the optimizer state, then timed ones) is such a trial with the default
-   ``verify_steps=3``, and timing it again would only double the cost of its large steps;
+   ``verify_steps=3``, and timing it again would only double the cost of its large steps (the
+   safe batch is timed after its verification; everything else before it, so that the
+   verification proves the safe batch in the state timing leaves behind);
 2. the knee's neighbourhood: halving below the smallest size within 5% of the best rate until a
    size below it is slower than that, then bisecting (geometrically) between the two until they
    are within :data:`KNEE_BRACKET` of each other, while the phase's time lasts
@@ -87,15 +89,21 @@ def time_warm(
     sizes: list[int],
     grid: Grid,
     run: RunTimed,
-    start_neighbourhood: Callable[[], Callable[[], bool]],
     timed_steps: int,
+    start_neighbourhood: Callable[[], Callable[[], bool]] | None = None,
 ) -> list[str]:
-    """Time ``sizes`` (the largest and the safe batch; a size with a trial of ``timed_steps``
-    warm steps already is not timed again), then the knee's neighbourhood, each by
-    ``run``; the trials land in ``trials`` (``run`` appends them). ``start_neighbourhood()`` is
-    called once ``sizes`` are timed and returns the ``out_of_time()`` that bounds the
-    neighbourhood. Returns the notes a reader needs (a size that failed when timed, a knee left
-    unpinned because time ran out)."""
+    """Time ``sizes`` (a size with a trial of ``timed_steps`` warm steps already is not timed
+    again), then, with ``start_neighbourhood``, the knee's neighbourhood, each by ``run``; the
+    trials land in ``trials`` (``run`` appends them). ``start_neighbourhood()`` is called once
+    ``sizes`` are timed and returns the ``out_of_time()`` that bounds the neighbourhood. Returns
+    the notes a reader needs (a size that failed when timed, a knee left unpinned because time
+    ran out).
+
+    ``batchfit.probe.finder`` calls it twice: the largest batch and the neighbourhood before the
+    safe batch's verification, then the safe batch after it (its verification's steps usually
+    count): the verification is the last trial of new sizes, so the safe batch is proven in the
+    state the timing leaves behind.
+    """
     notes: list[str] = []
     failed: list[int] = []
     for size in dict.fromkeys(sizes):  # in order, once each
@@ -103,9 +111,9 @@ def time_warm(
             continue  # already timed warm, as a "time" trial would
         if not run(size).fits:
             failed.append(size)
-    out_of_time = start_neighbourhood()
+    out_of_time = start_neighbourhood() if start_neighbourhood is not None else None
     asked: set[int] = set()
-    while True:
+    while out_of_time is not None:
         rates = warm_rates(trials)  # as ``Throughput.of`` ranks them
         size = next_knee_size(rates, grid)
         if size is None or size in asked:  # asked already: its trial timed no warm step (a skipped update)
@@ -124,6 +132,6 @@ def time_warm(
         notes.append(
             "throughput: batch "
             + ", ".join(map(str, failed))
-            + " ran out of memory when timed again after the search, although it fitted in the search"
+            + " ran out of memory when timed again after the search, although it fitted before"
         )
     return notes
