@@ -194,15 +194,21 @@ def load(args: argparse.Namespace) -> Target | int:
 
 
 def plan_line(
-    result: Any, target_batch: int | None = None, *, target_tokens: int | None = None, seq_len: int | None = None
+    result: Any,
+    target_batch: int | None = None,
+    *,
+    target_tokens: int | None = None,
+    seq_len: int | None = None,
+    world_size: int | None = None,
 ) -> str:
     """The plan for ``--target-batch`` (or ``--target-tokens``, in sequences of ``--seq-len`` or of the
-    length the result was sized on), or why there is none (a target the ranks cannot share, tokens
-    without a known length)."""
+    length the result was sized on) on ``--world-size`` ranks (default the probe's), or why there is
+    none (a target the ranks cannot share, tokens without a known length)."""
     from batchfit.estimation import plan_for
 
     try:
-        return f"plan             {plan_for(result, target_batch, target_tokens=target_tokens, seq_len=seq_len)}"
+        plan = plan_for(result, target_batch, world_size, target_tokens=target_tokens, seq_len=seq_len)
+        return f"plan             {plan}"
     except ValueError as exc:
         return f"plan             none: {exc}"
 
@@ -251,17 +257,25 @@ def noise_source_problem(target: Target) -> str | None:
 
 
 def recommendation_lines(
-    result: Any, target_batch: int | None = None, *, target_tokens: int | None = None, seq_len: int | None = None
+    result: Any,
+    target_batch: int | None = None,
+    *,
+    target_tokens: int | None = None,
+    seq_len: int | None = None,
+    world_size: int | None = None,
 ) -> list[str]:
     """The last lines of a probe: the noise scale when it was measured, then the batch to train
     with (``Result.recommend``: with ``--target-batch`` / ``--target-tokens`` it reaches that
-    target), its reason and caveats; or why there is none (tokens without a known length)."""
+    target, on ``--world-size`` ranks when given), its reason and caveats; or why there is none
+    (tokens without a known length)."""
     lines: list[str] = []
     noise = getattr(result, "noise_scale", None)
     if noise is not None:
         lines.append(f"{'noise scale':<17}{noise_summary(noise)}")
     try:
-        recommendation = result.recommend(target_batch=target_batch, target_tokens=target_tokens, seq_len=seq_len)
+        recommendation = result.recommend(
+            target_batch=target_batch, target_tokens=target_tokens, seq_len=seq_len, world_size=world_size
+        )
     except ValueError as exc:
         return [*lines, f"{'recommended':<17}none: {exc}"]
     return [*lines, *recommendation.lines()]

@@ -264,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print the plan for a global batch of N: micro-batch x gradient-accumulation steps (x ranks)",
     )
     _token_target(probe)
+    probe.add_argument(
+        "--world-size",
+        type=_positive_int,
+        metavar="N",
+        help="plan and recommend for training on N ranks (default: the ranks that probed); an elastic job that "
+        "restarts with other ranks keeps its --target-batch without a new probe",
+    )
     probe.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
 
     estimate = commands.add_parser(

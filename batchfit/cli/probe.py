@@ -145,7 +145,7 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
         if leader:
             from batchfit.view import columns, fit_lines
 
-            targets = {"target_tokens": args.target_tokens, "seq_len": args.seq_len}
+            targets = {"target_tokens": args.target_tokens, "seq_len": args.seq_len, "world_size": args.world_size}
             lines: list[str] = []
             if args.target_batch is not None or args.target_tokens is not None:
                 lines.append(plan_line(outcome, args.target_batch, **targets))

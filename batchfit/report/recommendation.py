@@ -76,7 +76,7 @@ class Recommendation:
     Attributes:
         batch_size: the micro-batch each rank runs per forward/backward (never above ``safe_batch``).
         accumulation: forward/backward passes whose gradients are summed before one optimizer step.
-        world_size: the ranks the probe ran on.
+        world_size: the ranks to train on: the ranks that probed, or those a re-plan was asked for.
         global_batch: ``batch_size * accumulation * world_size``: the samples one optimizer step sees.
         decided_by: ``"target"``, ``"noise scale"``, ``"throughput knee"`` or ``"memory"``.
         reason: one sentence with the numbers that decided it.
@@ -183,7 +183,12 @@ class Recommendation:
 
 # The recommendation --------------------------------------------------------------------------------
 def recommend(
-    result: Result, *, target_batch: int | None = None, target_tokens: int | None = None, seq_len: int | None = None
+    result: Result,
+    *,
+    target_batch: int | None = None,
+    target_tokens: int | None = None,
+    seq_len: int | None = None,
+    world_size: int | None = None,
 ) -> Recommendation:
     """The batch to train with for ``result``, by the rules of this module's docstring.
 
@@ -195,18 +200,26 @@ def recommend(
             whole sequences.
         seq_len: the tokens in each sequence; default the length the probe sized on
             (``result.sized_on``). It adds the token view (``tokens_per_step``).
+        world_size: the ranks to train on; default the ranks that probed (``result.world_size``).
+            Another number re-plans without a new probe (an elastic job that restarted with more
+            or fewer ranks): a rank's batch sizes hold on the same device kind, so with a target
+            the global batch is kept, split over the new ranks, exactly where a split allows and
+            otherwise as near as one does, ``target_changed_by`` saying by how much. A caveat says
+            it was re-planned, and that the samples/s are those of the probe's ranks.
 
     Raises:
-        TypeError: ``result`` is not a result; a target or ``seq_len`` is not an int; both
-            targets given.
-        ValueError: a target or ``seq_len`` is not positive; ``target_tokens`` without a known length.
+        TypeError: ``result`` is not a result; a target, ``seq_len`` or ``world_size`` is not an
+            int; both targets given.
+        ValueError: a target, ``seq_len`` or ``world_size`` is not positive; ``target_tokens``
+            without a known length.
     """
     # Duck-typed: the result module calls this one (Result.recommend), so it is not imported here.
     if not all(hasattr(result, name) for name in _READS):
         raise TypeError(f"result must be a batchfit Result, got {type(result).__name__}")
     if target_batch is not None and target_tokens is not None:
         raise TypeError("give target_batch (samples per step) or target_tokens (tokens per step), not both")
-    for name, value in (("target_batch", target_batch), ("target_tokens", target_tokens), ("seq_len", seq_len)):
+    named = (("target_batch", target_batch), ("target_tokens", target_tokens), ("seq_len", seq_len))
+    for name, value in (*named, ("world_size", world_size)):
         if value is not None:
             check_positive_int(name, value)
     sized = getattr(result.sized_on, "length", None)
@@ -216,7 +229,7 @@ def recommend(
             f"target_tokens {target_tokens:,} needs seq_len=, the tokens in each sequence: the result does not "
             "record the length it was sized on"
         )
-    facts = Facts.of(result)
+    facts = Facts.of(result, world_size)
     if target_tokens is not None:
         assert length is not None
         target_batch = -(-target_tokens // length)

@@ -68,7 +68,7 @@ class Facts:
     """What the rules read from a result: per rank, on the grid of ``multiple_of``."""
 
     safe: int  # the largest micro-batch allowed: the safe batch, down to a multiple of multiple_of
-    ranks: int
+    ranks: int  # the ranks to train on: the probe's, or another world size (an elastic re-plan)
     step: int  # multiple_of, or 1 when the safe batch is below it
     knee: int | None
     best: int
@@ -77,7 +77,10 @@ class Facts:
     result: Result
 
     @classmethod
-    def of(cls, result: Result) -> Facts:
+    def of(cls, result: Result, world_size: int | None = None) -> Facts:
+        """The facts of ``result`` for training on ``world_size`` ranks (default: the ranks that
+        probed). Per-rank sizes hold for any number of ranks of the same device kind: a rank's
+        memory does not depend on how many others there are (DDP's buckets are per rank)."""
         multiple = max(1, result.settings.multiple_of)
         step = multiple if multiple <= result.safe_batch else 1
         throughput = result.throughput
@@ -88,7 +91,7 @@ class Facts:
             rates.update(dict(throughput.rates))
         return cls(
             safe=result.safe_batch // step * step,
-            ranks=result.world_size,
+            ranks=result.world_size if world_size is None else world_size,
             step=step,
             knee=None if throughput is None else throughput.knee_batch,
             best=result.best_throughput_batch if throughput is None else throughput.best_batch,
@@ -253,8 +256,16 @@ def by_speed(facts: Facts) -> Choice:
 
 
 def caveats_for(result: Result, facts: Facts, micro: int) -> list[str]:
-    """What holds whichever rule decided: the noise scale's limits, or how to get one; the probe's own."""
+    """What holds whichever rule decided: a re-plan for another world size, the noise scale's limits
+    (or how to get one), the probe's own."""
     caveats: list[str] = []
+    if facts.ranks != result.world_size:
+        measured = f"{result.world_size} rank{'s' * (result.world_size != 1)}"
+        caveats.append(
+            f"re-planned for {facts.ranks} rank{'s' * (facts.ranks != 1)} from a probe on {measured}, without a new "
+            f"probe: a rank's batch sizes and memory hold on the same device kind; the samples/s are those {measured} "
+            "measured"
+        )
     noise = facts.noise
     if noise is None:
         caveats.append(

@@ -101,15 +101,23 @@ class Result:
 
     # The batch to train with ------------------------------------------------------------------
     def recommend(
-        self, *, target_batch: int | None = None, target_tokens: int | None = None, seq_len: int | None = None
+        self,
+        *,
+        target_batch: int | None = None,
+        target_tokens: int | None = None,
+        seq_len: int | None = None,
+        world_size: int | None = None,
     ) -> Recommendation:
         """The batch to train with, and the accumulation and ranks that reach it, with the bound
         that decided and why (:func:`batchfit.report.recommendation.recommend`): the memory bound,
         the throughput knee, the noise scale when measured, and a target global batch (or tokens
-        per step at ``seq_len``) when given."""
+        per step at ``seq_len``) when given. ``world_size``: train on that many ranks instead of
+        the ranks that probed (an elastic re-plan: the same global batch, no new probe)."""
         from batchfit.report.recommendation import recommend
 
-        return recommend(self, target_batch=target_batch, target_tokens=target_tokens, seq_len=seq_len)
+        return recommend(
+            self, target_batch=target_batch, target_tokens=target_tokens, seq_len=seq_len, world_size=world_size
+        )
 
     @property
     def recommendation(self) -> Recommendation:
