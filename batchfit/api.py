@@ -138,7 +138,7 @@ def find(
             start (on CUDA without a limit the budget is only known then).
         progress: show the command line's view on stderr while it runs (a live table on a
             terminal, plain lines elsewhere) and its summary at the end; the callbacks above
-            still run. Default: nothing is printed.
+            still run; across ranks only rank 0 shows it. Default: nothing is printed.
         seq_len: the sequence length to size on, when you know it better than the data seen:
             the sample's (or the loader's worst batch's) rows are cut to it, or extended by
             repeating their own content along the sequence dimension (the one that varies
@@ -203,9 +203,10 @@ def find(
     )
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {type(progress).__name__} {progress!r}")
+    from batchfit.distributed import leads  # under torchrun only rank 0 shows the view
     from batchfit.probe import find_with  # the algorithm, and torch, only once a probe runs
 
-    if not progress:
+    if not progress or not leads(distributed):
         return find_with(model, sample, options, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
     # The probe never prints: the view is fed through the same callbacks a caller could pass.
     with Progress(type(model).__name__, callback, on_trial_start, on_start) as shown:
@@ -268,7 +269,7 @@ def frontier(
         max_seq_len: the ceiling of that search; default the model's positions
             (``config.max_position_embeddings``, ``n_positions``, a position embedding's size).
         on_point: called with each :class:`~batchfit.report.frontier.FrontierPoint` when its length is done.
-        progress: show a view on stderr while it runs, and the frontier at the end.
+        progress: show a view on stderr while it runs, and the frontier at the end (across ranks, rank 0 only).
 
     The other keywords are :func:`find`'s and mean the same, for every length (``time_budget``
     counts for the whole frontier). Raises what :func:`find` raises; a length longer than the
@@ -299,11 +300,8 @@ def frontier(
     )
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {type(progress).__name__} {progress!r}")
-    from batchfit.probe import (  # the algorithm, and torch, only once a probe runs
-        Prober,
-        check_callbacks,
-        frontier_with,
-    )
+    from batchfit.distributed import leads  # under torchrun only rank 0 shows the view
+    from batchfit.probe import Prober, check_callbacks, frontier_with  # the algorithm, torch, once a probe runs
 
     check_callbacks(callback, on_trial_start, on_start)
 
@@ -311,7 +309,7 @@ def frontier(
         return Prober(model, None, options=at_length)
 
     keywords: dict[str, Any] = {"longest_at_batch_1": longest_at_batch_1, "max_seq_len": max_seq_len}
-    if not progress:
+    if not progress or not leads(distributed):
         return frontier_with(
             model,
             make_batch,  # type: ignore[arg-type]

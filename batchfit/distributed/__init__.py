@@ -12,7 +12,7 @@ Sharded models (FSDP) are probed a job per trial instead: :mod:`batchfit.probe.j
 """
 
 from batchfit.distributed.launch import Launch, from_environment
-from batchfit.distributed.ranks import Group, combine_trials, ranks_for
+from batchfit.distributed.ranks import Group, combine_trials, leads, ranks_for
 from batchfit.distributed.solo import PeerOutOfMemory, Solo
 
-__all__ = ["Group", "Launch", "PeerOutOfMemory", "Solo", "combine_trials", "from_environment", "ranks_for"]
+__all__ = ["Group", "Launch", "PeerOutOfMemory", "Solo", "combine_trials", "from_environment", "leads", "ranks_for"]

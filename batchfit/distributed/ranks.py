@@ -56,7 +56,7 @@ from batchfit.interrupts import InterruptGuard
 from batchfit.report import Trial
 from batchfit.units import format_bytes
 
-__all__ = ["Group", "combine_trials", "ranks_for"]
+__all__ = ["Group", "combine_trials", "leads", "ranks_for"]
 
 
 class Group(Solo):
@@ -361,6 +361,17 @@ def ranks_for(distributed: bool | None, rank_timeout: float, model: nn.Module, i
                 "distributed=False"
             )
     return Group(rank_timeout, interrupts)
+
+
+def leads(distributed: bool | None) -> bool:
+    """Whether this process speaks for the probe (shows its progress): rank 0 of the group
+    :func:`ranks_for` would pick for ``distributed``, or this process when it probes alone. Under
+    ``torchrun --nnodes N --nproc-per-node G`` that is one process of the N x G, on one node."""
+    import torch.distributed as dist
+
+    if distributed is False or not (dist.is_available() and dist.is_initialized()):
+        return True
+    return dist.get_world_size() < 2 or dist.get_rank() == 0
 
 
 def _buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
