@@ -129,6 +129,8 @@ def probe_then_train(config: dict[str, Any]) -> None:
         "exact": prime.exact,
         "reason": prime.reason,
     }
+    plain = bfr.worker_batch(model, token_sample(), memory_limit=LIMIT)
+    record["plain"] = {"summary": plain.summary(), "metrics": plain.metrics(), "target_batch": plain.target_batch}
     try:
         bfr.worker_batch(model, token_sample(), global_batch=config["indivisible_batch"], memory_limit=LIMIT)
     except ValueError as exc:
@@ -241,12 +243,25 @@ def test_the_global_batch_is_split_exactly_and_trained_with(trained: dict[str, A
     assert metrics["batchfit/exact"] == 1 and metrics["batchfit/remainder"] == 0
     assert micro <= metrics["batchfit/safe_batch"] <= metrics["batchfit/max_batch"] and steps >= 2
     assert all(isinstance(value, int) for value in metrics.values())
+    names = {"micro_batch", "accumulation_steps", "global_batch", "target_batch", "world_size", "max_batch"}
+    assert {f"batchfit/{name}" for name in (*names, "safe_batch", "exact", "remainder")} == set(metrics)
     assert f"= global batch {asked} (as asked)" in trained["records"][0]["fit"]["summary"]
     for record in trained["records"]:
         training = record["training"]
         assert training["micro_batches"] == [micro] * (2 * steps)  # Ray's sharded loader, at the found size
         assert training["optimizer_steps"] == 2 and training["changed"]
     assert trained["records"][0]["training"]["checksum"] == trained["records"][1]["training"]["checksum"]  # DDP
+
+
+def test_without_a_global_batch_every_worker_trains_at_the_safe_batch(trained: dict[str, Any]) -> None:
+    for record in trained["records"]:
+        plain = record["plain"]
+        safe = plain["metrics"]["batchfit/safe_batch"]
+        assert plain["target_batch"] is None and "batchfit/target_batch" not in plain["metrics"]
+        assert plain["metrics"]["batchfit/micro_batch"] == safe
+        assert plain["metrics"]["batchfit/accumulation_steps"] == 1
+        assert plain["metrics"]["batchfit/global_batch"] == safe * WORKERS
+        assert "no global batch asked" in plain["summary"]
 
 
 def test_a_share_that_splits_poorly_says_what_an_inexact_split_would_drop(trained: dict[str, Any]) -> None:
