@@ -141,7 +141,8 @@ def worker_batch(
             and :func:`batchfit.plan` there), or several workers without the torch process group
             that ``TorchTrainer`` sets up (the workers could not agree).
         TypeError, ValueError: a bad argument, named; ``global_batch`` not divisible by the
-            number of workers (the message gives the nearest that are).
+            number of workers (the message gives the nearest that are; raised after the probe,
+            on every worker alike, since the split is made from the probe's answer).
         Exception: whatever :func:`batchfit.find` raises (an error of any worker's model, on
             every worker).
     """
