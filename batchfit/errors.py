@@ -7,11 +7,24 @@ message; the classes here cover the outcomes of a probe itself.
 
 from __future__ import annotations
 
+from typing import Any
+
 from batchfit.units import format_bytes
 
 
 class BatchfitError(Exception):
-    """Base class of every error that batchfit raises about a probe."""
+    """Base class of every error that batchfit raises about a probe.
+
+    Every one survives ``pickle`` unchanged (message, attributes, notes), because a worker
+    process hands its exception to another process that way: Ray Train sends a worker's error to
+    the driver pickled, as ``multiprocessing`` does. Python's default rebuilds an exception by
+    calling its class with ``self.args`` (the message alone), which fails for an error whose
+    ``__init__`` takes its parts (:class:`RankFailedError`) and garbles one that formats its
+    message from them (:class:`NothingFitsError`); so the copy is rebuilt without ``__init__``.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
 
 
 class NothingFitsError(BatchfitError):
@@ -95,6 +108,14 @@ class RankFailedError(BatchfitError):
 class RanksTimeoutError(BatchfitError):
     """The ranks of a distributed probe did not all reach the same meeting point in time: a rank
     did not call ``find()``, is stuck in the user's code, or died."""
+
+
+def _rebuild(cls: type[BatchfitError], args: tuple[Any, ...], state: dict[str, Any]) -> BatchfitError:
+    """A pickled :class:`BatchfitError` as it was: its args, attributes and notes, no ``__init__``."""
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 def first_line(exc: BaseException) -> str:

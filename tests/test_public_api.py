@@ -32,6 +32,7 @@ PUBLIC = {
     "batchfit.lightning": ["BatchFit"],
     "batchfit.transformers": ["autosize", "Autosized"],
     "batchfit.accelerate": ["find_executable_batch_size"],
+    "batchfit.ray": ["worker_batch", "WorkerBatch"],
     "batchfit.examples": ["mlp", "cnn", "gpt"],
     "batchfit.errors": ["RankFailedError", "RanksTimeoutError"],
     "batchfit.cli": ["main"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import torch
 
 import batchfit
 from batchfit.distributed import combine_trials, from_environment
+from batchfit.errors import NothingFitsError, RankFailedError, RanksTimeoutError, annotate
 from batchfit.examples import gpt
 from batchfit.report import Trial
 
@@ -302,6 +304,24 @@ def test_combined_trial_fails_where_one_rank_failed_and_keeps_the_largest_bound(
     assert both.peak_bytes == 500  # rank 0 measured the whole size: at least that is needed
     assert both.message == "rank 1: OutOfMemoryError: no"
     assert both.samples_per_s is None and both.step_times_s == ()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RankFailedError(1, 8, "forward", "ValueError: boom at batch 8"),
+        RankFailedError(0, None, "joining", "RuntimeError: no"),
+        NothingFitsError(2, 1000, 500, "backward", "OutOfMemoryError: no", "Lower init_batch."),
+        RanksTimeoutError("rank 0: not every rank answered"),
+    ],
+)
+def test_batchfit_errors_cross_process_boundaries_unchanged(error: Exception) -> None:
+    """A worker's error reaches the driver pickled (Ray Train, multiprocessing): the default
+    rebuild calls ``__init__`` with the message alone, which fails for ``RankFailedError``."""
+    annotate(error, "batchfit: raised during forward of a trial at batch size 8")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert (str(copy), copy.args, copy.__dict__) == (str(error), error.args, error.__dict__)
 
 
 def test_distributed_true_needs_a_process_group() -> None:

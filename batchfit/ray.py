@@ -1,0 +1,222 @@
+"""Ray Train: inside ``train_func``, the per-worker batch and accumulation for a global batch.
+
+Under Ray Train's ``TorchTrainer`` every worker is a rank of a ``torch.distributed`` job that Ray
+set up (gloo on the CPU, NCCL on GPUs) before ``train_func`` runs, and
+``ray.train.torch.prepare_model`` wraps the model in ``DistributedDataParallel``. That is the job
+:func:`batchfit.find` already probes as under ``torchrun``: every worker calls it, the workers meet
+after every phase of every step over a side gloo group, one worker's out-of-memory fails the
+trial on all of them, and every worker gets the same answer (``batchfit.distributed.ranks``).
+Nothing of Ray is needed for that; :func:`find` works as is inside ``train_func``.
+
+What Ray adds is the question a ``train_func`` really asks: the run's global batch comes from
+``train_loop_config`` (the learning rate was tuned for it), the number of workers from the
+``ScalingConfig``, and each worker needs its micro-batch and gradient-accumulation steps.
+:func:`worker_batch` probes, splits the global batch over ``ray.train.get_context()``'s world size
+(:func:`batchfit.plan`) and returns a :class:`WorkerBatch`, whose :meth:`~WorkerBatch.metrics`
+go to ``ray.train.report``. A non-OOM error in one worker's model fails every worker (the others
+raise :class:`~batchfit.errors.RankFailedError` naming it), so ``trainer.fit()`` fails with it
+rather than hang; batchfit's errors survive the pickling Ray sends them through.
+
+Import-safe: this module imports neither ray nor torch at import time; :func:`worker_batch`
+raises an ``ImportError`` naming ``pip install 'batchfit[ray]'`` when Ray Train is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from batchfit.api import find, plan
+from batchfit.estimation import Plan
+from batchfit.report import Result
+from batchfit.units import check_positive_int
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["INSTALL_HINT", "WorkerBatch", "worker_batch"]
+
+INSTALL_HINT = "pip install 'batchfit[ray]'"
+
+
+@dataclass(frozen=True)
+class WorkerBatch:
+    """What one Ray Train worker trains with: ``micro_batch`` x ``accumulation_steps`` on each of
+    ``world_size`` workers, and the probe it comes from. Every worker holds the same record.
+
+    A record of its own rather than a bare :class:`~batchfit.estimation.Plan`: without a global
+    batch there is no plan (the worker trains at the safe batch), and the world size belongs to
+    the Ray run, not to the probe.
+
+    Attributes:
+        result: the probe's answer (:func:`batchfit.find`); batch sizes per worker.
+        world_size: the workers of the run (``ray.train.get_context().get_world_size()``).
+        micro_batch: the batch each worker runs per forward/backward.
+        accumulation_steps: forward/backward passes per optimizer step (1 without a global batch).
+        global_batch: ``micro_batch * accumulation_steps * world_size``, the samples per
+            optimizer step the run really trains with.
+        target_batch: the global batch asked for; ``None`` when none was.
+        exact: ``global_batch == target_batch`` (``True`` without a target: nothing was asked).
+        remainder: ``target_batch - global_batch`` (0 when exact): stated, never dropped silently.
+        reason: why this micro-batch, in one sentence (the plan's reason).
+        plan: the split, when a global batch was asked for.
+    """
+
+    result: Result
+    world_size: int
+    micro_batch: int
+    accumulation_steps: int
+    global_batch: int
+    target_batch: int | None
+    exact: bool
+    remainder: int
+    reason: str
+    plan: Plan | None = None
+
+    def summary(self) -> str:
+        """One line for a log: the split, how it compares with what was asked, and the probe."""
+        steps = f"{self.accumulation_steps} accumulation step{'s' * (self.accumulation_steps != 1)}"
+        workers = f"{self.world_size} worker{'s' * (self.world_size != 1)}"
+        line = f"micro-batch {self.micro_batch} x {steps} x {workers} = global batch {self.global_batch}"
+        if self.target_batch is None:
+            line += " (no global batch asked: the safe batch, no accumulation)"
+        elif self.exact:
+            line += " (as asked)"
+        else:
+            fewer = "fewer" if self.remainder > 0 else "more"
+            line += f" ({abs(self.remainder)} {fewer} than the {self.target_batch} asked)"
+        verified = "" if self.result.safe_verified else ", not verified"
+        return f"{line}; probe: max batch {self.result.max_batch}, safe batch {self.result.safe_batch}{verified}"
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def metrics(self) -> dict[str, int]:
+        """A flat dict of numbers for ``ray.train.report`` (and any metrics logger): the split,
+        the target, and the probe's bounds, each under ``batchfit/``."""
+        found = {
+            "micro_batch": self.micro_batch,
+            "accumulation_steps": self.accumulation_steps,
+            "global_batch": self.global_batch,
+            "world_size": self.world_size,
+            "max_batch": self.result.max_batch,
+            "safe_batch": self.result.safe_batch,
+            "exact": int(self.exact),
+            "remainder": self.remainder,
+        }
+        if self.target_batch is not None:
+            found["target_batch"] = self.target_batch
+        return {f"batchfit/{name}": value for name, value in found.items()}
+
+
+def worker_batch(
+    model: nn.Module,
+    sample: Any = None,
+    *,
+    global_batch: int | None = None,
+    **find_keywords: Any,
+) -> WorkerBatch:
+    """Probe inside a Ray Train ``train_func`` and return this worker's batch for ``global_batch``.
+
+    Call it on every worker, after ``ray.train.torch.prepare_model(model)`` and before the
+    training loop, with the same arguments (the workers probe together, as under ``torchrun``)::
+
+        fit = batchfit.ray.worker_batch(model, sample, global_batch=config["global_batch"])
+        ray.train.report(fit.metrics())
+
+    Args:
+        model: the model as it trains (DDP-wrapped by ``prepare_model``: the probe defers DDP's
+            gradient all-reduce until every worker's backward worked, so none waits in it).
+        sample: one batch, as :func:`batchfit.find` takes it.
+        global_batch: the samples per optimizer step over every worker and accumulation step
+            (what the learning rate was tuned for). Split into micro-batch x accumulation steps
+            within the safe batch (:func:`batchfit.plan`). ``None``: train at the safe batch,
+            no accumulation (the global batch then follows the memory and the worker count).
+        **find_keywords: any :func:`batchfit.find` keyword, with the same name and meaning
+            (``memory_limit``, ``headroom``, ``max_batch``, ``rank_timeout``, ...).
+
+    Raises:
+        ImportError: Ray Train is not installed.
+        RuntimeError: not called inside a Ray Train training function (use :func:`batchfit.find`
+            and :func:`batchfit.plan` there), or several workers without the torch process group
+            that ``TorchTrainer`` sets up (the workers could not agree).
+        TypeError, ValueError: a bad argument, named; ``global_batch`` not divisible by the
+            number of workers (the message gives the nearest that are; raised after the probe,
+            on every worker alike, since the split is made from the probe's answer).
+        Exception: whatever :func:`batchfit.find` raises (an error of any worker's model, on
+            every worker).
+    """
+    if global_batch is not None:
+        check_positive_int("global_batch", global_batch)
+    world_size = _world_size()
+    if world_size > 1 and find_keywords.get("distributed") is not False:
+        _check_process_group(world_size)
+    # TODO(cache): pass ``cache=`` through to find() once find() has it (it does not yet here).
+    result = find(model, sample, **find_keywords)
+    if global_batch is None:
+        return WorkerBatch(
+            result=result,
+            world_size=world_size,
+            micro_batch=result.safe_batch,
+            accumulation_steps=1,
+            global_batch=result.safe_batch * world_size,
+            target_batch=None,
+            exact=True,
+            remainder=0,
+            reason=f"no global_batch given: the safe batch {result.safe_batch} on each worker, no accumulation",
+        )
+    split = _plan(result, global_batch, world_size)
+    return WorkerBatch(
+        result=result,
+        world_size=split.world_size,
+        micro_batch=split.micro_batch,
+        accumulation_steps=split.accumulation_steps,
+        global_batch=split.global_batch,
+        target_batch=global_batch,
+        exact=split.exact,
+        remainder=split.remainder,
+        reason=split.reason,
+        plan=split,
+    )
+
+
+def _plan(result: Result, global_batch: int, world_size: int) -> Plan:
+    """The one place the split is made: ``global_batch`` over ``world_size`` workers.
+
+    One function on purpose: an elastic re-plan (keep the global batch when the world size
+    changes, saying by how much when it cannot be kept exactly) replaces this call alone.
+    """
+    try:
+        return plan(result, target_batch=global_batch, world_size=world_size)
+    except ValueError as exc:
+        raise ValueError(f"global_batch={global_batch} on {world_size} Ray Train workers: {exc}") from None
+
+
+def _world_size() -> int:
+    """The number of workers of the Ray Train run this function runs in."""
+    try:
+        import ray.train
+    except ImportError as exc:
+        raise ImportError(f"batchfit.ray needs Ray Train: {INSTALL_HINT}") from exc
+    try:
+        context = ray.train.get_context()
+    except RuntimeError as exc:
+        raise RuntimeError(
+            "batchfit.ray.worker_batch runs inside a Ray Train training function (the train_func that "
+            "TorchTrainer.fit() runs on every worker), where it reads the number of workers; outside Ray Train, "
+            "use batchfit.find() and batchfit.plan(result, target_batch=..., world_size=...)"
+        ) from exc
+    return int(context.get_world_size())
+
+
+def _check_process_group(world_size: int) -> None:
+    """Several workers agree on one answer only over the torch process group ``TorchTrainer`` sets
+    up; without it each would probe alone and could train with a different batch."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"batchfit.ray.worker_batch on {world_size} Ray Train workers needs the torch process group that "
+            "ray.train.torch.TorchTrainer sets up before train_func runs, so that the workers probe together and "
+            "agree; none is initialised here (pass distributed=False to probe each worker alone)"
+        )
