@@ -12,8 +12,16 @@ What Ray adds is the question a ``train_func`` really asks: the run's global bat
 ``train_loop_config`` (the learning rate was tuned for it), the number of workers from the
 ``ScalingConfig``, and each worker needs its micro-batch and gradient-accumulation steps.
 :func:`worker_batch` probes, splits the global batch over ``ray.train.get_context()``'s world size
-(:func:`batchfit.plan`) and returns a :class:`WorkerBatch`, whose :meth:`~WorkerBatch.metrics`
-go to ``ray.train.report``. A non-OOM error in one worker's model fails every worker (the others
+(:meth:`batchfit.Result.recommend` with ``world_size``: exactly where a split allows, otherwise as
+near as one does, saying by how much) and returns a :class:`WorkerBatch`, whose
+:meth:`~WorkerBatch.metrics` go to ``ray.train.report``. Without a global batch it is the batch
+to train with that :meth:`~batchfit.Result.recommend` names (the throughput knee, the noise scale
+when measured, or the safe batch).
+
+An elastic run (``ScalingConfig(num_workers=(min, max))``) restarts ``train_func`` with another
+number of workers: with ``cache=`` on storage every worker reaches, the restart finds the answer
+of the first probe (the cache's key leaves the world size out: a worker's sizes hold on the same
+device kind), runs no trial, and the same ``global_batch`` is split over the new workers. A non-OOM error in one worker's model fails every worker (the others
 raise :class:`~batchfit.errors.RankFailedError` naming it), so ``trainer.fit()`` fails with it
 rather than hang; batchfit's errors survive the pickling Ray sends them through.
 
@@ -26,9 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from batchfit.api import find, plan
-from batchfit.estimation import Plan
-from batchfit.report import Result
+from batchfit.api import find
+from batchfit.report import Recommendation, Result
 from batchfit.units import check_positive_int
 
 if TYPE_CHECKING:
@@ -44,22 +51,23 @@ class WorkerBatch:
     """What one Ray Train worker trains with: ``micro_batch`` x ``accumulation_steps`` on each of
     ``world_size`` workers, and the probe it comes from. Every worker holds the same record.
 
-    A record of its own rather than a bare :class:`~batchfit.estimation.Plan`: without a global
-    batch there is no plan (the worker trains at the safe batch), and the world size belongs to
-    the Ray run, not to the probe.
+    A record of its own rather than a bare :class:`~batchfit.report.Recommendation`: the world
+    size belongs to the Ray run (an elastic run restarts with another), not to the probe, and a
+    log wants the split in one line and its numbers flat.
 
     Attributes:
         result: the probe's answer (:func:`batchfit.find`); batch sizes per worker.
         world_size: the workers of the run (``ray.train.get_context().get_world_size()``).
         micro_batch: the batch each worker runs per forward/backward.
-        accumulation_steps: forward/backward passes per optimizer step (1 without a global batch).
+        accumulation_steps: forward/backward passes per optimizer step.
         global_batch: ``micro_batch * accumulation_steps * world_size``, the samples per
             optimizer step the run really trains with.
         target_batch: the global batch asked for; ``None`` when none was.
         exact: ``global_batch == target_batch`` (``True`` without a target: nothing was asked).
         remainder: ``target_batch - global_batch`` (0 when exact): stated, never dropped silently.
-        reason: why this micro-batch, in one sentence (the plan's reason).
-        plan: the split, when a global batch was asked for.
+        reason: why this split, in one sentence (the recommendation's reason).
+        recommendation: the batch to train with for these workers
+            (:meth:`batchfit.Result.recommend` with ``world_size``), its caveats included.
     """
 
     result: Result
@@ -71,7 +79,7 @@ class WorkerBatch:
     exact: bool
     remainder: int
     reason: str
-    plan: Plan | None = None
+    recommendation: Recommendation
 
     def summary(self) -> str:
         """One line for a log: the split, how it compares with what was asked, and the probe."""
@@ -79,7 +87,7 @@ class WorkerBatch:
         workers = f"{self.world_size} worker{'s' * (self.world_size != 1)}"
         line = f"micro-batch {self.micro_batch} x {steps} x {workers} = global batch {self.global_batch}"
         if self.target_batch is None:
-            line += " (no global batch asked: the safe batch, no accumulation)"
+            line += f" (no global batch asked: decided by {self.recommendation.decided_by})"
         elif self.exact:
             line += " (as asked)"
         else:
@@ -130,19 +138,19 @@ def worker_batch(
         sample: one batch, as :func:`batchfit.find` takes it.
         global_batch: the samples per optimizer step over every worker and accumulation step
             (what the learning rate was tuned for). Split into micro-batch x accumulation steps
-            within the safe batch (:func:`batchfit.plan`). ``None``: train at the safe batch,
-            no accumulation (the global batch then follows the memory and the worker count).
+            within the safe batch (:meth:`batchfit.Result.recommend`): exactly where a split
+            allows, else the nearest global batch, ``remainder`` and the reason saying by how
+            much. ``None``: the batch to train with that the recommendation names (the knee, the
+            noise scale when measured, or the safe batch), no target.
         **find_keywords: any :func:`batchfit.find` keyword, with the same name and meaning
             (``memory_limit``, ``headroom``, ``max_batch``, ``rank_timeout``, ...).
 
     Raises:
         ImportError: Ray Train is not installed.
         RuntimeError: not called inside a Ray Train training function (use :func:`batchfit.find`
-            and :func:`batchfit.plan` there), or several workers without the torch process group
-            that ``TorchTrainer`` sets up (the workers could not agree).
-        TypeError, ValueError: a bad argument, named; ``global_batch`` not divisible by the
-            number of workers (the message gives the nearest that are; raised after the probe,
-            on every worker alike, since the split is made from the probe's answer).
+            and :meth:`batchfit.Result.recommend` there), or several workers without the torch
+            process group that ``TorchTrainer`` sets up (the workers could not agree).
+        TypeError, ValueError: a bad argument, named (before any probe).
         Exception: whatever :func:`batchfit.find` raises (an error of any worker's model, on
             every worker).
     """
@@ -151,45 +159,20 @@ def worker_batch(
     world_size = _world_size()
     if world_size > 1 and find_keywords.get("distributed") is not False:
         _check_process_group(world_size)
-    # TODO(cache): pass ``cache=`` through to find() once find() has it (it does not yet here).
     result = find(model, sample, **find_keywords)
-    if global_batch is None:
-        return WorkerBatch(
-            result=result,
-            world_size=world_size,
-            micro_batch=result.safe_batch,
-            accumulation_steps=1,
-            global_batch=result.safe_batch * world_size,
-            target_batch=None,
-            exact=True,
-            remainder=0,
-            reason=f"no global_batch given: the safe batch {result.safe_batch} on each worker, no accumulation",
-        )
-    split = _plan(result, global_batch, world_size)
+    chosen = result.recommend(target_batch=global_batch, world_size=world_size)
     return WorkerBatch(
         result=result,
-        world_size=split.world_size,
-        micro_batch=split.micro_batch,
-        accumulation_steps=split.accumulation_steps,
-        global_batch=split.global_batch,
+        world_size=world_size,
+        micro_batch=chosen.batch_size,
+        accumulation_steps=chosen.accumulation,
+        global_batch=chosen.global_batch,
         target_batch=global_batch,
-        exact=split.exact,
-        remainder=split.remainder,
-        reason=split.reason,
-        plan=split,
+        exact=chosen.exact,
+        remainder=-(chosen.target_changed_by or 0),
+        reason=chosen.reason,
+        recommendation=chosen,
     )
-
-
-def _plan(result: Result, global_batch: int, world_size: int) -> Plan:
-    """The one place the split is made: ``global_batch`` over ``world_size`` workers.
-
-    One function on purpose: an elastic re-plan (keep the global batch when the world size
-    changes, saying by how much when it cannot be kept exactly) replaces this call alone.
-    """
-    try:
-        return plan(result, target_batch=global_batch, world_size=world_size)
-    except ValueError as exc:
-        raise ValueError(f"global_batch={global_batch} on {world_size} Ray Train workers: {exc}") from None
 
 
 def _world_size() -> int:
@@ -204,7 +187,7 @@ def _world_size() -> int:
         raise RuntimeError(
             "batchfit.ray.worker_batch runs inside a Ray Train training function (the train_func that "
             "TorchTrainer.fit() runs on every worker), where it reads the number of workers; outside Ray Train, "
-            "use batchfit.find() and batchfit.plan(result, target_batch=..., world_size=...)"
+            "use batchfit.find() and result.recommend(target_batch=..., world_size=...)"
         ) from exc
     return int(context.get_world_size())
 
