@@ -17,7 +17,9 @@ they were, and the algorithm that turns trials into an answer.
 * :mod:`~batchfit.probe.frontier`: :func:`frontier_with`, the largest batch per sequence length
   (one probe per length, each further one searched from the surface's prediction);
 * :mod:`~batchfit.probe.jobs`: a prober whose trials are fresh ``torchrun`` jobs (sharded models);
-* :mod:`~batchfit.probe.noise`: :func:`measure_noise`, the gradient noise scale of real batches.
+* :mod:`~batchfit.probe.noise`: :func:`measure_noise`, the gradient noise scale of real batches;
+* :mod:`~batchfit.probe.cache`: the result cache (``find(cache=DIR)``: :class:`ResultCache`), keyed
+  by :mod:`~batchfit.probe.cache_key` (:func:`probe_key`, :func:`cache_key`).
 
 The keyword front end users call, :func:`batchfit.find`, is :mod:`batchfit.api`'s.
 
@@ -33,6 +35,15 @@ from batchfit._lazy import lazy_surface
 
 if TYPE_CHECKING:
     from batchfit.probe.batches import batch_size_of, map_tensors, tensor_leaves, tile, to_device
+    from batchfit.probe.cache import (
+        CACHE_SCHEMA,
+        ResultCache,
+        check_entry,
+        entry_document,
+        open_cache,
+        write_atomically,
+    )
+    from batchfit.probe.cache_key import CacheKey, cache_key, canonical_json, key_fields, probe_key
     from batchfit.probe.checks import (
         check_callbacks,
         check_materialised,
@@ -77,6 +88,17 @@ _EXPORTS = {
     "tensor_leaves": "batchfit.probe.batches",
     "tile": "batchfit.probe.batches",
     "to_device": "batchfit.probe.batches",
+    "CACHE_SCHEMA": "batchfit.probe.cache",
+    "ResultCache": "batchfit.probe.cache",
+    "check_entry": "batchfit.probe.cache",
+    "entry_document": "batchfit.probe.cache",
+    "open_cache": "batchfit.probe.cache",
+    "write_atomically": "batchfit.probe.cache",
+    "CacheKey": "batchfit.probe.cache_key",
+    "cache_key": "batchfit.probe.cache_key",
+    "canonical_json": "batchfit.probe.cache_key",
+    "key_fields": "batchfit.probe.cache_key",
+    "probe_key": "batchfit.probe.cache_key",
     "check_callbacks": "batchfit.probe.checks",
     "check_materialised": "batchfit.probe.checks",
     "check_work": "batchfit.probe.checks",
