@@ -166,7 +166,7 @@ def find(
         noise_passes: forward/backward passes the noise scale may take (default 128).
         cache: a directory (made if missing) where the answer is kept, keyed by everything that
             changes it (device, model structure, batch shapes, step, settings, versions; not the
-            weights, not the world size: ``batchfit.probe.cache_key``). The same probe again is a
+            weights, not the world size: ``batchfit.probe.keys``). The same probe again is a
             hit: no trial runs, no callback is called, the stored answer comes back with
             ``Result.from_cache`` set; else it probes and writes the answer there. An entry that
             cannot be trusted, or a directory that cannot be written, is a note, never an error.

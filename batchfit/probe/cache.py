@@ -1,7 +1,7 @@
 """The result cache: a probe's answer stored in a directory, so that the same probe runs once.
 
 ``find(model, sample, cache=DIR)`` (``batchfit probe ... --cache DIR``) keys the probe
-(``batchfit.probe.cache_key``: the device, the model's structure, the batch, the step, the
+(``batchfit.probe.keys``: the device, the model's structure, the batch, the step, the
 search's settings, the versions; not the weights, not the world size) and looks for
 ``DIR/<key>.json``:
 
@@ -12,7 +12,7 @@ search's settings, the versions; not the weights, not the world size) and looks 
   note saying so; ``elapsed_s`` is the hit's own time. Measured with another world size: the
   batch sizes are per rank and hold as stored, ``world_size`` is the current one, and a note says
   that the rates are those of the ranks that measured them (the key leaves the world size out on
-  purpose: ``batchfit.probe.cache_key``);
+  purpose: ``batchfit.probe.keys``);
 * **miss**: the probe runs as usual and its answer is written at the end. An entry that cannot be
   trusted (not JSON, empty or truncated, another schema, a key that is not its file's, key fields
   that do not hash to it, a result the codec refuses) is ignored with a note naming the file and
@@ -38,28 +38,21 @@ device, and a frontier is another answer (a point per length) with its own docum
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import hashlib
 import json
 import os
-import secrets
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from batchfit.distributed import Solo
-from batchfit.probe.cache_key import CacheKey, canonical_json, probe_key
+from batchfit.probe.cache_files import check_entry, entry_document, write_atomically
+from batchfit.probe.keys import CacheKey, probe_key
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
 from batchfit.report import CacheHit, Result
 
-__all__ = ["CACHE_SCHEMA", "ResultCache", "check_entry", "entry_document", "open_cache", "write_atomically"]
-
-#: The schema a cache entry names; another one is ignored (and overwritten).
-CACHE_SCHEMA = "batchfit.cache/1"
-
+__all__ = ["ResultCache", "open_cache"]
 
 def open_cache(prober: Prober, options: Options) -> ResultCache:
     """The cache entry of the probe ``prober`` is set up for (built, not entered)."""
@@ -122,7 +115,7 @@ class ResultCache:
         """Write ``result`` (rank 0 only), and return it with what the cache has to say. The
         entry holds the answer as measured: without the cache's notes and the noise scale."""
         if self._ranks.is_leader:
-            document = entry_document(self.key, replace(result, noise_scale=None, from_cache=None))
+            document = entry_document(self.key.hex, self.key.fields, replace(result, noise_scale=None, from_cache=None))
             problem = write_atomically(self.path, json.dumps(document, indent=1, sort_keys=True))
             if problem is not None:
                 self.notes.append(
@@ -134,70 +127,9 @@ class ResultCache:
         """The entry, checked, or ``None`` and why it was ignored (``None``: there was none)."""
         try:
             text = self.path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no entry (a file in the way is the write's to say)
             return None, None
         except OSError as error:
             return None, f"it cannot be read ({error.strerror or error})"
         why = check_entry(text, self.key.hex)
         return (json.loads(text), None) if why is None else (None, why)
-
-
-def check_entry(text: bytes, key: str) -> str | None:
-    """Why the entry ``text`` of key ``key`` cannot be trusted, or ``None`` when it can."""
-    if not text.strip():
-        return "it is empty"
-    try:
-        entry = json.loads(text)
-    except (ValueError, RecursionError) as error:
-        return f"not valid JSON ({str(error)[:80]})"
-    if not isinstance(entry, dict):
-        return "not a JSON object"
-    if entry.get("schema") != CACHE_SCHEMA:
-        return f"its schema is {str(entry.get('schema'))[:40]!r}, not {CACHE_SCHEMA!r}"
-    if entry.get("key") != key:
-        return "the key inside it is not its file's"
-    fields = entry.get("key_fields")
-    try:
-        hashed = hashlib.sha256(canonical_json(fields).encode("ascii")).hexdigest() if isinstance(fields, dict) else ""
-    except (TypeError, ValueError):
-        hashed = ""
-    if hashed != key:
-        return "its key fields do not hash to its key"
-    if not isinstance(entry.get("written_at"), str):
-        return "it says not when it was written"
-    try:
-        Result.from_dict(entry.get("result"))  # type: ignore[arg-type]
-    except ValueError as error:
-        return f"its result is refused ({str(error)[:120]})"
-    return None
-
-
-def entry_document(key: CacheKey, result: Result) -> dict[str, Any]:
-    """The entry of ``result`` under ``key``, stamped with the time it is written (UTC)."""
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {
-        "schema": CACHE_SCHEMA,
-        "key": key.hex,
-        "key_fields": key.fields,
-        "written_at": now,
-        "result": result.to_dict(),
-    }
-
-
-def write_atomically(path: Path, text: str) -> str | None:
-    """Write ``text`` to ``path`` so that no reader ever sees part of it: a unique temporary file
-    beside it (this process's id and random bytes), flushed and fsynced, then ``os.replace``d over
-    it. ``None`` when written, else what went wrong (the directory made if missing)."""
-    temporary = path.with_name(f".{path.stem}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(temporary, "x", encoding="ascii") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except OSError as error:
-        with contextlib.suppress(OSError):
-            temporary.unlink()
-        return f"{type(error).__name__}: {error.strerror or error}"
-    return None

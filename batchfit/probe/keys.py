@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from batchfit.probe.cache_files import canonical_json
 from batchfit.probe.options import Options
 from batchfit.report import DeviceInfo
 from batchfit.version import __version__
@@ -60,7 +60,7 @@ from batchfit.version import __version__
 if TYPE_CHECKING:
     from batchfit.probe.prober import Prober
 
-__all__ = ["CacheKey", "cache_key", "canonical_json", "key_fields", "probe_key"]
+__all__ = ["CacheKey", "cache_key", "key_fields", "probe_key"]
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,6 @@ class CacheKey:
 
     fields: dict[str, Any]
     hex: str
-
-
-def canonical_json(fields: Mapping[str, Any]) -> str:
-    """The one JSON text of ``fields`` the key hashes: sorted keys, no spaces, ASCII."""
-    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 def probe_key(
