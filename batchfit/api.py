@@ -9,7 +9,9 @@ core: the probe itself never prints and never imports a view. :func:`plan` probe
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from batchfit.estimation import Plan, check_target, plan_for
@@ -61,6 +63,7 @@ def find(
     timed_steps: int = 2,
     noise_scale: bool = False,
     noise_passes: int = 128,
+    cache: str | os.PathLike[str] | None = None,
     callback: TrialCallback | None = None,
     on_trial_start: StartCallback | None = None,
     on_start: ProbeStartCallback | None = None,
@@ -161,6 +164,12 @@ def find(
             ``Result.recommendation``, the batch to train with. It costs ``noise_passes``
             forward/backward passes.
         noise_passes: forward/backward passes the noise scale may take (default 128).
+        cache: a directory (made if missing) where the answer is kept, keyed by everything that
+            changes it (device, model structure, batch shapes, step, settings, versions; not the
+            weights, not the world size: ``batchfit.probe.keys``). The same probe again is a
+            hit: no trial runs, no callback is called, the stored answer comes back with
+            ``Result.from_cache`` set; else it probes and writes the answer there. An entry that
+            cannot be trusted, or a directory that cannot be written, is a note, never an error.
 
     Raises:
         NothingFitsError: even ``init_batch`` runs out of memory.
@@ -173,34 +182,8 @@ def find(
         Exception: any exception from the model that is not an out-of-memory, unchanged, with a
             note that names the batch size.
     """
-    options = Options(
-        make_batch=make_batch,
-        loss_fn=loss_fn,
-        step_fn=step_fn,
-        criterion=criterion,
-        optimizer=optimizer,
-        amp=amp,  # type: ignore[arg-type]
-        mode=mode,  # type: ignore[arg-type]
-        device=device,
-        memory_limit=memory_limit,
-        reserve=reserve,
-        steps_per_trial=steps_per_trial,
-        headroom=headroom,
-        init_batch=init_batch,
-        max_batch=max_batch,
-        multiple_of=multiple_of,
-        verify_steps=verify_steps,
-        strategy=strategy,
-        time_budget=time_budget,
-        restore_rng=restore_rng,
-        distributed=distributed,
-        rank_timeout=rank_timeout,
-        seq_len=seq_len,
-        scan_batches=scan_batches,
-        timed_steps=timed_steps,
-        noise_scale=noise_scale,
-        noise_passes=noise_passes,
-    )
+    given = locals()
+    options = Options(**{option.name: given[option.name] for option in fields(Options)})
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {type(progress).__name__} {progress!r}")
     from batchfit.distributed import leads  # under torchrun only rank 0 shows the view

@@ -74,7 +74,7 @@ def find_kwargs(args: argparse.Namespace, target: Target | None, device: str, li
     for name in ("max_batch", "init_batch", "verify_steps", "timed_steps", "strategy", "seq_len", "scan_batches"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
-    for name in ("time_budget", "rank_timeout", "noise_passes"):
+    for name in ("time_budget", "rank_timeout", "noise_passes", "cache"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     return kwargs

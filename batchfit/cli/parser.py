@@ -216,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument("--noise-passes", type=_int_at_least(4), metavar="N", help="with --noise-scale (default 128)")
     probe.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' for stdout)")
+    probe.add_argument("--cache", metavar="DIR", help="the same probe's answer from DIR, or probe and keep it there")
     probe.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
     probe.add_argument(
         "--nproc-per-trial",

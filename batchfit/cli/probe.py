@@ -56,6 +56,8 @@ def probe_command(args: argparse.Namespace) -> int:
             raise UsageError("--nproc-per-trial starts a torchrun job per trial itself: run it without torchrun")
         if args.require_batch is not None:
             raise UsageError("--nproc-per-trial runs a full probe: drop --require-batch")
+        if args.cache is not None:  # each trial is a job of its own: no probe in this process to key
+            raise UsageError("--cache keeps a probe of this process (or of torchrun's ranks): drop it here")
     elif args.trial_log is not None:
         raise UsageError("--trial-log goes with --nproc-per-trial")
     check_plan_options(args)
@@ -75,7 +77,9 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
     from batchfit.view import make_view
 
     if args.require_batch is not None:
-        conflicting = [name for name in ("max_batch", "verify_steps", "time_budget") if getattr(args, name) is not None]
+        conflicting = [
+            name for name in ("max_batch", "verify_steps", "time_budget", "cache") if getattr(args, name) is not None
+        ]
         if conflicting:
             raise UsageError(
                 f"--require-batch runs a gate, not a full probe: drop --{conflicting[0].replace('_', '-')}"

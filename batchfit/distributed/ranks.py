@@ -79,7 +79,10 @@ class Group(Solo):
     def join(self, settings: dict[str, Any]) -> None:
         """Create the side gloo group (every rank must call ``find()``: a rank that does not is
         reported after the timeout) and check that every rank searches the same way: ranks that
-        disagree on the grid or the strategy would take different paths and never meet again."""
+        disagree on the grid or the strategy would take different paths and never meet again.
+        Joined already (the result cache met the ranks before the probe did): nothing to do."""
+        if self._group is not None:
+            return
         try:
             self._group = self._dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
@@ -180,6 +183,14 @@ class Group(Solo):
         )
         out_of_memory, self._out_of_memory = self._out_of_memory, None
         return combine_trials(trials, out_of_memory)
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank, broadcast over the side gloo group."""
+        box = [value if self.rank == 0 else None]
+        self._collective(
+            "sharing rank 0's decision", lambda: self._dist.broadcast_object_list(box, src=0, group=self._group)
+        )
+        return box[0]
 
     def _collective(self, where: str, call: Any) -> Any:
         """Run a control collective unseen by any dispatch mode (the CPU meter must not count

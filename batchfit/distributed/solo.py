@@ -41,7 +41,8 @@ class Solo:
         return self.rank == 0
 
     def join(self, settings: dict[str, Any]) -> None:
-        """Meet the other ranks before the probe starts, with the settings that must agree."""
+        """Meet the other ranks before the probe starts, with the settings that must agree (once:
+        a second call is a no-op, so the result cache can meet them before the probe does)."""
 
     @contextlib.contextmanager
     def meet(self, phase: str, batch_size: int | None = None) -> Iterator[None]:
@@ -59,6 +60,11 @@ class Solo:
     def combine(self, trial: Trial) -> Trial:
         """One trial as the whole group ran it."""
         return trial
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a picklable object), so that a decision one rank takes
+        (the result cache's hit or miss: ``batchfit.probe.cache``) is every rank's. Alone: ``value``."""
+        return value
 
     @contextlib.contextmanager
     def deferred_sync(self, model: nn.Module) -> Iterator[None]:

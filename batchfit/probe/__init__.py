@@ -17,7 +17,10 @@ they were, and the algorithm that turns trials into an answer.
 * :mod:`~batchfit.probe.frontier`: :func:`frontier_with`, the largest batch per sequence length
   (one probe per length, each further one searched from the surface's prediction);
 * :mod:`~batchfit.probe.jobs`: a prober whose trials are fresh ``torchrun`` jobs (sharded models);
-* :mod:`~batchfit.probe.noise`: :func:`measure_noise`, the gradient noise scale of real batches.
+* :mod:`~batchfit.probe.noise`: :func:`measure_noise`, the gradient noise scale of real batches;
+* :mod:`~batchfit.probe.cache`: the result cache (``find(cache=DIR)``: :class:`ResultCache`), keyed
+  by :mod:`~batchfit.probe.keys` (:func:`probe_key`, :func:`cache_key`), its entries on disk in
+  :mod:`~batchfit.probe.cache_files` (no torch).
 
 The keyword front end users call, :func:`batchfit.find`, is :mod:`batchfit.api`'s.
 
@@ -33,6 +36,8 @@ from batchfit._lazy import lazy_surface
 
 if TYPE_CHECKING:
     from batchfit.probe.batches import batch_size_of, map_tensors, tensor_leaves, tile, to_device
+    from batchfit.probe.cache import ResultCache, open_cache
+    from batchfit.probe.cache_files import CACHE_SCHEMA, canonical_json, check_entry, entry_document, write_atomically
     from batchfit.probe.checks import (
         check_callbacks,
         check_materialised,
@@ -54,6 +59,7 @@ if TYPE_CHECKING:
     )
     from batchfit.probe.frontier import LENGTH_CEILING, PointCallback, ProberFactory, check_lengths, frontier_with
     from batchfit.probe.jobs import JobPerTrial, run_worker_trial, write_verdict
+    from batchfit.probe.keys import CacheKey, cache_key, key_fields, probe_key
     from batchfit.probe.noise import check_noise_data, measure_noise
     from batchfit.probe.options import DEFAULT_MAX_BATCH, Options, positive_int, renamed
     from batchfit.probe.positions import check_seq_len, position_limit
@@ -77,6 +83,17 @@ _EXPORTS = {
     "tensor_leaves": "batchfit.probe.batches",
     "tile": "batchfit.probe.batches",
     "to_device": "batchfit.probe.batches",
+    "ResultCache": "batchfit.probe.cache",
+    "open_cache": "batchfit.probe.cache",
+    "CACHE_SCHEMA": "batchfit.probe.cache_files",
+    "canonical_json": "batchfit.probe.cache_files",
+    "check_entry": "batchfit.probe.cache_files",
+    "entry_document": "batchfit.probe.cache_files",
+    "write_atomically": "batchfit.probe.cache_files",
+    "CacheKey": "batchfit.probe.keys",
+    "cache_key": "batchfit.probe.keys",
+    "key_fields": "batchfit.probe.keys",
+    "probe_key": "batchfit.probe.keys",
     "check_callbacks": "batchfit.probe.checks",
     "check_materialised": "batchfit.probe.checks",
     "check_work": "batchfit.probe.checks",

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from batchfit.errors import NothingFitsError
+from batchfit.probe.cache import open_cache
 from batchfit.probe.checks import check_callbacks
 from batchfit.probe.noise import check_noise_data, measure_noise
 from batchfit.probe.notes import equation_notes, evidence, ranks_notes, throughput_notes, trial_notes
@@ -57,17 +58,26 @@ def find_with(
 
     With ``options.noise_scale`` the gradient noise scale is measured from ``sample``'s real
     batches after the probe, at its safe batch (``batchfit.probe.noise``), into
-    ``Result.noise_scale``; a sample that is not a source of batches is refused before any trial."""
+    ``Result.noise_scale``; a sample that is not a source of batches is refused before any trial.
+    With ``options.cache`` the answer is read from the cache directory when the same probe wrote
+    it there, and written there after a probe (``batchfit.probe.cache``)."""
     started = time.monotonic()
     check_callbacks(callback, on_trial_start, on_start)
     if options.noise_scale:
         check_noise_data(sample)
     prober = Prober(model, sample, options=options)
-    result = search_with(prober, options, started, callback=callback, on_trial_start=on_trial_start, on_start=on_start)
-    if not options.noise_scale:
-        return result
-    noise = measure_noise(model, sample, options, micro_batch=result.safe_batch)
-    return replace(result, noise_scale=noise, elapsed_s=time.monotonic() - started)
+    cache = open_cache(prober, options) if options.cache is not None else None
+    hit = cache.look_up(started) if cache is not None else None
+    if hit is not None:
+        result = hit  # no trial ran, no callback was called
+    else:
+        result = search_with(
+            prober, options, started, callback=callback, on_trial_start=on_trial_start, on_start=on_start
+        )
+    if options.noise_scale:  # it depends on the weights, which the cache's key leaves out: measured every time
+        noise = measure_noise(model, sample, options, micro_batch=result.safe_batch)
+        result = replace(result, noise_scale=noise, elapsed_s=time.monotonic() - started)
+    return result if cache is None or hit is not None else cache.store(result)
 
 
 def search_with(

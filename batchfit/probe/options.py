@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,8 +53,9 @@ class Options:
     ``time_budget``. The restore: ``restore_rng``. Many ranks: ``distributed``,
     ``rank_timeout``. Real data: ``seq_len``, ``scan_batches`` (``batchfit.probe.real_data``).
     The batch to train with: ``noise_scale``, ``noise_passes`` (``batchfit.probe.noise``),
-    ``timed_steps`` (warm timed steps per size the throughput answer compares).
-    See :func:`batchfit.find` for what each one means.
+    ``timed_steps`` (warm timed steps per size the throughput answer compares). The result cache:
+    ``cache`` (a directory, ``batchfit.probe.cache``; only :func:`batchfit.find` and ``batchfit probe``
+    read it). See :func:`batchfit.find` for what each one means.
     """
 
     make_batch: Callable[..., Any] | None = None
@@ -82,6 +84,7 @@ class Options:
     noise_scale: bool = False
     noise_passes: int = 128
     timed_steps: int = 2
+    cache: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         if self.make_batch is not None and not callable(self.make_batch):
@@ -141,6 +144,12 @@ class Options:
             raise TypeError(f"noise_scale must be True or False, got {self.noise_scale!r}")
         positive_int("noise_passes", self.noise_passes, minimum=4)
         positive_int("timed_steps", self.timed_steps, minimum=0)
+        if self.cache is not None:
+            if not isinstance(self.cache, (str, os.PathLike)):
+                kind = type(self.cache).__name__
+                raise TypeError(f"cache must be a directory (a str or os.PathLike) or None, got {kind}")
+            if not os.fspath(self.cache):
+                raise ValueError("cache must name a directory, got an empty path")
         if self.seq_len is not None:
             positive_int("seq_len", self.seq_len)
             if self.make_batch is not None:

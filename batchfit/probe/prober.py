@@ -173,6 +173,22 @@ class Prober:
             raise
         return self
 
+    def join_ranks(self) -> None:
+        """Meet the other ranks before the probe (the result cache decides for all of them first:
+        ``batchfit.probe.cache``); ``__enter__`` then finds them met. Undone by ``ranks.close()``."""
+        self.ranks.join(self._search_settings())
+
+    @property
+    def model_for_key(self) -> nn.Module:
+        """The user's model, as given (wrappers included): the result cache keys on its structure."""
+        return self._model
+
+    @property
+    def sized_sample(self) -> Any:
+        """The batch the sizes are built from (a loader's worst batch, cut to ``seq_len``), ``None``
+        with ``make_batch``: the result cache keys on its shapes."""
+        return self._raw_sample
+
     def _search_settings(self) -> dict[str, Any]:
         """What every rank must search with alike, or the ranks would take different paths."""
         options, grid = self.options, self.options.grid()

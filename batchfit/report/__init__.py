@@ -3,7 +3,7 @@
 Pure Python (no torch import): a result can be loaded and read on a machine without torch.
 
 * :mod:`batchfit.report.records`: :class:`Trial`, :class:`DeviceInfo`, :class:`Settings`,
-  :class:`SizedOn`;
+  :class:`SizedOn`, :class:`CacheHit`;
 * :mod:`batchfit.report.memory`: the fitted memory equation (:class:`MemoryModel`);
 * :mod:`batchfit.report.throughput`: the best size, the knee and the noise (:class:`Throughput`);
 * :mod:`batchfit.report.noise`: the gradient noise scale (:class:`NoiseScale`) and its estimator;
@@ -37,6 +37,7 @@ from batchfit.report.recommendation import Recommendation, recommend
 from batchfit.report.records import (
     DEVICE_TYPES,
     PHASES,
+    CacheHit,
     DeviceInfo,
     Phase,
     Settings,
@@ -61,6 +62,7 @@ __all__ = [
     "TABLE_TITLES",
     "Batch",
     "Bytes",
+    "CacheHit",
     "Count",
     "DeviceInfo",
     "Frontier",

@@ -161,6 +161,29 @@ class Settings:
     reserve_bytes: Bytes = 0
 
 
+@dataclass(frozen=True)
+class CacheHit:
+    """Where a result read from the cache came from (``find(cache=DIR)``, ``batchfit.probe.cache``).
+
+    A hit runs no trial: everything measured in the result is the stored probe's, so a reader
+    must be able to tell which probe that was, when it ran and on how many ranks.
+
+    Attributes:
+        path: the cache entry the result was read from.
+        key: the entry's key, the SHA-256 (hex) of the canonical fields it was keyed on (the entry
+            stores them too, under ``"key_fields"``).
+        written_at: when the entry was written, UTC, ISO 8601 (``2026-11-25T10:00:00Z``).
+        world_size: the ranks that measured it (batch sizes are per rank; samples/s that group's).
+        elapsed_s: how long the stored probe took (the result's own ``elapsed_s`` is the hit's).
+    """
+
+    path: str
+    key: str
+    written_at: str
+    world_size: Batch = 1
+    elapsed_s: Seconds = 0.0
+
+
 #: Where the batch a probe sized on came from (``batchfit.probe.real_data``): the worst batch of a
 #: loader's scan, the longest item by the dataset's own lengths, or the ``seq_len`` the user gave.
 SizedOnSource = Literal["loader scan", "dataset lengths", "seq_len"]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 from batchfit.report.codec import Batch, Bytes, NotAbove, Seconds, read_document, read_json
 from batchfit.report.memory import MemoryModel
 from batchfit.report.noise import NoiseScale
-from batchfit.report.records import DeviceInfo, Settings, SizedOn, Trial, Unit
+from batchfit.report.records import CacheHit, DeviceInfo, Settings, SizedOn, Trial, Unit
 from batchfit.report.throughput import Throughput
 from batchfit.search import StopReason
 
@@ -49,6 +49,10 @@ class Result:
         sized_on: which batch of real data the sizes were built from, when the sample was a
             ``DataLoader`` (the worst batch of a scan, or the longest item by the dataset's
             lengths) or ``seq_len`` was given; ``None`` for a plain sample or ``make_batch``.
+        noise_scale: the gradient noise scale, when ``find(noise_scale=True)`` measured it.
+        from_cache: where the result was read from when ``find(cache=DIR)`` found it there (no
+            trial ran: every measurement is the stored probe's, ``elapsed_s`` is the hit's own);
+            ``None`` for a result measured now.
     """
 
     #: The schema its JSON document names (see :meth:`to_json`).
@@ -79,6 +83,7 @@ class Result:
     assumptions: tuple[str, ...] = field(default=())
     sized_on: SizedOn | None = None
     noise_scale: NoiseScale | None = None
+    from_cache: CacheHit | None = None
 
     @property
     def global_max_batch(self) -> int:

@@ -49,6 +49,12 @@ def render_text(result: Result) -> str:
         )
     if result.sized_on is not None:
         lines.append(f"sized on           {result.sized_on.summary()}")
+    hit = result.from_cache
+    if hit is not None:
+        lines.append(
+            f"from the cache     {hit.path}, written {hit.written_at} on {hit.world_size} rank"
+            f"{'s' if hit.world_size != 1 else ''} in {hit.elapsed_s:.1f} s; no trial ran now"
+        )
     lines.append(f"trials             {len(result.trials)} in {result.elapsed_s:.1f} s")
     lines.append("")
     lines.append(f"{'batch':>8}  {'kind':<6}  {'outcome':<14}  {'peak':>12}  {'step':>10}  {'samples/s':>11}")

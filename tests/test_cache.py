@@ -1,0 +1,460 @@
+"""The result cache (``find(cache=DIR)``, ``batchfit probe --cache DIR``): a hit runs no trial and
+gives the stored answer; what changes the answer changes the key; an entry that cannot be trusted
+is ignored and rewritten; writers at once never leave a torn file; ranks decide together.
+
+Real probes of a small MLP on the CPU under a 1 MiB limit (a second each); nothing asserts a time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cache_writer import write_many
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import batchfit
+from batchfit import Result, examples
+from batchfit.cli import main
+from batchfit.probe import CACHE_SCHEMA, Options, Prober, cache_key, check_entry, probe_key
+
+#: A probe that takes about a second: a boundary near 130 samples, no extra timing.
+FAST: dict[str, Any] = {"memory_limit": "160KiB", "timed_steps": 0}
+
+
+def small(hidden: int = 64) -> tuple[nn.Module, torch.Tensor]:
+    return examples.mlp(in_features=32, hidden=hidden, depth=1)
+
+
+class Counted:
+    """Counts the trial callbacks and the model's forward calls of a probe."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.trials = self.started = self.forwards = 0
+        model.register_forward_hook(lambda *_: self._forward())
+
+    def _forward(self) -> None:
+        self.forwards += 1
+
+    def kwargs(self) -> dict[str, Any]:
+        def on_trial(_: Any) -> None:
+            self.trials += 1
+
+        def on_trial_start(*_: Any) -> None:
+            self.started += 1
+
+        return {"callback": on_trial, "on_trial_start": on_trial_start}
+
+
+def entries(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.json"))
+
+
+# A hit -------------------------------------------------------------------------------------------
+def test_a_hit_runs_no_trial_and_gives_the_answer_the_miss_stored(tmp_path: Path) -> None:
+    model, sample = small()
+    counted = Counted(model)
+    missed = batchfit.find(model, sample, memory_limit="1MiB", cache=tmp_path, **counted.kwargs())
+    assert missed.from_cache is None and counted.trials == len(missed.trials) > 0
+    (path,) = entries(tmp_path)
+    entry = json.loads(path.read_text())
+    assert entry["schema"] == CACHE_SCHEMA and entry["key"] == path.stem
+    assert entry["key_fields"]["model"]["parameters"][0][:2] == ["net.0.weight", [64, 32]]  # readable
+    assert Result.from_dict(entry["result"]) == missed  # the answer as measured
+
+    counted.trials = counted.started = counted.forwards = 0
+    hit = batchfit.find(model, sample, memory_limit="1MiB", cache=tmp_path, **counted.kwargs())
+
+    assert (counted.trials, counted.started, counted.forwards) == (0, 0, 0)  # the model never ran
+    for name in ("max_batch", "safe_batch", "best_throughput_batch", "trials", "memory", "throughput"):
+        assert getattr(hit, name) == getattr(missed, name), name
+    assert (hit.budget_bytes, hit.settings, hit.device) == (missed.budget_bytes, missed.settings, missed.device)
+    assert hit.throughput is not None  # the timed sizes too
+    assert hit.from_cache is not None
+    assert hit.from_cache.path == str(path) and hit.from_cache.key == path.stem
+    assert hit.from_cache.elapsed_s == missed.elapsed_s and hit.from_cache.world_size == 1
+    written = datetime.datetime.strptime(hit.from_cache.written_at, "%Y-%m-%dT%H:%M:%SZ")
+    assert abs(datetime.datetime.utcnow() - written) < datetime.timedelta(hours=1)
+    assert hit.notes[: len(missed.notes)] == missed.notes
+    assert f"from the cache: {path}, written {hit.from_cache.written_at}; no trial ran" in hit.notes
+    shown = [line for line in str(hit).splitlines() if line.startswith("from the cache")]
+    assert len(shown) == 1 and str(path) in shown[0] and hit.from_cache.written_at in shown[0]
+    assert Result.from_json(hit.to_json()) == hit  # the record reads back
+    assert len(entries(tmp_path)) == 1  # a hit writes nothing
+
+
+def test_weights_alone_changing_is_a_hit(tmp_path: Path) -> None:
+    """A model after training keys as before: the key holds the structure, not the values."""
+    model, sample = small()
+    first = batchfit.find(model, sample, cache=tmp_path, **FAST)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(sample).pow(2).mean().backward()
+    optimizer.step()
+    again = batchfit.find(model, sample, cache=tmp_path, **FAST)
+    assert again.from_cache is not None and again.max_batch == first.max_batch
+
+
+def test_another_setting_is_a_miss_that_stores_its_own_entry(tmp_path: Path) -> None:
+    model, sample = small()
+    batchfit.find(model, sample, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), cache=tmp_path, **FAST)
+    counted = Counted(model)
+    other = batchfit.find(
+        model, sample, optimizer=torch.optim.AdamW(model.parameters(), lr=2e-3), cache=tmp_path, **FAST,
+        **counted.kwargs(),
+    )  # fmt: skip
+    assert other.from_cache is None and counted.trials > 0
+    assert len(entries(tmp_path)) == 2
+
+
+# The key -----------------------------------------------------------------------------------------
+class Wrapper(nn.Module):
+    """Stands for DDP or FSDP: a wrapper is a module class like any other."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def _with(model: nn.Module, change: Any) -> nn.Module:
+    change()
+    return model
+
+
+def _adamw(model: nn.Module, **settings: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, **settings)
+
+
+#: name -> (model, sample, options) -> what the probe is given instead.
+CHANGES: dict[str, Any] = {
+    "amp": lambda m, s, o: (m, s, replace(o, amp="bf16")),
+    "optimizer class": lambda m, s, o: (m, s, replace(o, optimizer=torch.optim.SGD(m.parameters(), lr=1e-3))),
+    "optimizer lr": lambda m, s, o: (m, s, replace(o, optimizer=torch.optim.AdamW(m.parameters(), lr=2e-3))),
+    "optimizer weight decay": lambda m, s, o: (m, s, replace(o, optimizer=_adamw(m, weight_decay=0.1))),
+    "default optimizer": lambda m, s, o: (m, s, replace(o, optimizer=None)),
+    "mode": lambda m, s, o: (m, s, replace(o, mode="inference")),
+    "a frozen layer": lambda m, s, o: (_with(m, lambda: m.net[0].weight.requires_grad_(False)), s, o),
+    "a wider layer": lambda m, s, o: (small(hidden=65)[0], s, o),
+    "a module in eval": lambda m, s, o: (_with(m, lambda: m.net[1].eval()), s, o),
+    "gradient checkpointing": lambda m, s, o: (_with(m, lambda: setattr(m.net, "gradient_checkpointing", True)), s, o),
+    "a wrapper": lambda m, s, o: (Wrapper(m), s, o),
+    "a buffer": lambda m, s, o: (_with(m, lambda: m.register_buffer("extra", torch.zeros(3))), s, o),
+    "the sample's shape": lambda m, s, o: (m, torch.randn(8, 32), o),
+    "the sample's dtype": lambda m, s, o: (m, s.double(), o),
+    "the sample's tree": lambda m, s, o: (m, (s,), o),
+    "loss_fn": lambda m, s, o: (m, s, replace(o, loss_fn=lambda out, batch: out.sum())),
+    "criterion": lambda m, s, o: (m, (s, torch.zeros(4).long()), replace(o, criterion=nn.CrossEntropyLoss())),
+    "memory_limit": lambda m, s, o: (m, s, replace(o, memory_limit="2MiB")),
+    "reserve": lambda m, s, o: (m, s, replace(o, reserve="64KiB")),
+    "headroom": lambda m, s, o: (m, s, replace(o, headroom=0.2)),
+    "init_batch": lambda m, s, o: (m, s, replace(o, init_batch=4)),
+    "max_batch": lambda m, s, o: (m, s, replace(o, max_batch=512)),
+    "multiple_of": lambda m, s, o: (m, s, replace(o, multiple_of=8)),
+    "steps_per_trial": lambda m, s, o: (m, s, replace(o, steps_per_trial=3)),
+    "verify_steps": lambda m, s, o: (m, s, replace(o, verify_steps=2)),
+    "strategy": lambda m, s, o: (m, s, replace(o, strategy="binary")),
+    "time_budget": lambda m, s, o: (m, s, replace(o, time_budget=60.0)),
+    "timed_steps": lambda m, s, o: (m, s, replace(o, timed_steps=3)),
+    "scan_batches": lambda m, s, o: (m, s, replace(o, scan_batches=8)),
+}
+
+
+def _key(model: nn.Module, sample: Any, options: Options, **versions: str) -> str:
+    return probe_key(Prober(model, sample, options=options), options, **versions).hex
+
+
+def _base() -> tuple[nn.Module, torch.Tensor, Options]:
+    model, sample = small()
+    return model, sample, Options(memory_limit="1MiB", optimizer=_adamw(model))
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_every_part_of_the_key_changing_is_a_miss(change: str) -> None:
+    model, sample, options = _base()
+    before = _key(model, sample, options)
+    assert _key(*_base()) == before  # the same probe again: the same key
+    assert _key(*CHANGES[change](model, sample, options)) != before
+
+
+@pytest.mark.parametrize("version", ["torch_version", "batchfit_version"])
+def test_another_version_is_another_key(version: str) -> None:
+    model, sample, options = _base()
+    assert _key(model, sample, options, **{version: "0.0.1"}) != _key(model, sample, options)
+
+
+@pytest.mark.parametrize("change", ["name", "total_bytes", "config"])
+def test_another_device_is_another_key(change: str) -> None:
+    model, sample, options = _base()
+    device = Prober(model, sample, options=options).device_info
+    other = {"name": device.name + " v2", "total_bytes": (device.total_bytes or 0) + 2**30, "config": ()}[change]
+    args = (model, sample, options)
+    same = cache_key(*args, device, 2**20, 0, torch_version="2", batchfit_version="1")
+    assert same == cache_key(*args, device, 2**20, 0, torch_version="2", batchfit_version="1")
+    changed = replace(device, **{change: other})
+    assert cache_key(*args, changed, 2**20, 0, torch_version="2", batchfit_version="1").hex != same.hex
+
+
+def test_the_weights_the_index_and_the_world_size_are_not_in_the_key() -> None:
+    model, sample, options = _base()
+    before = _key(model, sample, options)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(3).add_(1)
+    assert _key(model, sample, options) == before
+    assert _key(model, sample, replace(options, distributed=False, rank_timeout=5.0, restore_rng=False)) == before
+    assert _key(model, sample, replace(options, noise_scale=True, noise_passes=16)) == before
+
+
+def test_make_batch_keys_on_what_it_builds_and_leaves_the_random_generator_alone() -> None:
+    model, _ = small()
+
+    def build(batch_size: int) -> torch.Tensor:
+        return torch.randn(batch_size, 32)
+
+    def build_wide(batch_size: int) -> torch.Tensor:
+        return torch.randn(batch_size, 33)
+
+    options = Options(memory_limit="1MiB", make_batch=build)
+    state = torch.get_rng_state()
+    key = probe_key(Prober(model, None, options=options), options)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert key.fields["batch"]["leaves"] == [["batch", [2, 32], "torch.float32"]]
+    wide = replace(options, make_batch=build_wide)
+    assert probe_key(Prober(model, None, options=wide), wide).hex != key.hex
+
+
+def test_seq_len_keys_on_the_batch_cut_to_it() -> None:
+    model, sample = examples.gpt()
+    keys = {
+        seq_len: probe_key(Prober(model, sample, options=o), o).fields["batch"]["leaves"]
+        for seq_len in (None, 16)
+        for o in [Options(memory_limit="64MiB", seq_len=seq_len)]
+    }
+    assert keys[None] != keys[16] and [16] == [leaf[1][1] for leaf in keys[16]][:1]
+
+
+# Entries that cannot be trusted ----------------------------------------------------------------
+def _edited(field: str, value: Any) -> Any:
+    def edit(text: str) -> str:
+        entry = json.loads(text)
+        where = entry
+        *path, last = field.split(".")
+        for name in path:
+            where = where[name]
+        where[last] = value
+        return json.dumps(entry)
+
+    return edit
+
+
+BROKEN = {
+    "not JSON": (lambda text: "{not json", "not valid JSON"),
+    "truncated": (lambda text: text[: len(text) // 2], "not valid JSON"),
+    "empty": (lambda text: "", "it is empty"),
+    "not an object": (lambda text: "[1, 2]", "not a JSON object"),
+    "another schema": (_edited("schema", "batchfit.cache/0"), "its schema is 'batchfit.cache/0'"),
+    "a mismatched key": (_edited("key", "0" * 64), "the key inside it is not its file's"),
+    "edited key fields": (_edited("key_fields.search.headroom", "float 0.5"), "its key fields do not hash"),
+    "no time": (_edited("written_at", None), "it says not when it was written"),
+    "a refused result": (_edited("result.max_batch", "big"), "its result is refused (not a batchfit result"),
+}
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A good entry's file name and text, from one real probe."""
+    directory = tmp_path_factory.mktemp("stored")
+    model, sample = small()
+    batchfit.find(model, sample, cache=directory, **FAST)
+    (path,) = entries(directory)
+    return path.name, path.read_text()
+
+
+#: The damage a real probe meets in the test below; every other kind is checked on the entry alone.
+PROBED = ("not JSON", "truncated", "empty", "another schema", "a mismatched key", "a refused result")
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN))
+def test_every_kind_of_damage_is_named(broken: str, stored: tuple[str, str]) -> None:
+    name, text = stored
+    damage, why = BROKEN[broken]
+    assert check_entry(text.encode(), Path(name).stem) is None
+    said = check_entry(damage(text).encode(), Path(name).stem)
+    assert said is not None and said.startswith(why)
+
+
+@pytest.mark.parametrize("broken", PROBED)
+def test_an_entry_that_cannot_be_trusted_is_a_miss_with_a_note_then_rewritten(
+    broken: str, stored: tuple[str, str], tmp_path: Path
+) -> None:
+    name, text = stored
+    damage, why = BROKEN[broken]
+    path = tmp_path / name
+    path.write_text(damage(text))
+    model, sample = small()
+    counted = Counted(model)
+
+    result = batchfit.find(model, sample, cache=tmp_path, **FAST, **counted.kwargs())
+
+    assert result.from_cache is None and counted.trials > 0
+    (note,) = [n for n in result.notes if "cache entry" in n]
+    assert note.startswith(f"the cache entry {path} was ignored: {why}") and note.endswith("; probed again")
+    assert check_entry(path.read_bytes(), path.stem) is None  # rewritten by the fresh answer
+    again = batchfit.find(model, sample, cache=tmp_path, **FAST)
+    assert again.from_cache is not None and again.max_batch == result.max_batch
+    assert not any("cache entry" in n for n in again.notes)  # the stored answer carries no cache note
+
+
+def test_an_entry_from_another_world_size_keeps_per_rank_sizes_and_says_so(
+    stored: tuple[str, str], tmp_path: Path
+) -> None:
+    """The key leaves the world size out (an elastic restart reuses the answer): an entry a job
+    of 4 ranks wrote holds its per-rank sizes here, and the note says whose rates they are."""
+    name, text = stored
+    (tmp_path / name).write_text(_edited("result.world_size", 4)(text))
+    model, sample = small()
+    hit = batchfit.find(model, sample, cache=tmp_path, **FAST)
+    assert hit.from_cache is not None and hit.from_cache.world_size == 4 and hit.world_size == 1
+    assert hit.max_batch == Result.from_json(json.dumps(json.loads(text)["result"])).max_batch
+    assert any("measured on 4 ranks, now 1" in n and "samples/s are those of the 4" in n for n in hit.notes)
+
+
+# Writers at once ----------------------------------------------------------------------------------
+def test_writers_at_once_never_leave_a_torn_entry(stored: tuple[str, str], tmp_path: Path) -> None:
+    name, text = stored
+    path = tmp_path / "shared" / name  # the directory is made by whichever writer comes first
+    spawn = multiprocessing.get_context("spawn")
+    writers = [spawn.Process(target=write_many, args=(str(path), text, w, 25)) for w in range(3)]
+    for process in writers:
+        process.start()
+    seen = 0
+    while any(process.is_alive() for process in writers) or not seen:
+        try:
+            read = path.read_bytes()
+        except FileNotFoundError:
+            continue
+        assert check_entry(read, path.stem) is None, read[-80:]  # complete, or not there at all
+        seen += 1
+    for process in writers:
+        process.join(60)
+        assert process.exitcode == 0
+    assert check_entry(path.read_bytes(), path.stem) is None
+    assert [p.name for p in path.parent.iterdir()] == [name]  # no temporary file left behind
+
+
+# A directory that cannot be written, and bad input ----------------------------------------------
+def test_a_directory_that_cannot_be_written_is_a_note_not_a_lost_probe(tmp_path: Path) -> None:
+    in_the_way = tmp_path / "a file"
+    in_the_way.write_text("not a directory")
+    model, sample = small()
+    result = batchfit.find(model, sample, cache=in_the_way, **FAST)
+    assert result.max_batch > 1 and result.from_cache is None
+    (note,) = [n for n in result.notes if "cache" in n]
+    assert f"could not be stored in the cache {in_the_way}" in note and "nothing was cached" in note
+
+
+@pytest.mark.parametrize("bad", [123, b"dir", ["dir"]])
+def test_a_cache_of_the_wrong_type_is_a_type_error_naming_it(bad: Any) -> None:
+    model, sample = small()
+    with pytest.raises(TypeError, match=r"^cache must be a directory \(a str or os.PathLike\) or None, got "):
+        batchfit.find(model, sample, cache=bad, **FAST)
+    with pytest.raises(ValueError, match="cache must name a directory"):
+        Options(cache="")
+
+
+# The noise scale ---------------------------------------------------------------------------------
+def test_the_noise_scale_is_measured_again_on_a_hit_and_never_stored(tmp_path: Path) -> None:
+    """It depends on the weights, which the key leaves out."""
+    model, _ = small()
+    data = TensorDataset(torch.randn(256, 32, generator=torch.Generator().manual_seed(0)))
+    loader = DataLoader(data, batch_size=8, collate_fn=lambda rows: torch.stack([r[0] for r in rows]))
+    missed = batchfit.find(model, loader, noise_scale=True, noise_passes=8, cache=tmp_path, **FAST)
+    (path,) = entries(tmp_path)
+    assert missed.noise_scale is not None and json.loads(path.read_text())["result"]["noise_scale"] is None
+    counted = Counted(model)
+    hit = batchfit.find(model, loader, noise_scale=True, noise_passes=8, cache=tmp_path, **FAST, **counted.kwargs())
+    assert hit.from_cache is not None and hit.noise_scale is not None
+    assert counted.trials == counted.started == 0 and counted.forwards > 0  # passes of the noise scale, no trial
+
+
+# The command line --------------------------------------------------------------------------------
+def test_probe_with_cache_twice_answers_the_second_time_from_the_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache, first, second = tmp_path / "cache", tmp_path / "first.json", tmp_path / "second.json"
+    command = ["probe", "batchfit.examples:gpt", "--device", "cpu", "--memory-limit", "64MiB", "--max-batch", "16"]
+    command += ["--timed-steps", "0", "--cache", str(cache)]
+    assert main([*command, "--json", str(first)]) == 0
+    assert main([*command, "--json", str(second)]) == 0
+    out = capsys.readouterr().out
+    before, after = Result.from_json(first.read_text()), Result.from_json(second.read_text())
+    assert before.from_cache is None and after.from_cache is not None
+    assert (after.max_batch, after.safe_batch, after.trials) == (before.max_batch, before.safe_batch, before.trials)
+    assert after.from_cache.path == str(entries(cache)[0])
+    assert re.search(r"from the cache: .*written \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ; no trial ran", out)
+
+
+@pytest.mark.parametrize("extra", [["--require-batch", "4"], ["--nproc-per-trial", "2"]])
+def test_probe_refuses_cache_where_there_is_no_probe_to_keep(
+    extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["probe", "batchfit.examples:mlp", "--device", "cpu", "--cache", str(tmp_path), *extra])
+    assert code == 2 and "--cache" in capsys.readouterr().err
+    assert not entries(tmp_path)
+
+
+# Ranks ---------------------------------------------------------------------------------------------
+def _rank(rank: int, store: str, cache: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model, sample = small()
+        said = []
+        for headroom in (0.10, 0.2, 0.2):  # the stored entry; another setting; that setting again
+            result = batchfit.find(
+                model, sample, cache=cache, distributed=True, rank_timeout=60.0, headroom=headroom, **FAST
+            )
+            said.append([result.from_cache is not None, result.max_batch, result.world_size, list(result.notes)])
+        Path(out).write_text(json.dumps(said))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo over a file store")
+def test_ranks_take_rank_0s_decision_together_and_only_rank_0_writes(stored: tuple[str, str], tmp_path: Path) -> None:
+    """Two ranks: an entry one process wrote is a hit on both (with the world-size note); a
+    changed setting misses on both, and one entry is written."""
+    name, text = stored
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / name).write_text(text)
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [
+        spawn.Process(target=_rank, args=(r, str(tmp_path / "store"), str(cache), str(tmp_path / f"{r}.json")))
+        for r in range(2)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(240)
+        assert process.exitcode == 0
+    said = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert said[0] == said[1]  # the same decision and the same answer on every rank
+    (stored_hit, missed, hit) = said[0]
+    assert stored_hit[:3] == [True, Result.from_dict(json.loads(text)["result"]).max_batch, 2]
+    assert any("measured on 1 rank, now 2" in note for note in stored_hit[3])
+    assert missed[0] is False and missed[2] == 2
+    assert hit[:3] == [True, missed[1], 2] and not any("measured on" in note for note in hit[3])
+    assert len(entries(cache)) == 2 and not [p for p in cache.iterdir() if p.suffix != ".json"]
