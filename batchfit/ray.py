@@ -21,9 +21,11 @@ when measured, or the safe batch).
 An elastic run (``ScalingConfig(num_workers=(min, max))``) restarts ``train_func`` with another
 number of workers: with ``cache=`` on storage every worker reaches, the restart finds the answer
 of the first probe (the cache's key leaves the world size out: a worker's sizes hold on the same
-device kind), runs no trial, and the same ``global_batch`` is split over the new workers. A non-OOM error in one worker's model fails every worker (the others
-raise :class:`~batchfit.errors.RankFailedError` naming it), so ``trainer.fit()`` fails with it
-rather than hang; batchfit's errors survive the pickling Ray sends them through.
+device kind), runs no trial, and the same ``global_batch`` is split over the new workers.
+
+A non-OOM error in one worker's model fails every worker (the others raise
+:class:`~batchfit.errors.RankFailedError` naming it), so ``trainer.fit()`` fails with it rather
+than hang; batchfit's errors survive the pickling Ray sends them through.
 
 Import-safe: this module imports neither ray nor torch at import time; :func:`worker_batch`
 raises an ``ImportError`` naming ``pip install 'batchfit[ray]'`` when Ray Train is missing.

@@ -216,6 +216,25 @@ def test_the_weights_the_index_and_the_world_size_are_not_in_the_key() -> None:
     assert _key(model, sample, replace(options, noise_scale=True, noise_passes=16)) == before
 
 
+def test_a_hugging_face_model_s_activation_checkpointing_is_in_the_key_without_a_deprecation_warning() -> None:
+    """Checkpointing trades memory for compute: the same model with it on is another answer."""
+    transformers = pytest.importorskip("transformers")
+    import warnings
+
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (1, 16))
+    options = Options(memory_limit="64MiB")  # in bytes: the CPU's default limit moves with free memory
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # transformers 5 deprecates is_gradient_checkpointing
+        plain = _key(model, {"input_ids": ids, "labels": ids}, options)
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+        assert _key(model, {"input_ids": ids, "labels": ids}, options) != plain
+
+
 def test_make_batch_keys_on_what_it_builds_and_leaves_the_random_generator_alone() -> None:
     model, _ = small()
 

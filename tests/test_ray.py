@@ -84,19 +84,22 @@ def deadline(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def fit(train_func: Any, config: dict[str, Any], storage: Path) -> None:
+def fit(train_func: Any, config: dict[str, Any], storage: Path, workers: int = WORKERS) -> None:
+    """``trainer.fit()`` on ``workers`` CPU workers sharing the cluster's 2 CPUs."""
     trainer = TorchTrainer(
         train_func,
         train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=WORKERS, use_gpu=False),
+        scaling_config=ScalingConfig(
+            num_workers=workers, use_gpu=False, resources_per_worker={"CPU": min(1.0, WORKERS / workers)}
+        ),
         run_config=RunConfig(storage_path=str(storage), name="run", failure_config=FailureConfig(max_failures=0)),
     )
     with deadline(FIT_DEADLINE_S):
         trainer.fit()
 
 
-def _records(out: Path) -> list[dict[str, Any]]:
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORKERS)]
+def _records(out: Path, workers: int = WORKERS) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(workers)]
 
 
 # what each worker runs ---------------------------------------------------------------------------
@@ -110,7 +113,10 @@ def probe_then_train(config: dict[str, Any]) -> None:
     rank = ray.train.get_context().get_world_rank()
     record: dict[str, Any] = {"rank": rank, "batchfit_file": batchfit.__file__, "model": type(model).__name__}
     record["backend"] = dist.get_backend()
-    fit = bfr.worker_batch(model, token_sample(), global_batch=config["global_batch"], memory_limit=LIMIT)
+    cache = {"memory_limit": LIMIT, "cache": config["cache"]}
+    fit = bfr.worker_batch(model, token_sample(), global_batch=config["global_batch"], **cache)
+    if rank == 0:
+        Path(config["out"], "result.json").write_text(fit.result.to_json())
     record["fit"] = {
         "summary": fit.summary(),
         "metrics": fit.metrics(),
@@ -120,32 +126,52 @@ def probe_then_train(config: dict[str, Any]) -> None:
         "max_batch": fit.result.max_batch,
         "safe_batch": fit.result.safe_batch,
         "trials": [(t.batch_size, t.fits) for t in fit.result.trials],
+        "from_cache": fit.result.from_cache is not None,
     }
-    prime = bfr.worker_batch(model, token_sample(), global_batch=config["prime_batch"], memory_limit=LIMIT)
+    # The same probe again, from the cache the first call wrote: no trial on any worker.
+    calls: list[Any] = []
+    cache["callback"] = calls.append
+    prime = bfr.worker_batch(model, token_sample(), global_batch=config["prime_batch"], **cache)
     record["prime"] = {
         "micro_batch": prime.micro_batch,
         "accumulation_steps": prime.accumulation_steps,
         "global_batch": prime.global_batch,
         "exact": prime.exact,
         "reason": prime.reason,
+        "caveats": list(prime.recommendation.caveats),
+        "from_cache": prime.result.from_cache is not None,
+        "same_answer": (prime.result.max_batch, prime.result.safe_batch, prime.result.trials)
+        == (fit.result.max_batch, fit.result.safe_batch, fit.result.trials),
     }
-    plain = bfr.worker_batch(model, token_sample(), memory_limit=LIMIT)
-    record["plain"] = {"summary": plain.summary(), "metrics": plain.metrics(), "target_batch": plain.target_batch}
-    try:
-        bfr.worker_batch(model, token_sample(), global_batch=config["indivisible_batch"], memory_limit=LIMIT)
-    except ValueError as exc:
-        record["indivisible"] = str(exc)
+    plain = bfr.worker_batch(model, token_sample(), **cache)
+    record["plain"] = {
+        "summary": plain.summary(),
+        "metrics": plain.metrics(),
+        "target_batch": plain.target_batch,
+        "recommended": (plain.result.recommend().batch_size, plain.result.recommend().accumulation),
+    }
+    odd = bfr.worker_batch(model, token_sample(), global_batch=config["indivisible_batch"], **cache)
+    record["indivisible"] = {
+        "global_batch": odd.global_batch,
+        "micro_batch": odd.micro_batch,
+        "accumulation_steps": odd.accumulation_steps,
+        "exact": odd.exact,
+        "remainder": odd.remainder,
+        "summary": odd.summary(),
+        "reason": odd.reason,
+    }
+    record["cached_calls"] = len(calls)
     record["training"] = _train(model, fit.micro_batch, fit.accumulation_steps)
     Path(config["out"], f"rank{rank}.json").write_text(json.dumps(record))
     ray.train.report(fit.metrics())
 
 
-def _train(model: torch.nn.Module, micro_batch: int, accumulation_steps: int) -> dict[str, Any]:
+def _train(model: torch.nn.Module, micro_batch: int, accumulation_steps: int, workers: int = WORKERS) -> dict[str, Any]:
     """Two optimizer steps of a plain DDP loop with gradient accumulation, on Ray's sharded loader."""
     import ray.train.torch
 
     optimizer_steps = 2
-    rows = micro_batch * accumulation_steps * optimizer_steps * WORKERS
+    rows = micro_batch * accumulation_steps * optimizer_steps * workers
     ids = torch.randint(0, 256, (rows, LENGTH), generator=torch.Generator().manual_seed(2))
     data = [{"input_ids": row, "labels": row} for row in ids]
     loader = ray.train.torch.prepare_data_loader(torch.utils.data.DataLoader(data, batch_size=micro_batch))
@@ -217,6 +243,7 @@ def trained(cluster: None, alone: batchfit.Result, tmp_path_factory: pytest.Temp
         share += 1
     config = {
         "out": str(out),
+        "cache": str(out / "cache"),
         "global_batch": WORKERS * 2 * safe,  # divides: micro-batch <= safe, >= 2 accumulation steps
         "prime_batch": WORKERS * share,  # divides by the workers only: micro-batch 1
         "indivisible_batch": WORKERS * safe + 1,  # not a whole share per worker
@@ -253,32 +280,100 @@ def test_the_global_batch_is_split_exactly_and_trained_with(trained: dict[str, A
     assert trained["records"][0]["training"]["checksum"] == trained["records"][1]["training"]["checksum"]  # DDP
 
 
-def test_without_a_global_batch_every_worker_trains_at_the_safe_batch(trained: dict[str, Any]) -> None:
+def test_the_same_probe_again_comes_from_the_cache_on_every_worker(trained: dict[str, Any]) -> None:
+    for record in trained["records"]:
+        assert not record["fit"]["from_cache"]  # the first call probed and wrote the entry
+        assert record["prime"]["from_cache"] and record["prime"]["same_answer"]
+        assert record["cached_calls"] == 0  # three more calls, not one trial on any worker
+
+
+def test_without_a_global_batch_every_worker_trains_at_the_recommended_batch(trained: dict[str, Any]) -> None:
     for record in trained["records"]:
         plain = record["plain"]
-        safe = plain["metrics"]["batchfit/safe_batch"]
         assert plain["target_batch"] is None and "batchfit/target_batch" not in plain["metrics"]
-        assert plain["metrics"]["batchfit/micro_batch"] == safe
-        assert plain["metrics"]["batchfit/accumulation_steps"] == 1
-        assert plain["metrics"]["batchfit/global_batch"] == safe * WORKERS
-        assert "no global batch asked" in plain["summary"]
+        micro, steps = plain["recommended"]
+        assert plain["metrics"]["batchfit/micro_batch"] == micro <= plain["metrics"]["batchfit/safe_batch"]
+        assert plain["metrics"]["batchfit/accumulation_steps"] == steps
+        assert plain["metrics"]["batchfit/global_batch"] == micro * steps * WORKERS
+        assert "no global batch asked: decided by" in plain["summary"]
 
 
-def test_a_share_that_splits_poorly_says_what_an_inexact_split_would_drop(trained: dict[str, Any]) -> None:
+def test_a_share_that_splits_poorly_is_exact_and_says_what_a_larger_micro_batch_would_change(
+    trained: dict[str, Any],
+) -> None:
     asked = trained["config"]["prime_batch"]
     for record in trained["records"]:
         prime = record["prime"]
         assert (prime["micro_batch"], prime["accumulation_steps"]) == (1, asked // WORKERS)
         assert prime["exact"] and prime["global_batch"] == asked
-        assert "remainder" in prime["reason"] and "not chosen" in prime["reason"]
+        assert any(caveat.startswith("the exact split runs small micro-batches") for caveat in prime["caveats"])
 
 
-def test_a_global_batch_not_divisible_by_the_workers_is_refused_naming_the_nearest(trained: dict[str, Any]) -> None:
+def test_a_global_batch_the_workers_cannot_share_says_by_how_much_it_changed(trained: dict[str, Any]) -> None:
     asked = trained["config"]["indivisible_batch"]
-    for record in trained["records"]:
-        message = record["indivisible"]
-        assert f"global_batch={asked} on {WORKERS} Ray Train workers" in message
-        assert f"nearest are {asked - 1} and {asked + 1}" in message
+    first, second = (record["indivisible"] for record in trained["records"])
+    assert first == second
+    assert not first["exact"] and first["remainder"] == asked - first["global_batch"] != 0
+    assert first["global_batch"] == first["micro_batch"] * first["accumulation_steps"] * WORKERS
+    assert abs(first["remainder"]) == 1  # an odd global batch over 2 workers: the nearest is one away
+    assert f"the target global batch {asked} becomes {first['global_batch']}" in first["reason"]
+    fewer = "fewer" if first["remainder"] > 0 else "more"
+    assert f"({abs(first['remainder'])} {fewer} than the {asked} asked)" in first["summary"]
+
+
+def test_the_two_worker_result_re_plans_for_one_and_four_keeping_the_global_batch(trained: dict[str, Any]) -> None:
+    measured = batchfit.Result.from_json((Path(trained["config"]["out"]) / "result.json").read_text())
+    assert measured.world_size == WORKERS
+    asked = trained["config"]["global_batch"]
+    for world_size in (1, 4):
+        rec = measured.recommend(target_batch=asked, world_size=world_size)
+        assert rec.world_size == world_size and rec.global_batch == asked and rec.exact
+        assert rec.batch_size <= measured.safe_batch
+        assert any(caveat.startswith(f"re-planned for {world_size} rank") for caveat in rec.caveats)
+
+
+def probe_elastic(config: dict[str, Any]) -> None:
+    """An elastic restart on another number of workers: the same probe, from the cache."""
+    import ray.train
+    import ray.train.torch
+
+    model = ray.train.torch.prepare_model(tiny_gpt2())
+    rank = ray.train.get_context().get_world_rank()
+    calls: list[Any] = []
+    fit = bfr.worker_batch(
+        model, token_sample(), global_batch=config["global_batch"], memory_limit=LIMIT, cache=config["cache"],
+        callback=calls.append,
+    )  # fmt: skip
+    record = {
+        "world_size": fit.world_size,
+        "global_batch": fit.global_batch,
+        "split": (fit.micro_batch, fit.accumulation_steps),
+        "exact": fit.exact,
+        "from_cache": None if fit.result.from_cache is None else fit.result.from_cache.world_size,
+        "trials_run": len(calls),
+        "caveats": list(fit.recommendation.caveats),
+        "training": _train(model, fit.micro_batch, fit.accumulation_steps, fit.world_size),
+    }
+    Path(config["out"], f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def test_an_elastic_restart_on_four_workers_keeps_the_global_batch_without_a_probe(
+    cluster: None, trained: dict[str, Any], tmp_path: Path
+) -> None:
+    """Ray Train elastic (``num_workers=(min, max)``) restarts train_func on another number of
+    workers; four workers sharing the two CPUs stand for that restart."""
+    asked = trained["config"]["global_batch"]
+    config = {"out": str(tmp_path), "cache": trained["config"]["cache"], "global_batch": asked}
+    fit(probe_elastic, config, tmp_path / "storage", workers=4)
+    records = _records(tmp_path, workers=4)
+    for record in records:
+        assert record["from_cache"] == WORKERS and record["trials_run"] == 0  # measured on 2, nothing probed
+        assert record["world_size"] == 4 and record["global_batch"] == asked and record["exact"]
+        micro, steps = record["split"]
+        assert micro * steps * 4 == asked
+        assert any(caveat.startswith("re-planned for 4 ranks from a probe on 2 ranks") for caveat in record["caveats"])
+        assert record["training"]["optimizer_steps"] == 2 and record["training"]["changed"]
+    assert len({record["training"]["checksum"] for record in records}) == 1  # DDP kept the four in step
 
 
 def test_an_error_in_one_workers_model_fails_the_run_with_it(cluster: None, tmp_path: Path) -> None:
@@ -310,7 +405,7 @@ def test_a_bad_global_batch_is_named(bad: Any, error: type[Exception]) -> None:
 def test_outside_a_ray_train_worker_it_says_where_to_call_it() -> None:
     with pytest.raises(RuntimeError, match="inside a Ray Train training function") as raised:
         bfr.worker_batch(torch.nn.Linear(4, 2), torch.randn(1, 4), global_batch=8)
-    assert "batchfit.plan" in str(raised.value)
+    assert "result.recommend(target_batch=..., world_size=...)" in str(raised.value)
 
 
 def test_without_ray_it_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,7 @@
 """The ``batchfit`` command line: ``probe``, ``estimate`` and ``devices`` (entry point :func:`main`).
 
 * :mod:`batchfit.cli.main`: the entry point, the exit codes a CI pipeline reads;
-* :mod:`batchfit.cli.parser`: the arguments and the types that check them;
+* :mod:`batchfit.cli.parser`: every command's arguments; :mod:`batchfit.cli.values`: the types that check each value;
 * :mod:`batchfit.cli.probe`, :mod:`~batchfit.cli.estimate`, :mod:`~batchfit.cli.devices`: one
   subcommand each; :mod:`batchfit.cli.jobs`: ``--nproc-per-trial``'s two sides;
 * :mod:`batchfit.cli.targets`: loading ``package.module:factory`` targets;

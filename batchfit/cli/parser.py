@@ -1,15 +1,24 @@
-"""The ``batchfit`` command line: its parser, and the argument types that check each value."""
+"""The ``batchfit`` command line: its parser, every command's arguments (their types: ``batchfit.cli.values``)."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 from batchfit.cli.output import EXIT_USAGE
-from batchfit.units import check_memory_limit, parse_reserve
+from batchfit.cli.values import (
+    count,
+    finite_seconds,
+    fraction,
+    int_at_least,
+    memory_limit,
+    positive_int,
+    reserve,
+    seconds,
+    seq_lens,
+    size,
+)
 from batchfit.version import __version__
 
 #: Without ``--memory-limit``, a CPU probe from the command line caps live tensor bytes at this.
@@ -35,83 +44,11 @@ def _token_target(command: argparse.ArgumentParser) -> None:
     ``--seq-len``, the length sized on, or the one the result records)."""
     command.add_argument(
         "--target-tokens",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="instead of --target-batch: also print the plan for N tokens per optimizer step, in whole sequences "
         "of the length sized on (--seq-len, or the one the probe found); rounded up to whole sequences per rank",
     )
-
-
-def _memory_limit(value: str) -> str:
-    try:
-        check_memory_limit(value)  # syntax only: fractions resolve on the device later
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def _reserve(value: str) -> str:
-    try:
-        parse_reserve(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def _size(value: str) -> str:
-    try:
-        parse_reserve(value)  # a size or bytes, no fraction
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if value.strip().lower() == "auto":
-        raise argparse.ArgumentTypeError("a size is needed here, such as 80GiB")
-    return value
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type`` for integers >= ``minimum`` (1 for sizes, 0 for step counts)."""
-
-    def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-        if number < minimum:
-            raise argparse.ArgumentTypeError(f"{value!r} must be at least {minimum}")
-        return number
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_count = _int_at_least(0)
-
-
-def _fraction(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
-    if not 0 <= number < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be a fraction in [0, 1)")
-    return number
-
-
-def _seconds(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"{value!r} must be more than 0 seconds")
-    return number
-
-
-def _finite_seconds(value: str) -> float:
-    number = _seconds(value)
-    if not math.isfinite(number):
-        raise argparse.ArgumentTypeError(f"{value!r} must be a finite number of seconds")
-    return number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--device", help="where to probe, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)")
     probe.add_argument(
         "--memory-limit",
-        type=_memory_limit,
+        type=memory_limit,
         metavar="SIZE|FRACTION",
         help=f"memory budget: a size (24GiB, 512MB) or a fraction of the device's total memory (0.8; on CPU, of "
         f"the available memory); on a GPU it caps what the allocator reserves; default: what the process can reach "
@@ -150,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--reserve",
-        type=_reserve,
+        type=reserve,
         metavar="SIZE|auto",
         help="memory taken off --memory-limit for what a GPU of that size loses outside the allocator (CUDA "
         "context, handles): --memory-limit 24GB --reserve 600MiB stands for a 24 GB card; 'auto' measures what "
@@ -158,37 +95,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--headroom",
-        type=_fraction,
+        type=fraction,
         default=0.10,
         help="fraction of the budget the safe batch leaves free (default 0.10)",
     )
     probe.add_argument("--amp", choices=("bf16", "fp16"), help="run under autocast")
     probe.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
-    probe.add_argument("--max-batch", type=_positive_int, metavar="N", help="largest batch size to try (default 32768)")
+    probe.add_argument("--max-batch", type=positive_int, metavar="N", help="largest batch size to try (default 32768)")
     probe.add_argument(
         "--init-batch",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="first batch size to try (default 2, or --multiple-of when larger)",
     )
     probe.add_argument(
-        "--multiple-of", type=_positive_int, default=1, metavar="N", help="only try multiples of N (default 1)"
+        "--multiple-of", type=positive_int, default=1, metavar="N", help="only try multiples of N (default 1)"
     )
     probe.add_argument(
         "--steps-per-trial",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="steps per search trial (default: 2 in the first, then 1: the optimizer state is kept between trials)",
     )
     probe.add_argument(
         "--verify-steps",
-        type=_count,
+        type=count,
         metavar="N",
         help="steps that verify the safe batch with a fresh optimizer, as a real run starts (default 3; 0 skips)",
     )
-    probe.add_argument("--time-budget", type=_seconds, metavar="SECONDS", help="start no new search trial after this")
+    probe.add_argument("--time-budget", type=seconds, metavar="SECONDS", help="start no new search trial after this")
     probe.add_argument(
-        "--timed-steps", type=_count, metavar="N", help="warm steps timed per size after the search (default 2)"
+        "--timed-steps", type=count, metavar="N", help="warm steps timed per size after the search (default 2)"
     )
     probe.add_argument(
         "--strategy",
@@ -197,14 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--seq-len",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="size on sequence length N: the sample's (or its DataLoader's worst batch's) rows cut to it or "
         "extended by repeating their own tokens; a make_batch is called as make_batch(batch_size, N)",
     )
     probe.add_argument(
         "--scan-batches",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="with a DataLoader as the sample: scan at most N batches for the worst one (default 64)",
     )
@@ -214,13 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure the gradient noise scale from the target's real batches (its sample a DataLoader or an "
         "iterable of batches) at the safe batch, for the recommended batch; costs --noise-passes backward passes",
     )
-    probe.add_argument("--noise-passes", type=_int_at_least(4), metavar="N", help="with --noise-scale (default 128)")
+    probe.add_argument("--noise-passes", type=int_at_least(4), metavar="N", help="with --noise-scale (default 128)")
     probe.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' for stdout)")
     probe.add_argument("--cache", metavar="DIR", help="the same probe's answer from DIR, or probe and keep it there")
     probe.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
     probe.add_argument(
         "--nproc-per-trial",
-        type=_int_at_least(2),
+        type=int_at_least(2),
         metavar="N",
         help="run every trial as a fresh torchrun job of N ranks, for sharded models (FSDP, FSDP2): the TARGET's "
         "factory runs on every rank after the process group is up, so it may shard the model; a rank that runs out "
@@ -234,40 +171,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--trial-timeout",
-        type=_seconds,
+        type=seconds,
         default=600.0,
         metavar="SECONDS",
         help="with --nproc-per-trial: kill a job that gives no answer within this (default 600)",
     )
     probe.add_argument(
         "--rank-timeout",
-        type=_finite_seconds,
+        type=finite_seconds,
         metavar="SECONDS",
         help="under torchrun (or --nproc-per-trial): how long a rank waits for the others at each meeting point "
         "before the probe fails, so a stuck rank ends it (default 300)",
     )
     # A rank's side of a --nproc-per-trial job (started by batchfit under torchrun, not by users).
-    probe.add_argument("--trial-batch", type=_positive_int, help=argparse.SUPPRESS)
-    probe.add_argument("--trial-steps", type=_positive_int, default=2, help=argparse.SUPPRESS)
+    probe.add_argument("--trial-batch", type=positive_int, help=argparse.SUPPRESS)
+    probe.add_argument("--trial-steps", type=positive_int, default=2, help=argparse.SUPPRESS)
     probe.add_argument("--trial-dir", help=argparse.SUPPRESS)
-    probe.add_argument("--trial-cap", type=_positive_int, help=argparse.SUPPRESS)
+    probe.add_argument("--trial-cap", type=positive_int, help=argparse.SUPPRESS)
     probe.add_argument(
         "--require-batch",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="CI gate: exit 3 unless batch N fits within the limit; runs one trial at N, and a search below N "
         "only if it fails",
     )
     probe.add_argument(
         "--target-batch",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="also print the plan for a global batch of N: micro-batch x gradient-accumulation steps (x ranks)",
     )
     _token_target(probe)
     probe.add_argument(
         "--world-size",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="plan and recommend for training on N ranks (default: the ranks that probed); an elastic job that "
         "restarts with other ranks keeps its --target-batch without a new probe",
@@ -285,12 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("target", metavar="TARGET", help="package.module:attr or path/to/file.py:attr")
     estimate.add_argument(
         "--memory-limit",
-        type=_size,
+        type=size,
         metavar="SIZE",
         help="the device's memory: 80GiB, 24GB (required; the same option as the probe's)",
     )
     # The spelling of 0.1.0; it still works, with a deprecation warning (batchfit.cli.estimate).
-    estimate.add_argument("--memory", type=_size, metavar="SIZE", help=argparse.SUPPRESS)
+    estimate.add_argument("--memory", type=size, metavar="SIZE", help=argparse.SUPPRESS)
     estimate.add_argument(
         "--device",
         metavar="cuda|rocm|cpu",
@@ -299,16 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument(
         "--reserve",
-        type=_size,
+        type=size,
         metavar="SIZE",
         help="memory outside the allocator, taken off --memory-limit (default on cuda and rocm: 1GiB, the top "
         "of the CUDA context's 0.5-1 GiB)",
     )
     estimate.add_argument("--amp", choices=("bf16", "fp16"), help="under autocast")
     estimate.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
-    estimate.add_argument("--headroom", type=_fraction, default=0.10, help="fraction the safe batch leaves free")
-    estimate.add_argument("--max-batch", type=_positive_int, metavar="N", help="largest batch size to try")
-    estimate.add_argument("--multiple-of", type=_positive_int, default=1, metavar="N", help="only multiples of N")
+    estimate.add_argument("--headroom", type=fraction, default=0.10, help="fraction the safe batch leaves free")
+    estimate.add_argument("--max-batch", type=positive_int, metavar="N", help="largest batch size to try")
+    estimate.add_argument("--multiple-of", type=positive_int, default=1, metavar="N", help="only multiples of N")
     estimate.add_argument(
         "--what-if",
         action="append",
@@ -317,32 +254,32 @@ def build_parser() -> argparse.ArgumentParser:
         "optimizer=adamw, optimizer=adafactor",
     )
     estimate.add_argument(
-        "--target-batch", type=_positive_int, metavar="N", help="also print the plan for global batch N"
+        "--target-batch", type=positive_int, metavar="N", help="also print the plan for global batch N"
     )
     _token_target(estimate)
     estimate.add_argument(
         "--seq-len",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="size on sequence length N: the sample's (or its DataLoader's worst batch's) rows cut to it or "
         "extended by repeating their own tokens; a make_batch is called as make_batch(batch_size, N)",
     )
     estimate.add_argument(
         "--scan-batches",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="with a DataLoader as the sample: scan at most N batches for the worst one (default 64)",
     )
     estimate.add_argument(
         "--seq-lens",
-        type=_seq_lens,
+        type=seq_lens,
         metavar="N,N,...",
         help="estimate the frontier over these sequence lengths instead (as 'batchfit frontier' measures it): the "
         "target's make_batch takes (batch_size, seq_len)",
     )
     estimate.add_argument(
         "--max-seq-len",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="with --seq-lens: the ceiling of the longest length at batch 1 (default: the model's positions)",
     )
@@ -360,25 +297,6 @@ def build_parser() -> argparse.ArgumentParser:
     devices = commands.add_parser("devices", help="list NVIDIA GPUs: memory, utilisation, processes (via NVML)")
     devices.add_argument("--json", metavar="PATH", help="write the device list as JSON to PATH ('-' for stdout)")
     return parser
-
-
-def _seq_lens(value: str) -> tuple[int, ...]:
-    """``--seq-lens 128,256,512``: whole positive lengths, each once."""
-    lengths: list[int] = []
-    for part in value.split(","):
-        try:
-            length = int(part.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{value!r} is not a comma-separated list of lengths, such as 128,256,512 ({part.strip()!r} is not "
-                "an integer)"
-            ) from None
-        if length < 1:
-            raise argparse.ArgumentTypeError(f"{value!r}: every length must be at least 1, got {length}")
-        if length in lengths:
-            raise argparse.ArgumentTypeError(f"{value!r} lists {length} twice")
-        lengths.append(length)
-    return tuple(lengths)
 
 
 def _frontier_parser(commands: Any) -> None:
@@ -401,14 +319,14 @@ def _frontier_parser(commands: Any) -> None:
     frontier.add_argument("target", metavar="TARGET", help="package.module:attr or path/to/file.py:attr")
     frontier.add_argument(
         "--seq-lens",
-        type=_seq_lens,
+        type=seq_lens,
         required=True,
         metavar="N,N,...",
         help="the sequence lengths to size, comma-separated: 128,256,512,1024",
     )
     frontier.add_argument(
         "--max-seq-len",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="the ceiling of the search for the longest length at batch 1 (default: the model's position "
         "embeddings, when it has them)",
@@ -419,28 +337,28 @@ def _frontier_parser(commands: Any) -> None:
     frontier.add_argument("--device", help="where to probe, e.g. cuda, cuda:1, cpu (default: cuda if available)")
     frontier.add_argument(
         "--memory-limit",
-        type=_memory_limit,
+        type=memory_limit,
         metavar="SIZE|FRACTION",
         help=f"memory budget, as the probe's (default: what the process can reach on the GPU, or "
         f"{CLI_CPU_MEMORY_LIMIT} of live tensors on CPU)",
     )
     frontier.add_argument(
-        "--reserve", type=_reserve, metavar="SIZE|auto", help="memory taken off --memory-limit, as the probe's"
+        "--reserve", type=reserve, metavar="SIZE|auto", help="memory taken off --memory-limit, as the probe's"
     )
     frontier.add_argument(
-        "--headroom", type=_fraction, default=0.10, help="fraction of the budget the safe batch leaves free (0.10)"
+        "--headroom", type=fraction, default=0.10, help="fraction of the budget the safe batch leaves free (0.10)"
     )
     frontier.add_argument("--amp", choices=("bf16", "fp16"), help="run under autocast")
     frontier.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
-    frontier.add_argument("--max-batch", type=_positive_int, metavar="N", help="largest batch size to try")
-    frontier.add_argument("--init-batch", type=_positive_int, metavar="N", help="first batch size to try")
-    frontier.add_argument("--multiple-of", type=_positive_int, default=1, metavar="N", help="only multiples of N")
-    frontier.add_argument("--steps-per-trial", type=_positive_int, metavar="N", help="steps per search trial")
+    frontier.add_argument("--max-batch", type=positive_int, metavar="N", help="largest batch size to try")
+    frontier.add_argument("--init-batch", type=positive_int, metavar="N", help="first batch size to try")
+    frontier.add_argument("--multiple-of", type=positive_int, default=1, metavar="N", help="only multiples of N")
+    frontier.add_argument("--steps-per-trial", type=positive_int, metavar="N", help="steps per search trial")
     frontier.add_argument(
-        "--verify-steps", type=_count, metavar="N", help="steps that verify each safe batch (default 3; 0 skips)"
+        "--verify-steps", type=count, metavar="N", help="steps that verify each safe batch (default 3; 0 skips)"
     )
     frontier.add_argument(
-        "--time-budget", type=_seconds, metavar="SECONDS", help="start no new search trial after this, in all"
+        "--time-budget", type=seconds, metavar="SECONDS", help="start no new search trial after this, in all"
     )
     frontier.add_argument(
         "--strategy", choices=("interpolate", "binary"), help="search strategy, as the probe's (default interpolate)"

@@ -10,8 +10,9 @@ the cache entry stores it beside the key, so a reader can see what an entry was 
   of one machine are the same kind of device, and answer alike;
 * **model**: every module's class (qualified name) in order, with its path and train/eval flag;
   every parameter's and buffer's name, shape, dtype and ``requires_grad``; gradient checkpointing
-  (Hugging Face's ``is_gradient_checkpointing``, any module whose ``gradient_checkpointing`` is
-  True). A DDP or FSDP wrapper is a module class like any other, so a wrapped model keys apart
+  (Hugging Face's ``is_activation_checkpointing``, ``is_gradient_checkpointing`` before
+  transformers 5, any module whose ``gradient_checkpointing`` is True). A DDP or FSDP wrapper is
+  a module class like any other, so a wrapped model keys apart
   from a bare one. **Not the weight values**: memory and speed do not depend on them, so a model
   after training keys as it did before (the gradient noise scale does depend on them, and is
   never stored: ``batchfit.probe.cache``);
@@ -180,7 +181,10 @@ def key_fields(
 
 def model_fields(model: nn.Module) -> dict[str, Any]:
     """The model's structure: modules, parameters, buffers, gradient checkpointing; no values."""
-    checkpointing = getattr(model, "is_gradient_checkpointing", None)
+    # Hugging Face's flag; transformers 5 renamed it and warns on the old name, so the new one first.
+    names = ("is_activation_checkpointing", "is_gradient_checkpointing")
+    flag = next((name for name in names if hasattr(type(model), name)), "")
+    checkpointing = getattr(model, flag, None) if flag else None
     return {
         "modules": [[name, qualified(type(module)), module.training] for name, module in model.named_modules()],
         "parameters": [

@@ -259,8 +259,10 @@ def caveats_for(result: Result, facts: Facts, micro: int) -> list[str]:
     """What holds whichever rule decided: a re-plan for another world size, the noise scale's limits
     (or how to get one), the probe's own."""
     caveats: list[str] = []
-    if facts.ranks != result.world_size:
-        measured = f"{result.world_size} rank{'s' * (result.world_size != 1)}"
+    cached = getattr(result, "from_cache", None)  # a cache hit on other ranks keeps the ranks that measured
+    probed = result.world_size if cached is None else cached.world_size
+    if facts.ranks != probed:
+        measured = f"{probed} rank{'s' * (probed != 1)}"
         caveats.append(
             f"re-planned for {facts.ranks} rank{'s' * (facts.ranks != 1)} from a probe on {measured}, without a new "
             f"probe: a rank's batch sizes and memory hold on the same device kind; the samples/s are those {measured} "

@@ -1,0 +1,118 @@
+"""The types that check each command-line value: sizes, counts, fractions, seconds, lengths.
+
+Each is an ``argparse`` ``type``: it returns the value parsed (or, for sizes, the text once it
+parses, since fractions resolve on the device later) and raises ``ArgumentTypeError`` with a
+message that names what is wrong, which argparse prints beside the option's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+from batchfit.units import check_memory_limit, parse_reserve
+
+__all__ = [
+    "count",
+    "finite_seconds",
+    "fraction",
+    "int_at_least",
+    "memory_limit",
+    "positive_int",
+    "reserve",
+    "seconds",
+    "seq_lens",
+    "size",
+]
+
+
+def memory_limit(value: str) -> str:
+    try:
+        check_memory_limit(value)  # syntax only: fractions resolve on the device later
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def reserve(value: str) -> str:
+    try:
+        parse_reserve(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def size(value: str) -> str:
+    try:
+        parse_reserve(value)  # a size or bytes, no fraction
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value.strip().lower() == "auto":
+        raise argparse.ArgumentTypeError("a size is needed here, such as 80GiB")
+    return value
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for integers >= ``minimum`` (1 for sizes, 0 for step counts)."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"{value!r} must be at least {minimum}")
+        return number
+
+    return parse
+
+
+positive_int = int_at_least(1)
+count = int_at_least(0)
+
+
+def fraction(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 <= number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be a fraction in [0, 1)")
+    return number
+
+
+def seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be more than 0 seconds")
+    return number
+
+
+def finite_seconds(value: str) -> float:
+    number = seconds(value)
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value!r} must be a finite number of seconds")
+    return number
+
+
+def seq_lens(value: str) -> tuple[int, ...]:
+    """``--seq-lens 128,256,512``: whole positive lengths, each once."""
+    lengths: list[int] = []
+    for part in value.split(","):
+        try:
+            length = int(part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a comma-separated list of lengths, such as 128,256,512 ({part.strip()!r} is not "
+                "an integer)"
+            ) from None
+        if length < 1:
+            raise argparse.ArgumentTypeError(f"{value!r}: every length must be at least 1, got {length}")
+        if length in lengths:
+            raise argparse.ArgumentTypeError(f"{value!r} lists {length} twice")
+        lengths.append(length)
+    return tuple(lengths)
