@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     )
     from batchfit.probe.frontier import LENGTH_CEILING, PointCallback, ProberFactory, check_lengths, frontier_with
     from batchfit.probe.jobs import JobPerTrial, run_worker_trial, write_verdict
-    from batchfit.probe.keys import CacheKey, cache_key, key_fields, probe_key
+    from batchfit.probe.keys import CacheKey, cache_key, probe_key
     from batchfit.probe.noise import check_noise_data, measure_noise
     from batchfit.probe.options import DEFAULT_MAX_BATCH, Options, positive_int, renamed
     from batchfit.probe.positions import check_seq_len, position_limit
@@ -92,7 +92,6 @@ _EXPORTS = {
     "write_atomically": "batchfit.probe.cache_files",
     "CacheKey": "batchfit.probe.keys",
     "cache_key": "batchfit.probe.keys",
-    "key_fields": "batchfit.probe.keys",
     "probe_key": "batchfit.probe.keys",
     "check_callbacks": "batchfit.probe.checks",
     "check_materialised": "batchfit.probe.checks",

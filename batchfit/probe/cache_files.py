@@ -18,7 +18,7 @@ from typing import Any
 
 from batchfit.report import Result
 
-__all__ = ["CACHE_SCHEMA", "canonical_json", "check_entry", "entry_document", "write_atomically"]
+__all__ = ["CACHE_SCHEMA", "canonical_json", "check_entry", "entry_document", "hash_fields", "write_atomically"]
 
 #: The schema a cache entry names; another one is ignored (and overwritten).
 CACHE_SCHEMA = "batchfit.cache/1"
@@ -27,6 +27,11 @@ CACHE_SCHEMA = "batchfit.cache/1"
 def canonical_json(fields: Mapping[str, Any]) -> str:
     """The one JSON text of key fields the key hashes: sorted keys, no spaces, ASCII."""
     return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def hash_fields(fields: Mapping[str, Any]) -> str:
+    """The key of ``fields``: the SHA-256 (hex) of their canonical JSON."""
+    return hashlib.sha256(canonical_json(fields).encode("ascii")).hexdigest()
 
 
 def check_entry(text: bytes, key: str) -> str | None:
@@ -45,7 +50,7 @@ def check_entry(text: bytes, key: str) -> str | None:
         return "the key inside it is not its file's"
     fields = entry.get("key_fields")
     try:
-        hashed = hashlib.sha256(canonical_json(fields).encode("ascii")).hexdigest() if isinstance(fields, dict) else ""
+        hashed = hash_fields(fields) if isinstance(fields, dict) else ""
     except (TypeError, ValueError):
         hashed = ""
     if hashed != key:

@@ -2,7 +2,7 @@
 
 A probe's answer is a function of the device, the model's structure, the batch it sizes on, the
 step it runs and the search's settings, and of the torch and batchfit versions that ran it. The
-key is the SHA-256 of one canonical JSON document of exactly those (:func:`key_fields`, readable:
+key is the SHA-256 of one canonical JSON document of exactly those (:func:`cache_key`, readable:
 the cache entry stores it beside the key, so a reader can see what an entry was keyed on):
 
 * **device**: its type, name, total memory and the configuration ``DeviceInfo`` records (the
@@ -45,7 +45,6 @@ then keys apart on every run: a miss, never a wrong hit).
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from batchfit.probe.cache_files import canonical_json
+from batchfit.probe.cache_files import hash_fields
 from batchfit.probe.options import Options
 from batchfit.report import DeviceInfo
 from batchfit.version import __version__
@@ -61,7 +60,7 @@ from batchfit.version import __version__
 if TYPE_CHECKING:
     from batchfit.probe.prober import Prober
 
-__all__ = ["CacheKey", "cache_key", "key_fields", "probe_key"]
+__all__ = ["CacheKey", "cache_key", "probe_key"]
 
 
 @dataclass(frozen=True)
@@ -113,34 +112,10 @@ def cache_key(
     batchfit_version: str,
 ) -> CacheKey:
     """The key of a probe of ``model`` on ``batch`` (the batch it sizes on) with ``options`` on
-    ``device``, under the limit as resolved (``None``: the device's reachable memory)."""
-    fields = key_fields(
-        model,
-        batch,
-        options,
-        device,
-        memory_limit_bytes,
-        reserve,
-        torch_version=torch_version,
-        batchfit_version=batchfit_version,
-    )
-    return CacheKey(fields, hashlib.sha256(canonical_json(fields).encode("ascii")).hexdigest())
-
-
-def key_fields(
-    model: nn.Module,
-    batch: Any,
-    options: Options,
-    device: DeviceInfo,
-    memory_limit_bytes: int | None,
-    reserve: int | str,
-    *,
-    torch_version: str,
-    batchfit_version: str,
-) -> dict[str, Any]:
-    """The canonical fields the key hashes (see the module docs), JSON-ready."""
+    ``device``, under the limit as resolved (``None``: the device's reachable memory): the
+    canonical fields (see the module docs), JSON-ready, and their hash."""
     grid = options.grid()
-    return {
+    fields = {
         "device": {
             "type": device.type,
             "name": device.name,
@@ -177,6 +152,7 @@ def key_fields(
         },
         "versions": {"torch": str(torch_version), "batchfit": str(batchfit_version)},
     }
+    return CacheKey(fields, hash_fields(fields))
 
 
 def model_fields(model: nn.Module) -> dict[str, Any]:
