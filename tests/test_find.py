@@ -228,17 +228,19 @@ def test_memory_a_trial_keeps_is_reported_as_leaked() -> None:
 
 class HungryLater(torch.nn.Module):
     """Fits during the search; once ``hungry`` (set when verification starts), every step also
-    keeps 16 KiB per row alive: the "found batch runs out of memory later" trap."""
+    asks for 4 MiB per row, more than the budget at any size: the "found batch runs out of memory
+    later" trap, where nothing the search saw fitting verifies."""
 
-    def __init__(self) -> None:
+    def __init__(self, row_floats: int = 1 << 20) -> None:
         super().__init__()
         self.fc = torch.nn.Linear(64, 64)
         self.hungry = False
+        self.row_floats = row_floats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.fc(x)
         if self.hungry:
-            out = out + torch.zeros(x.shape[0], 4096).sum(1, keepdim=True) * 0
+            out = out + torch.zeros(x.shape[0], self.row_floats).sum(1, keepdim=True) * 0
         return out
 
 
@@ -252,10 +254,33 @@ def test_when_no_safe_batch_verifies_only_a_size_that_ran_is_returned_and_said_l
         model, torch.randn(2, 64), memory_limit="4MiB", max_batch=1024, on_trial_start=on_trial_start
     )
     verifies = [t for t in result.trials if t.kind == "verify"]
-    assert len(verifies) == ATTEMPTS and not any(t.fits for t in verifies)
+    # ATTEMPTS step-downs, then the size handed back (the largest that fitted below them) once more
+    assert len(verifies) == ATTEMPTS + 1 and not any(t.fits for t in verifies)
     assert not result.safe_verified
+    assert result.safe_batch == verifies[-1].batch_size < min(t.batch_size for t in verifies[:-1])
     assert result.safe_batch in {t.batch_size for t in result.trials if t.fits}
     assert any("NO SAFE BATCH WAS VERIFIED" in note for note in result.notes)
+
+
+def test_when_the_step_downs_fail_the_largest_smaller_size_that_ran_is_verified() -> None:
+    """A wall below the step-downs (here 16 KiB more per row once verifying; on a real allocator,
+    fragmentation or an address-space limit): the size handed back is verified, not guessed."""
+    model = HungryLater(row_floats=4096)
+
+    def on_trial_start(batch_size: int, kind: str) -> None:
+        model.hungry = kind == "verify"
+
+    result = batchfit.find(
+        model, torch.randn(2, 64), memory_limit="4MiB", max_batch=1024, on_trial_start=on_trial_start
+    )
+    verifies = [t for t in result.trials if t.kind == "verify"]
+    assert len(verifies) == ATTEMPTS + 1
+    assert not any(t.fits for t in verifies[:-1]) and verifies[-1].fits
+    assert result.safe_verified and result.safe_batch == verifies[-1].batch_size
+    assert result.safe_batch < min(t.batch_size for t in verifies[:-1])
+    assert result.safe_batch in {t.batch_size for t in result.trials if t.fits and t.kind != "verify"}
+    assert any("is the largest size below the failed candidates that fitted a trial" in n for n in result.notes)
+    assert not any("NO SAFE BATCH WAS VERIFIED" in note for note in result.notes)
 
 
 def _mobile_block(cin: int, cout: int, stride: int) -> torch.nn.Module:

@@ -63,8 +63,10 @@ def safe_batch(
     can land between tried sizes; the equation is fitted on the trials that did not press against
     the cap, see :func:`batchfit.probe.checks.fit_memory`). A candidate that fails under the
     lowered cap steps down by :data:`STEP_DOWN` of its size, at most :data:`ATTEMPTS` times. If
-    none passes, the largest size that fitted any trial below the candidates is returned, marked
-    not verified, with a note in capitals: never a size that was not run.
+    none passes, the largest size that fitted any trial below the candidates is verified once
+    more (a real allocator's wall, fragmentation or an address-space limit, can sit below the
+    step-downs and above it) and returned, verified if it passed, else marked not verified with a
+    note in capitals: never a size that was not run.
 
     A verification already among ``trials`` (a searcher may run it first, see
     ``batchfit.probe.finder.search_with``) is not run again; one within ``keep_within`` (a
@@ -111,9 +113,20 @@ def safe_batch(
         if lower == safe:
             break
         safe = lower
-    # Never hand back a size that was not run: the largest one that fitted a trial.
+    # Never hand back a size that was not run: the largest one that fitted a trial, verified once
+    # more where it is below every failed candidate. A real allocator's wall (fragmentation, an
+    # address-space limit) can sit below the step-downs and above that size: then it is verified.
     tried = [t.batch_size for t in trials if t.fits and (lowest_failed is None or t.batch_size < lowest_failed)]
     fallback = max(tried, default=grid.init)
+    if lowest_failed is not None and fallback < lowest_failed:
+        check = run(fallback, "verify", verify_steps, cap if fallback > grid.init else None)
+        if check.fits:
+            notes.append(
+                f"safe batch {fallback} is the largest size below the failed candidates that fitted a trial, verified "
+                f"with {verify_steps} steps: the memory line's candidates ran out of memory where it predicted room"
+            )
+            return fallback, True, notes
+        notes.append(f"safe batch {fallback} ran out of memory when verified with {verify_steps} steps too")
     notes.append(
         f"NO SAFE BATCH WAS VERIFIED: batch {fallback} is the largest size that fitted a trial below the "
         f"candidates, but it was not verified with {verify_steps} steps; expect out-of-memory errors near it"
