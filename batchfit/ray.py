@@ -55,33 +55,58 @@ class WorkerBatch:
 
     A record of its own rather than a bare :class:`~batchfit.report.Recommendation`: the world
     size belongs to the Ray run (an elastic run restarts with another), not to the probe, and a
-    log wants the split in one line and its numbers flat.
+    log wants the split in one line and its numbers flat. Its numbers are the recommendation's,
+    read through under the names a training loop uses.
 
     Attributes:
         result: the probe's answer (:func:`batchfit.find`); batch sizes per worker.
-        world_size: the workers of the run (``ray.train.get_context().get_world_size()``).
-        micro_batch: the batch each worker runs per forward/backward.
-        accumulation_steps: forward/backward passes per optimizer step.
-        global_batch: ``micro_batch * accumulation_steps * world_size``, the samples per
-            optimizer step the run really trains with.
-        target_batch: the global batch asked for; ``None`` when none was.
-        exact: ``global_batch == target_batch`` (``True`` without a target: nothing was asked).
-        remainder: ``target_batch - global_batch`` (0 when exact): stated, never dropped silently.
-        reason: why this split, in one sentence (the recommendation's reason).
         recommendation: the batch to train with for these workers
             (:meth:`batchfit.Result.recommend` with ``world_size``), its caveats included.
     """
 
     result: Result
-    world_size: int
-    micro_batch: int
-    accumulation_steps: int
-    global_batch: int
-    target_batch: int | None
-    exact: bool
-    remainder: int
-    reason: str
     recommendation: Recommendation
+
+    @property
+    def world_size(self) -> int:
+        """The workers of the run (``ray.train.get_context().get_world_size()``)."""
+        return self.recommendation.world_size
+
+    @property
+    def micro_batch(self) -> int:
+        """The batch each worker runs per forward/backward."""
+        return self.recommendation.batch_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Forward/backward passes per optimizer step."""
+        return self.recommendation.accumulation
+
+    @property
+    def global_batch(self) -> int:
+        """``micro_batch * accumulation_steps * world_size``: the samples per optimizer step the
+        run really trains with."""
+        return self.recommendation.global_batch
+
+    @property
+    def target_batch(self) -> int | None:
+        """The global batch asked for; ``None`` when none was."""
+        return self.recommendation.target
+
+    @property
+    def exact(self) -> bool:
+        """``global_batch == target_batch`` (``True`` without a target: nothing was asked)."""
+        return self.recommendation.exact
+
+    @property
+    def remainder(self) -> int:
+        """``target_batch - global_batch`` (0 when exact): stated, never dropped silently."""
+        return -(self.recommendation.target_changed_by or 0)
+
+    @property
+    def reason(self) -> str:
+        """Why this split, in one sentence (the recommendation's reason)."""
+        return self.recommendation.reason
 
     def summary(self) -> str:
         """One line for a log: the split, how it compares with what was asked, and the probe."""
@@ -162,19 +187,7 @@ def worker_batch(
     if world_size > 1 and find_keywords.get("distributed") is not False:
         _check_process_group(world_size)
     result = find(model, sample, **find_keywords)
-    chosen = result.recommend(target_batch=global_batch, world_size=world_size)
-    return WorkerBatch(
-        result=result,
-        world_size=world_size,
-        micro_batch=chosen.batch_size,
-        accumulation_steps=chosen.accumulation,
-        global_batch=chosen.global_batch,
-        target_batch=global_batch,
-        exact=chosen.exact,
-        remainder=-(chosen.target_changed_by or 0),
-        reason=chosen.reason,
-        recommendation=chosen,
-    )
+    return WorkerBatch(result, result.recommend(target_batch=global_batch, world_size=world_size))
 
 
 def _world_size() -> int:
