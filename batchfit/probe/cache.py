@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.distributed import Solo
-from batchfit.probe.cache_files import check_entry, entry_document, write_atomically
+from batchfit.probe.cache_files import entry_document, read_entry, write_atomically
 from batchfit.probe.keys import CacheKey, probe_key
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
@@ -131,5 +131,4 @@ class ResultCache:
             return None, None
         except OSError as error:
             return None, f"it cannot be read ({error.strerror or error})"
-        why = check_entry(text, self.key.hex)
-        return (json.loads(text), None) if why is None else (None, why)
+        return read_entry(text, self.key.hex)

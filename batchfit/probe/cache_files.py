@@ -18,7 +18,15 @@ from typing import Any
 
 from batchfit.report import Result
 
-__all__ = ["CACHE_SCHEMA", "canonical_json", "check_entry", "entry_document", "hash_fields", "write_atomically"]
+__all__ = [
+    "CACHE_SCHEMA",
+    "canonical_json",
+    "check_entry",
+    "entry_document",
+    "hash_fields",
+    "read_entry",
+    "write_atomically",
+]
 
 #: The schema a cache entry names; another one is ignored (and overwritten).
 CACHE_SCHEMA = "batchfit.cache/1"
@@ -36,32 +44,38 @@ def hash_fields(fields: Mapping[str, Any]) -> str:
 
 def check_entry(text: bytes, key: str) -> str | None:
     """Why the entry ``text`` of key ``key`` cannot be trusted, or ``None`` when it can."""
+    return read_entry(text, key)[1]
+
+
+def read_entry(text: bytes, key: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The entry ``text`` of key ``key``, parsed once and checked: ``(entry, None)``, or ``(None,
+    why)`` when it cannot be trusted."""
     if not text.strip():
-        return "it is empty"
+        return None, "it is empty"
     try:
         entry = json.loads(text)
     except (ValueError, RecursionError) as error:
-        return f"not valid JSON ({str(error)[:80]})"
+        return None, f"not valid JSON ({str(error)[:80]})"
     if not isinstance(entry, dict):
-        return "not a JSON object"
+        return None, "not a JSON object"
     if entry.get("schema") != CACHE_SCHEMA:
-        return f"its schema is {str(entry.get('schema'))[:40]!r}, not {CACHE_SCHEMA!r}"
+        return None, f"its schema is {str(entry.get('schema'))[:40]!r}, not {CACHE_SCHEMA!r}"
     if entry.get("key") != key:
-        return "the key inside it is not its file's"
+        return None, "the key inside it is not its file's"
     fields = entry.get("key_fields")
     try:
         hashed = hash_fields(fields) if isinstance(fields, dict) else ""
     except (TypeError, ValueError):
         hashed = ""
     if hashed != key:
-        return "its key fields do not hash to its key"
+        return None, "its key fields do not hash to its key"
     if not isinstance(entry.get("written_at"), str):
-        return "it says not when it was written"
+        return None, "it says not when it was written"
     try:
         Result.from_dict(entry.get("result"))  # type: ignore[arg-type]
     except ValueError as error:
-        return f"its result is refused ({str(error)[:120]})"
-    return None
+        return None, f"its result is refused ({str(error)[:120]})"
+    return entry, None
 
 
 def entry_document(key: str, key_fields: dict[str, Any], result: Result) -> dict[str, Any]:
