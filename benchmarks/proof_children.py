@@ -124,7 +124,9 @@ def first_line(exc: BaseException) -> str:
 
 # The children ------------------------------------------------------------------------------------
 def describe(args: dict[str, Any]) -> dict[str, Any]:
-    """What torch sees: versions, and the GPU (without allocating on it)."""
+    """What torch sees, for the preflight: versions, the GPU, the driver, a C compiler for Triton."""
+    import shutil
+
     import torch
 
     import batchfit
@@ -133,9 +135,13 @@ def describe(args: dict[str, Any]) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "batchfit": batchfit.__version__,
+        "batchfit_from": str(Path(batchfit.__file__).resolve().parent),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "cuda": torch.cuda.is_available() and args.get("device") != "cpu",
+        # Triton compiles its launchers with the system's C compiler: torch.compile needs one.
+        "cc": shutil.which("cc") or shutil.which("gcc"),
+        "modules": {name: _version_of(name) for name in ("pytest", "pynvml", "matplotlib", "transformers", "ray")},
     }
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -143,14 +149,44 @@ def describe(args: dict[str, Any]) -> dict[str, Any]:
     except (OSError, StopIteration):
         info["cpu"] = platform.processor() or platform.machine()
     if info["cuda"]:
+        from batchfit.backends import query_devices
+
         props = torch.cuda.get_device_properties(0)
         info.update(
             gpu=props.name,
             gpu_total_bytes=props.total_memory,
             capability=f"{props.major}.{props.minor}",
             gpu_count=torch.cuda.device_count(),
+            driver=query_devices().driver_version,
         )
     return info
+
+
+def _version_of(module: str) -> str | None:
+    """The installed version of ``module``'s distribution, ``None`` when it is not importable."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        return None
+    distribution = {"pynvml": "nvidia-ml-py"}.get(module, module)
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "present"
+
+
+def fraction(args: dict[str, Any]) -> dict[str, Any]:
+    """What ``get_per_process_memory_fraction`` reads before any fraction is set, under the
+    allocator this process was started with (``backend:cudaMallocAsync`` reads the unset limit
+    over total memory, about 2e8: pytorch#110194, which batchfit must never write back)."""
+    import torch
+
+    if args["device"] != "cuda":
+        return {"allocator": None, "fraction": None}
+    torch.cuda.init()
+    backend = getattr(torch.cuda, "get_allocator_backend", lambda: "native")()
+    return {"allocator": backend, "fraction": torch.cuda.get_per_process_memory_fraction(0)}
 
 
 def find(args: dict[str, Any]) -> dict[str, Any]:
@@ -316,8 +352,27 @@ def frontier(args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+#: The gate's model (``batchfit probe`` loads it as ``benchmarks/proof_children.py:gate_cuda``):
+#: about 250 MB of activations per sample, far above the allocator's 2 MiB segment rounding, so
+#: that batch max + 1 cannot fit in the rounding slack of batch max.
+GATE_CUDA = {"vocab_size": 8192, "seq_len": 512, "d_model": 512, "n_layers": 4, "n_heads": 8}
+#: The same on CPU, small enough for CI (the live-tensor limit counts bytes, no rounding).
+GATE_CPU = {"vocab_size": 512, "seq_len": 64, "d_model": 128, "n_layers": 2, "n_heads": 4}
+
+
+def gate_cuda() -> tuple[Any, Any]:
+    """The gate's target on a GPU (see :data:`GATE_CUDA`)."""
+    return build({"factory": "gpt", "kwargs": GATE_CUDA})
+
+
+def gate_cpu() -> tuple[Any, Any]:
+    """The gate's target on CPU (see :data:`GATE_CPU`)."""
+    return build({"factory": "gpt", "kwargs": GATE_CPU})
+
+
 CHILDREN: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "describe": describe,
+    "fraction": fraction,
     "find": find,
     "train": train,
     "estimate": estimate,

@@ -88,3 +88,26 @@ class ItemGate(nn.Module):
         if h.sum().item() > 0:
             h = torch.relu(h)
         return self.out(h)
+
+
+def expected_steps(result: batchfit.Result, *, cold_after_release: bool) -> list[int]:
+    """The real steps each fitting trial of ``result`` runs, by its kind: the one table of them.
+
+    The CPU test (``tests/test_device_seam.py``) and its CUDA half (``tests/test_cuda.py``) both
+    assert it, so a change to how many steps a kind runs fails on CPU until this table, and with
+    it the CUDA test, says the same. ``cold_after_release``: the backend's flag (CUDA's first step
+    after a release runs cold, so every search trial runs a warm one after it).
+    """
+    timed_steps = batchfit.Options().timed_steps
+    expected: list[int] = []
+    for trial in (t for t in result.trials if t.fits):
+        if trial.kind == "search":  # two with a fresh optimizer (step 1 makes its state) or a cold device
+            steps = 2 if cold_after_release or not expected else 1
+        elif trial.kind == "verify":
+            steps = result.settings.verify_steps
+        elif trial.kind == "time":  # one untimed step, then the timed ones
+            steps = 1 + timed_steps
+        else:
+            raise AssertionError(f"a trial of kind {trial.kind!r} in a find() result: add it to this table")
+        expected.append(steps)
+    return expected

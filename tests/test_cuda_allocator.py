@@ -86,6 +86,7 @@ def _child(code: str, args: list[str], conf: str, timeout: float = 300) -> dict[
     return json.loads(lines[-1])
 
 
+@pytest.mark.allocators
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 def test_the_largest_batch_trains_in_a_fresh_process_under_the_same_cap_and_one_more_does_not(config: str) -> None:
     """Items 1, 2, 3 and 5 decided: the max found in one process is the max a fresh process
@@ -151,6 +152,7 @@ def test_the_optimizer_state_is_counted_in_whole_blocks() -> None:
     assert result.memory is not None and result.memory.optimizer_state_bytes >= 2 * trainable
 
 
+@pytest.mark.compile
 def test_a_reduce_overhead_model_times_a_replay_and_says_what_its_graphs_hold() -> None:
     """Item 8: CUDA graphs record on the second call and replay from the third; their private
     pool survives empty_cache (the note says the sizes are conservative)."""

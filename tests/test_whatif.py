@@ -140,6 +140,7 @@ def test_a_model_compiled_with_dynamic_false_gets_a_warning_and_the_same_answer(
 
 
 @pytest.mark.cuda
+@pytest.mark.compile
 def test_a_compiled_model_on_cuda_compiles_once_for_all_sizes() -> None:
     from torch._dynamo.utils import counters
 

@@ -9,6 +9,8 @@ The limit is the per-process memory fraction, which the allocator checks against
 segments when it reserves a new one, and only then: a block already in its cache is handed out
 without a check. So the cache is emptied before the fraction is applied, and a probe refuses to
 start when this process still holds more than the limit (:class:`~batchfit.errors.LimitError`).
+Under expandable segments the check is of the whole segment a request would need, though only the
+pages missing are mapped: stricter than a device of the limit's size, which the result's notes say.
 The budget therefore counts reserved bytes, and so do the search's aim and the safe batch.
 
 Memory statistics come from ``torch.accelerator.memory`` where the installed torch has it for
@@ -131,9 +133,17 @@ class AcceleratorBackend(Backend):
 
     # the memory fraction ----------------------------------------------------------------------
     def get_fraction(self, device: torch.device) -> float | None:
-        """The fraction in force, or ``None`` where this torch cannot say (older than 2.6)."""
+        """The fraction in force, or ``None`` where none is set or this torch cannot say (older than 2.6).
+
+        A fraction above 1.0 means none is set: under ``backend:cudaMallocAsync`` torch reports the
+        unset limit (the largest size) over the device's memory, about 2e8 (pytorch#110194), a value
+        its own ``set_per_process_memory_fraction`` refuses, so it must never be written back.
+        """
         getter = getattr(self.module, "get_per_process_memory_fraction", None)
-        return None if getter is None else float(getter(device))
+        if getter is None:
+            return None
+        fraction = float(getter(device))
+        return fraction if fraction <= 1.0 else None
 
     def set_fraction(self, fraction: float, device: torch.device) -> None:
         self.module.set_per_process_memory_fraction(fraction, device)
@@ -157,7 +167,10 @@ class AllocatorMeter(Meter):
         #: The cap in force (the limit, or a lower one from :meth:`capped`), ``None`` without one.
         self._cap: int | None = None
         #: ``backend:cudaMallocAsync`` caps the bytes requested, not the pool it reserves (see :meth:`phase`).
-        self._caps_requested = backend.allocator_settings().backend == "cudaMallocAsync"
+        settings = backend.allocator_settings()
+        self._caps_requested = settings.backend == "cudaMallocAsync"
+        #: Expandable segments: a cap checks whole segments, a device only the pages mapped (:meth:`_note_cap`).
+        self._expandable = settings.expandable_segments and not self._caps_requested
         self._notes: list[str] = []
         self._async_failure: tuple[int, int] | None = None
 
@@ -189,9 +202,10 @@ class AllocatorMeter(Meter):
                 "garbage_collection_threshold in the allocator's configuration stays active in this process "
                 "from now on (probe in a process of its own to avoid that)"
             )
-        # Never raise a lower fraction the user set; without a getter assume none was set.
+        # Never raise a lower fraction the user set; with none set (or no getter) 1.0 is restored.
         backend.set_fraction(ours if previous is None else min(previous, ours), device)
         self._cap = limit
+        self._note_cap()
         try:
             yield
         finally:
@@ -216,6 +230,7 @@ class AllocatorMeter(Meter):
         backend.set_fraction(lowered if previous is None else min(previous, lowered), device)
         cap, budget = self._cap, self.budget_bytes
         self._cap, self.budget_bytes = cap_bytes, cap_bytes
+        self._note_cap()
         try:
             yield
         finally:
@@ -292,14 +307,33 @@ class AllocatorMeter(Meter):
         return self.allocated_bytes(), reserved
 
     def notes(self) -> list[str]:
-        notes = list(self._notes)
-        if self._caps_requested and self._cap is not None:
+        return list(self._notes)
+
+    def _note_cap(self) -> None:
+        """Say what a cap changes under these allocator settings, once one is in force. Kept in the
+        notes, not read from the cap: a result's notes are read after the probe, when the cap is gone.
+
+        Under ``backend:cudaMallocAsync`` the fraction caps requested bytes (:meth:`phase` fails a
+        step whose pool is over). Under expandable segments torch checks the whole segment a request
+        would reserve without them against the fraction, before it maps only the pages missing beyond
+        the free block at the segment's end (``allocator_model.segment_size``): a capped step within a
+        page of the limit can fail that a device of the limit's size would run, a conservative answer.
+        """
+        notes: list[str] = []
+        if self._expandable:
+            notes.append(
+                "the allocator has expandable segments: under batchfit's cap (a per-process memory fraction) torch "
+                "checks a new reservation as the whole segment it would reserve without them, while a device of the "
+                "cap's size maps only the pages the segment lacks, so a step within a page of the cap may have "
+                "failed here that such a device would run: the answer is on the safe side"
+            )
+        if self._caps_requested:
             notes.append(
                 "the allocator is backend:cudaMallocAsync, whose memory fraction caps requested bytes, not the "
                 "pool it reserves: batchfit failed every step whose pool went over the limit at the end of its "
                 "phase, so the answer holds for a device of the limit's size"
             )
-        return notes
+        self._notes.extend(note for note in notes if note not in self._notes)
 
     def synchronize(self) -> None:
         self.backend.synchronize(self.device)

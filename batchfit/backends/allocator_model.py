@@ -143,7 +143,10 @@ def segment_size(rounded: int, config: AllocatorConfig = _DEFAULT) -> int:
 
     Small requests share 2 MiB segments and mid-sized ones 20 MiB (``large_segment_size_mb``) segments,
     so that later requests can be carved out of them; big requests get a segment of (about) their own
-    size. Under a limit this is also the size checked against it, expandable segments or not.
+    size. Under a limit this is also the size checked against it, expandable segments or not: torch's
+    ``alloc_block`` checks this whole size before ``try_allocate_expandable_block`` maps only the pages
+    missing beyond the free block at the segment's end, so under expandable segments a limit refuses
+    some requests that a device of the limit's size would serve (stricter, on the safe side).
     """
     if rounded <= SMALL_SIZE:
         return SMALL_BUFFER

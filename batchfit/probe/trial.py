@@ -127,7 +127,7 @@ def run_trial(
     progress.optimizer = None
     try:
         if failure is not None and progress.phase == "backward":
-            _flush_autograd()
+            _flush_autograd(workload.device)
         _drop_grads(workload)
         # The state of an optimizer made here and kept for the next trial is no leak.
         kept_bytes = _state_bytes(kept, meter) if kept is not None and not warm else 0
@@ -322,14 +322,18 @@ def _state_bytes(optimizer: torch.optim.Optimizer, meter: Meter) -> int:
     )
 
 
-def _flush_autograd() -> None:
+def _flush_autograd(device: torch.device) -> None:
     """Run a tiny backward after an OOM in backward. An exception raised inside the autograd
-    engine can leave the failed graph referenced until the next ``backward()`` anywhere in the
-    process (pytorch #82218; seen with CPU autocast, where the OOM hit a ``_to_copy`` in
-    backward and 100 MiB stayed live). Any leak that remains shows in ``Trial.leaked_bytes``."""
+    engine can leave the failed graph referenced until the next ``backward()`` on the same engine
+    thread (pytorch #82218; seen with CPU autocast, where the OOM hit a ``_to_copy`` in backward
+    and 100 MiB stayed live). An accelerator's backward runs on that device's own engine thread,
+    which a CPU backward never reaches, so the flush runs on the trial's ``device`` (and on the CPU,
+    whose thread ran the CPU part); a leak left would show in ``Trial.leaked_bytes`` and shrink
+    later trials."""
     with torch.enable_grad():
-        seed = torch.zeros((), requires_grad=True)
-        (seed * 1.0).backward()
+        for target in dict.fromkeys((torch.device("cpu"), device)):
+            seed = torch.zeros((), device=target, requires_grad=True)
+            (seed * 1.0).backward()
 
 
 def _drop_grads(workload: Workload) -> None:
