@@ -336,7 +336,9 @@ def cap_check(name: str, case: Case, allocator: str, conf: str | None) -> Any:
             over = run.plan.cuda and fresh["fits"] and peak is not None and peak > case.limit_bytes
             fits = fresh["fits"] and not over
             word = "trains" if fits else ("trains, reserving more than the cap" if over else "OOM")
-            shown = f"{batch} {word}" + (f" ({size(peak)})" if fresh["fits"] else "")
+            tries = fresh.get("alloc_retries") if fresh["fits"] else None
+            retries = f", {tries} alloc retries" if tries else ""
+            shown = f"{batch} {word}" + (f" ({size(peak)}{retries})" if fresh["fits"] else "")
             verdicts.append((fits == expected, shown))
         if not found["boundary_reached"]:
             verdicts.append((True, f"(search stopped: {found['stop_reason']}, max + 1 not tried)"))
@@ -480,6 +482,9 @@ def gate(run: Run) -> Record:
     }
     details["checks"] = checks
     fresh_word = "OOM" if scratch.get("ok") and not scratch.get("fits") else ("trains" if scratch.get("fits") else "?")
+    if scratch.get("fits"):  # how close to the cap the plain loop got (at it: only by freeing its cache)
+        peak, retries = scratch.get("max_reserved_bytes", scratch.get("peak_bytes")), scratch.get("alloc_retries")
+        fresh_word += f", reserving {size(peak)}" + (f" after {retries} alloc retries" if retries else "")
     summary = (
         f"{case.limit_text}: probe max {top}; exit codes: require {n} {plain}, with --reserve auto "
         f"{reserved['exit_code']} (budget {size(budget)}), require {top + 1} {above}"

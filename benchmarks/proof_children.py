@@ -17,6 +17,7 @@ says so.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -106,6 +107,10 @@ def cuda_peaks(device: Any) -> dict[str, Any]:
     if device.type != "cuda":
         return {}
     peaks: dict[str, Any] = {"allocator": getattr(torch.cuda, "get_allocator_backend", lambda: "native")()}
+    # How often the allocator hit the cap, freed its cache and tried again: a step that trained only
+    # that way sat at the edge, where the order of its allocations decides (the native allocator).
+    with contextlib.suppress(RuntimeError):
+        peaks["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries")
     reads = {"max_allocated_bytes": torch.cuda.max_memory_allocated}
     reads["max_reserved_bytes"] = torch.cuda.max_memory_reserved
     for key, read in reads.items():
@@ -182,7 +187,7 @@ def fraction(args: dict[str, Any]) -> dict[str, Any]:
     over total memory, about 2e8: pytorch#110194, which batchfit must never write back)."""
     import torch
 
-    if args["device"] != "cuda":
+    if args["device"] == "cpu" or not torch.cuda.is_available():
         return {"allocator": None, "fraction": None}
     torch.cuda.init()
     backend = getattr(torch.cuda, "get_allocator_backend", lambda: "native")()

@@ -227,3 +227,14 @@ def test_timed_steps_zero_times_nothing_more_and_still_ranks_warm_steps_only() -
     assert not any(t.kind == "time" for t in result.trials)
     assert result.throughput is not None and result.throughput.timing_s is None
     assert dict(result.throughput.rates).keys() == {t.batch_size for t in result.trials if is_warm(t)}
+
+
+def test_a_size_above_the_largest_batch_is_never_the_best() -> None:
+    """Seen on an H200 (GPT-2-small, bf16, 24 GiB): batch 22 fitted warm in the search with the
+    optimizer state kept, failed from scratch, so the largest batch was 21; yet 22's warm search
+    steps made it the "best throughput" batch, one no fresh run trains at."""
+    largest = _trial(21, (0.097, 0.096), steps=3, kind="time")
+    warm_above = _trial(22, (0.099,), steps=2)
+    assert Throughput.of([largest, warm_above]).best_batch == 22  # without the bound: the defect
+    bounded = Throughput.of([largest, warm_above], largest=21)
+    assert bounded is not None and bounded.best_batch == 21 and dict(bounded.rates).keys() == {21}

@@ -231,7 +231,7 @@ def search_with(
             timing_notes += time_warm(trials, [safe], grid, timed, options.timed_steps)
             timing_s = (timing_s or 0.0) + time.monotonic() - timing_started
     # 7. The answer: what the trials measured, and what a reader should know about them.
-    throughput = Throughput.of(trials, timing_s=timing_s)
+    throughput = Throughput.of(trials, timing_s=timing_s, largest=report.largest_fit)
 
     return Result(
         max_batch=report.largest_fit,

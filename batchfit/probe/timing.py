@@ -97,7 +97,8 @@ def time_warm(
     trials land in ``trials`` (``run`` appends them). ``start_neighbourhood()`` is called once
     ``sizes`` are timed and returns the ``out_of_time()`` that bounds the neighbourhood. Returns
     the notes a reader needs (a size that failed when timed, a knee left unpinned because time
-    ran out).
+    ran out). The neighbourhood ranks no size above the largest of ``sizes`` (the largest batch):
+    on a GPU a search trial can fit warm above it and fail from scratch.
 
     ``batchfit.probe.finder`` calls it twice: the largest batch and the neighbourhood before the
     safe batch's verification, then the safe batch after it (its verification's steps usually
@@ -113,8 +114,9 @@ def time_warm(
             failed.append(size)
     out_of_time = start_neighbourhood() if start_neighbourhood is not None else None
     asked: set[int] = set()
+    ceiling = max(sizes, default=None)  # the largest batch: a size above it fitted warm, not from scratch
     while out_of_time is not None:
-        rates = warm_rates(trials)  # as ``Throughput.of`` ranks them
+        rates = {s: r for s, r in warm_rates(trials).items() if ceiling is None or s <= ceiling}  # as Throughput.of
         size = next_knee_size(rates, grid)
         if size is None or size in asked:  # asked already: its trial timed no warm step (a skipped update)
             break

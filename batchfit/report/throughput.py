@@ -102,10 +102,17 @@ class Throughput:
     timing_s: Seconds | None = None
 
     @classmethod
-    def of(cls, trials: Sequence[Trial], timing_s: float | None = None) -> Throughput | None:
+    def of(
+        cls, trials: Sequence[Trial], timing_s: float | None = None, largest: int | None = None
+    ) -> Throughput | None:
         """The throughput answer of ``trials`` (``None`` when no fitting trial was timed): from
         their warm steps when any size has some (``warm``), else from every timed trial.
-        ``timing_s``: the time spent timing sizes warm after the search (``batchfit.probe.timing``)."""
+        ``timing_s``: the time spent timing sizes warm after the search (``batchfit.probe.timing``).
+        ``largest``: the largest batch found; sizes above it are not ranked. On a GPU a size can fit
+        with the optimizer state kept from a smaller trial and fail from scratch (the allocator's
+        layout carries): the best batch must be one a fresh run trains at."""
+        if largest is not None:
+            trials = [t for t in trials if t.batch_size <= largest]
         warm = warm_rates(trials)
         if warm:
             steps = warm_steps_by_size(trials)
