@@ -111,3 +111,22 @@ def expected_steps(result: batchfit.Result, *, cold_after_release: bool) -> list
             raise AssertionError(f"a trial of kind {trial.kind!r} in a find() result: add it to this table")
         expected.append(steps)
     return expected
+
+
+def plain_workload(model: nn.Module, sample: torch.Tensor, device: torch.device, mode: str = "train") -> Any:
+    """A :class:`batchfit.probe.Workload` of ``model`` on ``device`` with every default (AdamW, the
+    default loss, no amp), for tests that drive ``run_trial`` directly."""
+    from batchfit.probe import Workload, optimizer_factory
+
+    return Workload(
+        model=model,
+        device=device,
+        mode=mode,  # type: ignore[arg-type]
+        sample=sample,
+        sample_size=sample.shape[0],
+        make_batch=None,
+        loss_fn=None,
+        step_fn=None,
+        new_optimizer=optimizer_factory(None),
+        amp=None,
+    )

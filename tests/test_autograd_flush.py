@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from helpers import plain_workload
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from batchfit.backends import LiveTensorMeter
-from batchfit.probe import Workload, optimizer_factory, run_trial
+from batchfit.probe import run_trial
 
 
 class _OutOfMemoryInBackward(torch.autograd.Function):
@@ -63,18 +64,7 @@ def test_the_autograd_flush_after_an_oom_in_backward_runs_on_the_trials_device()
     device = torch.device("meta")
     model = FailsInBackward(log).to(device)
     sample = torch.randn(4, 64, device=device)
-    workload = Workload(
-        model=model,
-        device=device,
-        mode="train",
-        sample=sample,
-        sample_size=4,
-        make_batch=None,
-        loss_fn=None,
-        step_fn=None,
-        new_optimizer=optimizer_factory(None),
-        amp=None,
-    )
+    workload = plain_workload(model, sample, device)
     meter = LiveTensorMeter(budget_bytes=None, total_bytes=None)
     with DeviceLog(log):
         run = run_trial(workload, meter, batch_size=8, steps=1)

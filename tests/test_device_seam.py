@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_state, expected_steps, state_of
+from helpers import assert_same_state, expected_steps, plain_workload, state_of
 from torch import nn
 
 import batchfit
 from batchfit import examples
 from batchfit.backends import LiveTensorMeter, available_host_bytes, backend_for
 from batchfit.errors import DeviceFailedError, NoOptimizerStepError
-from batchfit.probe import Options, Workload, default_loss, optimizer_factory, run_trial
+from batchfit.probe import Options, default_loss, run_trial
 from batchfit.report import Settings
 
 PACKAGE = Path(batchfit.__file__).parent
@@ -120,18 +120,7 @@ class CountingMeter(LiveTensorMeter):
 @pytest.mark.parametrize("mode", ["train", "inference"])
 def test_the_device_is_synchronised_only_around_timed_steps(mode: str) -> None:
     model, sample = examples.mlp()
-    workload = Workload(
-        model=model,
-        device=torch.device("cpu"),
-        mode=mode,
-        sample=sample,
-        sample_size=4,
-        make_batch=None,
-        loss_fn=None,
-        step_fn=None,
-        new_optimizer=optimizer_factory(None),
-        amp=None,
-    )
+    workload = plain_workload(model, sample, torch.device("cpu"), mode)
     meter = CountingMeter()
     run = run_trial(workload, meter, batch_size=8, steps=4)
     assert run.trial.fits and run.trial.steps == 4
