@@ -74,7 +74,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import proof_checks as pc  # noqa: E402  (this directory, not a package)
-from proof_children import GATE_CPU, GATE_CUDA, MARK, run_child  # noqa: E402
+from proof_children import GATE_CPU, GATE_CUDA, run_child  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Checks that start no process (they read what the others wrote): they run after the deadline too.
@@ -170,10 +170,6 @@ def checks_of(plan: pc.Plan, part: str) -> list[tuple[str, Callable[[pc.Run], pc
     return [*chosen, ("leaks", pc.leaks)]
 
 
-def child_argv(name: str, args: dict[str, Any]) -> list[str]:
-    return [sys.executable, __file__, "--child", name, "--args", json.dumps(args)]
-
-
 def preflight(device: str) -> tuple[dict[str, Any] | None, list[str]]:
     """What this machine is, asked of fresh processes (this one never imports torch: no CUDA
     context here): ``(info, lines)``, ``info`` ``None`` when torch or batchfit cannot start.
@@ -181,22 +177,17 @@ def preflight(device: str) -> tuple[dict[str, Any] | None, list[str]]:
     Two children run at once: one describes the machine, one reads the memory fraction under
     ``backend:cudaMallocAsync`` before any is set (it reads about 2e8 there: pytorch#110194).
     """
-    base = dict(os.environ)
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(pc.ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    if device == "cpu":
-        base["CUDA_VISIBLE_DEVICES"] = ""
-    async_env = {**base, "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
-    async_env.pop("PYTORCH_ALLOC_CONF", None)
+    envs = {"describe": None, "fraction": "backend:cudaMallocAsync"}  # the allocator each is started with
     started = {
         name: subprocess.Popen(
-            child_argv(name, {"device": device}),
-            env=env,
+            pc.child_argv(name, {"device": device}),
+            env=pc.child_env(device == "cpu", conf),
             cwd=pc.ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for name, env in (("describe", base), ("fraction", async_env))
+        for name, conf in envs.items()
     }
     answers: dict[str, dict[str, Any]] = {}
     for name, process in started.items():
@@ -205,8 +196,7 @@ def preflight(device: str) -> tuple[dict[str, Any] | None, list[str]]:
         except subprocess.TimeoutExpired:
             process.kill()
             output = process.communicate()[0] + "\n[no answer in 180 s]"
-        marked = [line for line in output.splitlines() if line.startswith(MARK)]
-        answer = json.loads(marked[-1][len(MARK) :]) if marked else {"ok": False, "error": output.strip()[-600:]}
+        answer = pc.answer_of(output) or {"ok": False, "error": output.strip()[-600:]}
         answers[name] = {**answer, "output": output[-2000:]}
     info = answers["describe"]
     if not info.get("ok"):
@@ -303,10 +293,15 @@ def verdict(
     return "\n".join(lines), 1 if failed else 0
 
 
+def file_suffix(part: str) -> str:
+    """What the names of a part's files end with (``verdict-part1.txt``), so that parts share a folder."""
+    return "" if part == "all" else f"-part{part}"
+
+
 def deliver(out: Path, part: str, work: Path, text: str, document: dict[str, Any]) -> list[Path]:
     """The four files of a run in ``out``: the verdict (text and JSON), the JUnit XML, and one
     tarball of everything else (a GPU box sends back at most 8 files: two parts fit)."""
-    suffix = "" if part == "all" else f"-part{part}"
+    suffix = file_suffix(part)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / f"verdict{suffix}.txt", out / f"verdict{suffix}.json"]
     written[0].write_text(text + "\n")
@@ -341,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     if info is None:
         out = args.out or RESULTS / f"{time.strftime('%Y-%m-%d')}-unknown"
         out.mkdir(parents=True, exist_ok=True)
-        suffix = "" if args.part == "all" else f"-part{args.part}"
-        (out / f"verdict{suffix}.txt").write_text("\n".join([*lines, "verdict: could not start"]) + "\n")
+        text = "\n".join([*lines, "verdict: could not start"])
+        (out / f"verdict{file_suffix(args.part)}.txt").write_text(text + "\n")
         return 1
     plan = plan_for(info)
     out = args.out or RESULTS / f"{time.strftime('%Y-%m-%d')}-{slug(info)}"

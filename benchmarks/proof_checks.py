@@ -134,20 +134,6 @@ class Run:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def env(self, alloc_conf: str | None = None) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        env.pop("PYTORCH_ALLOC_CONF", None)
-        if alloc_conf:
-            env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
-        if not self.plan.cuda:  # the CPU run (--device cpu on a GPU box too): no child sees a GPU
-            env["CUDA_VISIBLE_DEVICES"] = ""
-            # One thread: on shared cores torch's OpenMP threads wait on each other and one busy
-            # neighbour makes steps many times slower, in find() and the plain loop unequally.
-            env.setdefault("OMP_NUM_THREADS", "1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        return env
-
     def command(self, argv: list[str], log: str, timeout: float, alloc_conf: str | None = None) -> tuple[int, str]:
         """Run ``argv`` with a timeout; ``(exit code, output)``; the output also goes to ``logs/``.
 
@@ -158,7 +144,7 @@ class Run:
         if left < 5:
             raise Cut(f"{log}: no time left before the hard end")
         limit = min(timeout, left)
-        env = self.env(alloc_conf)
+        env = child_env(not self.plan.cuda, alloc_conf)
         # A session of its own, so that a timeout stops its children too (pytest starts some).
         with subprocess.Popen(
             argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -177,15 +163,52 @@ class Run:
     def child(self, name: str, args: dict[str, Any], log: str, alloc_conf: str | None = None) -> dict[str, Any]:
         """A fresh process running ``proof_children.CHILDREN[name]``; its answer, or ``ok: False``."""
         args = {"device": "cuda" if self.plan.cuda else "cpu", **args}
-        argv = [sys.executable, str(GPU_PY), "--child", name, "--args", json.dumps(args)]
-        rc, output = self.command(argv, log, self.plan.timeouts.get(name, 300), alloc_conf)
-        marked = [line for line in output.splitlines() if line.startswith(MARK)]
-        if marked:
-            answer = json.loads(marked[-1][len(MARK) :])
-        else:
-            answer = {"ok": False, "error": f"exit {rc}, no answer: {output.strip()[-300:]}"}
+        rc, output = self.command(child_argv(name, args), log, self.plan.timeouts.get(name, 300), alloc_conf)
+        answer = answer_of(output) or {"ok": False, "error": f"exit {rc}, no answer: {output.strip()[-300:]}"}
         answer["exit_code"] = rc
         return answer
+
+
+def child_env(cpu_only: bool, alloc_conf: str | None = None) -> dict[str, str]:
+    """The environment of every process the proof starts: this source tree importable (batchfit is
+    not installed on a GPU box), the allocator configuration given and no other, and on the CPU run
+    (``--device cpu`` on a GPU box too) no GPU visible."""
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("PYTORCH_ALLOC_CONF", None)
+    if alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    if cpu_only:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        # One thread: on shared cores torch's OpenMP threads wait on each other and one busy
+        # neighbour makes steps many times slower, in find() and the plain loop unequally.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def child_argv(name: str, args: dict[str, Any]) -> list[str]:
+    """The command line of ``proof_children.CHILDREN[name](args)`` in a fresh interpreter."""
+    return [sys.executable, str(GPU_PY), "--child", name, "--args", json.dumps(args)]
+
+
+def answer_of(output: str) -> dict[str, Any] | None:
+    """A child's answer: its last line marked :data:`~proof_children.MARK` (``None``: it printed none)."""
+    marked = [line for line in output.splitlines() if line.startswith(MARK)]
+    return json.loads(marked[-1][len(MARK) :]) if marked else None
+
+
+def plain_loop_text(fresh: dict[str, Any], over: bool = False) -> str:
+    """How a fresh process's plain loop went: it trained (with its reserved peak and how often the
+    allocator freed its cache at the cap and retried), trained only by reserving more than the cap
+    (``over``: ``cudaMallocAsync``), ran out of memory, or failed otherwise."""
+    if not fresh.get("ok"):
+        return f"error: {fresh.get('error')}"
+    if not fresh["fits"]:
+        return "OOM"
+    peak, retries = fresh.get("max_reserved_bytes", fresh.get("peak_bytes")), fresh.get("alloc_retries")
+    word = "trains, reserving more than the cap" if over else "trains"
+    return f"{word} ({size(peak)}" + (f", {retries} alloc retries)" if retries else ")")
 
 
 def _interrupt(process: subprocess.Popen[str]) -> str:
@@ -335,11 +358,7 @@ def cap_check(name: str, case: Case, allocator: str, conf: str | None) -> Any:
             # the fraction caps only requested bytes, so a pool above the limit did not fit.
             over = run.plan.cuda and fresh["fits"] and peak is not None and peak > case.limit_bytes
             fits = fresh["fits"] and not over
-            word = "trains" if fits else ("trains, reserving more than the cap" if over else "OOM")
-            tries = fresh.get("alloc_retries") if fresh["fits"] else None
-            retries = f", {tries} alloc retries" if tries else ""
-            shown = f"{batch} {word}" + (f" ({size(peak)}{retries})" if fresh["fits"] else "")
-            verdicts.append((fits == expected, shown))
+            verdicts.append((fits == expected, f"{batch} {plain_loop_text(fresh, over)}"))
         if not found["boundary_reached"]:
             verdicts.append((True, f"(search stopped: {found['stop_reason']}, max + 1 not tried)"))
         safe = f"safe {found['safe_batch']}{'' if found['safe_verified'] else ' UNVERIFIED'}"
@@ -481,14 +500,10 @@ def gate(run: Run) -> Record:
         f"{top + 1} does not train from scratch": not boundary or (scratch.get("ok") and not scratch.get("fits")),
     }
     details["checks"] = checks
-    fresh_word = "OOM" if scratch.get("ok") and not scratch.get("fits") else ("trains" if scratch.get("fits") else "?")
-    if scratch.get("fits"):  # how close to the cap the plain loop got (at it: only by freeing its cache)
-        peak, retries = scratch.get("max_reserved_bytes", scratch.get("peak_bytes")), scratch.get("alloc_retries")
-        fresh_word += f", reserving {size(peak)}" + (f" after {retries} alloc retries" if retries else "")
     summary = (
         f"{case.limit_text}: probe max {top}; exit codes: require {n} {plain}, with --reserve auto "
         f"{reserved['exit_code']} (budget {size(budget)}), require {top + 1} {above}"
-        + (f"; {top + 1} from scratch: {fresh_word}" if boundary else "")
+        + (f"; {top + 1} from scratch: {plain_loop_text(scratch)}" if boundary else "")
     )
     failed = [k for k, ok in checks.items() if not ok]
     return Record("gate", not failed, summary + (f"; wrong: {'; '.join(failed)}" if failed else ""), details)
