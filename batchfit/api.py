@@ -10,7 +10,7 @@ core: the probe itself never prints and never imports a view. :func:`plan` probe
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +59,7 @@ def find(
     distributed: bool | None = None,
     rank_timeout: float = 300.0,
     seq_len: int | None = None,
-    scan_batches: int = 64,
+    scan_batches: int | None = 64,
     timed_steps: int = 2,
     noise_scale: bool = False,
     noise_passes: int = 128,
@@ -86,10 +86,15 @@ def find(
             ``Result.sized_on`` say which (``batchfit.probe.real_data``).
         make_batch: instead of ``sample``, a callable ``batch_size -> batch``; with ``seq_len``,
             ``(batch_size, seq_len) -> batch``.
-        loss_fn: ``(output, batch) -> loss``; default: ``output.loss`` or the output's mean.
-        step_fn: ``(model, batch) -> loss``, replaces forward and loss entirely.
+        loss_fn: ``(output, batch) -> loss``; the output is kept through backward, as
+            ``out = model(x); loss = loss_fn(out, batch)`` keeps it. Default: the model's own
+            ``output.loss``, its output freed before backward as ``loss = model(**batch).loss``
+            frees it, or else the output's mean.
+        step_fn: ``(model, batch) -> loss``, replaces forward and loss entirely; what it does not
+            return is freed before backward.
         optimizer: ``None`` (a fresh AdamW), an optimizer (a fresh one of its class and
             hyperparameters is used; yours is never stepped) or a factory ``params -> optimizer``.
+            It must hold some of the model's trainable parameters (a subset is fine).
         amp: ``"bf16"`` or ``"fp16"`` to run under autocast (fp16 with a grad scaler; steps whose
             optimizer update the scaler skips do not count, see ``Trial.skipped_steps``).
         mode: ``"train"`` or ``"inference"`` (forward only, under ``torch.inference_mode``).
@@ -97,8 +102,10 @@ def find(
         memory_limit: bytes, a size (``"24GiB"``) or a fraction of the device's memory (CUDA: its
             total as the runtime reports it; CPU: what is available at the start). On CUDA it caps
             what the caching allocator may reserve; on the CPU, live tensor bytes. Without one:
-            on CUDA the memory this process can reach, on the CPU half the available memory.
-            A limit above what the process can reach is clipped to it, with a note.
+            on CUDA the memory this process can reach, on the CPU half the available memory (at most
+            1 GiB; a limit above 3/4 of the available memory is clipped to it, with a note).
+            A limit above what the process can reach is clipped to it, with a note (on the CPU
+            75% of the memory available at the start: the rest is for what the meter does not see).
         reserve: bytes (or a size) taken off ``memory_limit`` for memory a device of that size
             loses outside the caching allocator (CUDA context, library handles, NCCL), so that
             ``memory_limit="24GB", reserve="600MiB"`` stands for a 24 GB card. ``"auto"``: what
@@ -149,8 +156,10 @@ def find(
             ``make_batch`` it is passed on as ``make_batch(batch_size, seq_len)``. Longer than
             the model's position embeddings (``batchfit.probe.position_limit``) is refused
             before any trial.
-        scan_batches: the most batches drawn from a ``DataLoader`` sample to find the worst one
-            (default 64).
+        scan_batches: how many batches a ``DataLoader`` sample's scan reads to find the worst
+            one (default 64: the whole epoch when it has no more, else 64 spread across it, its
+            ends included); ``None`` reads every batch. A scan that did not read the whole epoch
+            warns (``UserWarning``) and says so in a note.
         criterion: for ``(inputs, targets)`` batches (``find(resnet, (x, y), criterion=
             nn.CrossEntropyLoss())``): the model is called with the inputs and the loss is
             ``criterion(output, targets)``.
@@ -167,7 +176,8 @@ def find(
         cache: a directory (made if missing) where the answer is kept, keyed by everything that
             changes it (device, model structure, batch shapes, step, settings, versions; not the
             weights, not the world size: ``batchfit.probe.keys``). The same probe again is a
-            hit: no trial runs, no callback is called, the stored answer comes back with
+            hit: no search runs, no callback is called, the stored safe batch is checked with one
+            real run (skipped with ``verify_steps=0``) and the stored answer comes back with
             ``Result.from_cache`` set; else it probes and writes the answer there. An entry that
             cannot be trusted, or a directory that cannot be written, is a note, never an error.
 
@@ -202,7 +212,7 @@ def frontier(
     model: nn.Module,
     make_batch: Callable[[int, int], Any] | None = None,
     *,
-    seq_lens: Sequence[int],
+    seq_lens: Iterable[int],
     longest_at_batch_1: bool = True,
     max_seq_len: int | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -247,7 +257,8 @@ def frontier(
 
     Args:
         make_batch: ``(batch_size, seq_len) -> batch``, a batch of that many sequences of that length.
-        seq_lens: the lengths to size (each at most the model's position embeddings, when it states them).
+        seq_lens: the lengths to size, any integral numbers (a list, ``np.arange(...)``, a 1-d tensor), each at
+            most the model's position embeddings when it states them.
         longest_at_batch_1: also find the longest length that trains at batch 1 (default ``True``).
         max_seq_len: the ceiling of that search; default the model's positions
             (``config.max_position_embeddings``, ``n_positions``, a position embedding's size).
@@ -284,7 +295,7 @@ def frontier(
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {type(progress).__name__} {progress!r}")
     from batchfit.distributed import leads  # under torchrun only rank 0 shows the view
-    from batchfit.probe import Prober, check_callbacks, frontier_with  # the algorithm, torch, once a probe runs
+    from batchfit.probe import Prober, check_callbacks, check_lengths, frontier_with  # torch, once a probe runs
 
     check_callbacks(callback, on_trial_start, on_start)
 
@@ -308,12 +319,13 @@ def frontier(
     from batchfit.view import FrontierProgress
 
     # As find(): the algorithm never prints; the view is fed through the callbacks.
-    lengths = list(seq_lens) if isinstance(seq_lens, Sequence) and not isinstance(seq_lens, (str, bytes)) else []
+    # The lengths read once (a generator or np.arange too), as the algorithm reads them, for the header.
+    lengths = list(check_lengths(model, make_batch, seq_lens, max_seq_len)[0])
     with FrontierProgress(type(model).__name__, lengths, on_point, callback, on_trial_start, on_start) as shown:
         answer = frontier_with(
             model,
             make_batch,  # type: ignore[arg-type]
-            seq_lens,
+            lengths,
             options,
             make_prober,
             on_length=shown.length_started,

@@ -148,7 +148,7 @@ def autosize(
     Args:
         trainer: a ``transformers.Trainer`` (or subclass) with a ``train_dataset``.
         memory_limit: as :func:`batchfit.find`'s (bytes, ``"24GiB"``, a fraction); default: the
-            memory this process can reach on the model's device (half the available on the CPU).
+            memory this process can reach on the model's device (half the available on the CPU, at most 1 GiB).
         headroom: the fraction of the budget the safe batch leaves free.
         target_batch: a global batch to keep: set the micro-batch and the accumulation steps from
             ``batchfit.plan(result, target_batch=..., world_size=<data-parallel replicas>)``.

@@ -6,6 +6,7 @@ Pure Python, no torch import.
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any
 
@@ -111,8 +112,36 @@ def parse_reserve(reserve: int | str) -> int | str:
         raise ValueError(f"{exc}; or 'auto' to measure it on the device") from None
 
 
+def as_int(name: str, value: Any) -> int:
+    """``value`` as the Python int it holds: an int, or any other integral number (numpy's
+    ``int64`` from ``np.arange``, any ``numbers.Integral``, a 0-d integer tensor: what
+    ``__index__`` takes), never a bool (``True`` as a batch size is a mistake, not 1).
+    ``TypeError`` naming ``name`` otherwise. Every count a probe takes is read here."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int(value)
+    boolean = isinstance(value, bool) or "bool" in str(getattr(value, "dtype", ""))
+    if not boolean and getattr(value, "ndim", 0) == 0:
+        try:
+            return operator.index(value)
+        except Exception:  # a float, a meta tensor (no value to read): not an int, said below
+            pass
+    raise TypeError(
+        f"{name} must be an int, got {type(value).__name__} {value!r} (any integral number is one: a numpy "
+        "integer, a 0-d integer tensor; a bool is not)"
+    )
+
+
+def positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    """``value`` as an int (:func:`as_int`) if it is >= ``minimum``; else an error that names ``name``."""
+    value = as_int(name, value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
 def check_positive_int(name: str, value: Any) -> None:
-    """``TypeError`` unless ``value`` is an int (not a bool), ``ValueError`` unless it is >= 1; each names ``name``."""
+    """``TypeError`` unless ``value`` is a Python int (not a bool), ``ValueError`` unless it is >= 1; each
+    names ``name``. For values stored as given (a plan, a recommendation): :func:`positive_int` converts."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < 1:

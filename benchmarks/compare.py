@@ -57,7 +57,7 @@ import batchfit
 from batchfit import examples
 from batchfit import search as search_mod
 from batchfit.backends import LiveTensorMeter, Meter
-from batchfit.probe import batch_size_of, call_model, default_loss, tile
+from batchfit.probe import batch_size_of, call_model, default_loss, own_loss, tile
 from batchfit.search import Interpolating
 from batchfit.units import format_bytes, parse_memory_limit
 
@@ -333,11 +333,13 @@ def lightning_module(model: torch.nn.Module, sample: Any, meter: Meter | None, t
             tally.step_done()
 
         def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-            # Returning the output with the loss is ordinary Lightning (on_train_batch_end gets
-            # it); it keeps the output alive through backward and the optimizer step, as
-            # batchfit's trial and the Accelerate function do, so all run the same workload.
+            # The loop batchfit's trial stands for, so all run the same workload: the model's own
+            # loss alone (its output freed before backward, as `loss = model(**batch).loss`),
+            # else the output returned with the loss (ordinary Lightning: on_train_batch_end gets
+            # it), alive through backward and the optimizer step.
             output = call_model(self.model, batch)
-            return {"loss": default_loss(output), "output": output}
+            own = own_loss(output)
+            return {"loss": own} if own is not None else {"loss": default_loss(output), "output": output}
 
         def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
             with cap_during(meter):
@@ -419,11 +421,15 @@ def run_accelerate(case: Case, device: torch.device, steps: int, start: int, sta
                 for _ in range(steps):
                     with autocast():
                         output = call_model(model, batch)
-                        loss = default_loss(output)
+                        loss = own_loss(output)
+                        if loss is None:  # the output is alive through the step, as in batchfit's trial
+                            loss = default_loss(output)
+                        else:
+                            output = None  # freed before backward, as batchfit's trial frees it
                     loss.backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    del output, loss  # alive through the step, as in batchfit's trial
+                    del output, loss
                     tally.step_done()
             return batch_size
 

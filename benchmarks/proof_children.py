@@ -56,13 +56,14 @@ def tile(sample: Any, size: int, device: Any) -> Any:
     return sample.repeat(*repeats)[:size].contiguous().to(device)
 
 
-def loss_of(output: Any) -> Any:
-    """The model's own loss when it returns one, else the mean of its (first) output."""
-    if isinstance(output, Mapping):
-        if "loss" in output:
-            return output["loss"]
-        output = next(iter(output.values()))
-    return output.float().mean()
+def loss_of(output: Any) -> tuple[Any, Any]:
+    """``(loss, output to keep)``: the model's own loss with nothing kept (the output is freed
+    before backward, as ``loss = model(**batch).loss`` and ``find()`` free it), else the mean of its
+    (first) output with the output kept through backward (as ``criterion(model(x), y)`` keeps it)."""
+    from batchfit.probe import default_loss, own_loss
+
+    own = own_loss(output)
+    return (own, None) if own is not None else (default_loss(output), output)
 
 
 def plain_steps(model: Any, batch: Any, optimizer: Any, amp: str | None, device: Any, steps: int) -> list[float]:
@@ -74,8 +75,7 @@ def plain_steps(model: Any, batch: Any, optimizer: Any, amp: str | None, device:
     for _ in range(steps):
         started = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            output = model(**batch) if isinstance(batch, Mapping) else model(batch)
-            loss = loss_of(output)
+            loss, output = loss_of(model(**batch) if isinstance(batch, Mapping) else model(batch))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -164,9 +164,13 @@ def test_expandable_segments_bring_the_estimates_reserved_peak_to_allocated(monk
     for variable in ENV_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     model, sample = gpt()
-    default = batchfit.estimate(model, sample, memory_limit="1GiB", reserve=0, device="cuda")
+    # The logits kept through backward (loss_fn), the workload this case was measured on: freed
+    # before backward (the model's own loss, issue 32) the default's segments happen to fit the
+    # answer's peak within 4 MiB, and the comparison below would measure that luck, not the pools.
+    kept = {"loss_fn": lambda output, batch: output["loss"]}
+    default = batchfit.estimate(model, sample, memory_limit="1GiB", reserve=0, device="cuda", **kept)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    expandable = batchfit.estimate(model, sample, memory_limit="1GiB", reserve=0, device="cuda")
+    expandable = batchfit.estimate(model, sample, memory_limit="1GiB", reserve=0, device="cuda", **kept)
     allocated, reserved = _at_the_answer(default)
     expandable_allocated, expandable_reserved = _at_the_answer(expandable)
     # The default reserves segments per request size; expandable segments map pages as needed, so

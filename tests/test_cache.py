@@ -10,7 +10,9 @@ from __future__ import annotations
 import datetime
 import json
 import multiprocessing
+import os
 import re
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +27,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import batchfit
 from batchfit import Result, examples
 from batchfit.cli import main
-from batchfit.probe import CACHE_SCHEMA, Options, Prober, cache_key, check_entry, probe_key
+from batchfit.probe import CACHE_SCHEMA, Options, Prober, cache_key, check_entry, entry_document, probe_key
+from batchfit.probe.cache_files import ENTRY_CAP_BYTES
+from batchfit.probe.safe_batch import safe_cap
+from batchfit.units import format_bytes
 
 #: A probe that takes about a second: a boundary near 130 samples, no extra timing.
 FAST: dict[str, Any] = {"memory_limit": "160KiB", "timed_steps": 0}
@@ -74,7 +79,8 @@ def test_a_hit_runs_no_trial_and_gives_the_answer_the_miss_stored(tmp_path: Path
     counted.trials = counted.started = counted.forwards = 0
     hit = batchfit.find(model, sample, memory_limit="1MiB", cache=tmp_path, **counted.kwargs())
 
-    assert (counted.trials, counted.started, counted.forwards) == (0, 0, 0)  # the model never ran
+    assert (counted.trials, counted.started) == (0, 0)  # no trial of a search: no callback
+    assert counted.forwards == 2  # the stored safe batch checked once, with the 2 steps that show its peak
     for name in ("max_batch", "safe_batch", "best_throughput_batch", "trials", "memory", "throughput"):
         assert getattr(hit, name) == getattr(missed, name), name
     assert (hit.budget_bytes, hit.settings, hit.device) == (missed.budget_bytes, missed.settings, missed.device)
@@ -85,11 +91,23 @@ def test_a_hit_runs_no_trial_and_gives_the_answer_the_miss_stored(tmp_path: Path
     written = datetime.datetime.strptime(hit.from_cache.written_at, "%Y-%m-%dT%H:%M:%SZ")
     assert abs(datetime.datetime.utcnow() - written) < datetime.timedelta(hours=1)
     assert hit.notes[: len(missed.notes)] == missed.notes
-    assert f"from the cache: {path}, written {hit.from_cache.written_at}; no trial ran" in hit.notes
+    cap = f"{format_bytes(safe_cap(missed.budget_bytes or 0, 0.10))}"
+    said = f"no search ran; safe batch {missed.safe_batch} checked with 2 steps under {cap}: it fits"
+    assert f"from the cache: {path}, written {hit.from_cache.written_at}; {said}" in hit.notes
     shown = [line for line in str(hit).splitlines() if line.startswith("from the cache")]
     assert len(shown) == 1 and str(path) in shown[0] and hit.from_cache.written_at in shown[0]
     assert Result.from_json(hit.to_json()) == hit  # the record reads back
     assert len(entries(tmp_path)) == 1  # a hit writes nothing
+
+
+def test_without_verification_a_hit_never_runs_the_model(tmp_path: Path) -> None:
+    """``verify_steps=0`` verifies nothing, the hit's check included."""
+    model, sample = small()
+    batchfit.find(model, sample, cache=tmp_path, verify_steps=0, **FAST)
+    counted = Counted(model)
+    hit = batchfit.find(model, sample, cache=tmp_path, verify_steps=0, **FAST, **counted.kwargs())
+    assert hit.from_cache is not None and (counted.trials, counted.started, counted.forwards) == (0, 0, 0)
+    assert hit.notes[-1].endswith("; no trial ran")
 
 
 def test_weights_alone_changing_is_a_hit(tmp_path: Path) -> None:
@@ -103,12 +121,19 @@ def test_weights_alone_changing_is_a_hit(tmp_path: Path) -> None:
     assert again.from_cache is not None and again.max_batch == first.max_batch
 
 
-def test_another_setting_is_a_miss_that_stores_its_own_entry(tmp_path: Path) -> None:
+def test_a_learning_rate_change_alone_is_a_hit_and_another_optimizer_a_miss(tmp_path: Path) -> None:
+    """The learning rate, weight decay, betas and eps change the numbers, not the tensors a step
+    allocates: they are not in the key. The optimizer's type is."""
     model, sample = small()
-    batchfit.find(model, sample, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), cache=tmp_path, **FAST)
+    first = batchfit.find(
+        model, sample, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), cache=tmp_path, **FAST
+    )
+    tuned = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, betas=(0.8, 0.95), eps=1e-6)
+    again = batchfit.find(model, sample, optimizer=tuned, cache=tmp_path, **FAST)
+    assert first.from_cache is None and again.from_cache is not None and again.max_batch == first.max_batch
     counted = Counted(model)
     other = batchfit.find(
-        model, sample, optimizer=torch.optim.AdamW(model.parameters(), lr=2e-3), cache=tmp_path, **FAST,
+        model, sample, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), cache=tmp_path, **FAST,
         **counted.kwargs(),
     )  # fmt: skip
     assert other.from_cache is None and counted.trials > 0
@@ -140,8 +165,9 @@ def _adamw(model: nn.Module, **settings: Any) -> torch.optim.Optimizer:
 CHANGES: dict[str, Any] = {
     "amp": lambda m, s, o: (m, s, replace(o, amp="bf16")),
     "optimizer class": lambda m, s, o: (m, s, replace(o, optimizer=torch.optim.SGD(m.parameters(), lr=1e-3))),
-    "optimizer lr": lambda m, s, o: (m, s, replace(o, optimizer=torch.optim.AdamW(m.parameters(), lr=2e-3))),
-    "optimizer weight decay": lambda m, s, o: (m, s, replace(o, optimizer=_adamw(m, weight_decay=0.1))),
+    "optimizer amsgrad": lambda m, s, o: (m, s, replace(o, optimizer=_adamw(m, amsgrad=True))),
+    "optimizer foreach": lambda m, s, o: (m, s, replace(o, optimizer=_adamw(m, foreach=False))),
+    "a zero weight decay": lambda m, s, o: (m, s, replace(o, optimizer=_adamw(m, weight_decay=0.0))),
     "default optimizer": lambda m, s, o: (m, s, replace(o, optimizer=None)),
     "mode": lambda m, s, o: (m, s, replace(o, mode="inference")),
     "a frozen layer": lambda m, s, o: (_with(m, lambda: m.net[0].weight.requires_grad_(False)), s, o),
@@ -185,6 +211,43 @@ def test_every_part_of_the_key_changing_is_a_miss(change: str) -> None:
     before = _key(model, sample, options)
     assert _key(*_base()) == before  # the same probe again: the same key
     assert _key(*CHANGES[change](model, sample, options)) != before
+
+
+def _sgd(model: nn.Module, **settings: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), **settings)
+
+
+#: (first optimizer, second optimizer, same key?): what changes memory keys apart, values do not.
+OPTIMIZER_SETTINGS: dict[str, Any] = {
+    "AdamW lr": (lambda m: _adamw(m), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), True),
+    "AdamW betas, eps, decay": (
+        lambda m: _adamw(m),
+        lambda m: _adamw(m, betas=(0.5, 0.9), eps=1e-5, weight_decay=0.3),
+        True,
+    ),
+    "SGD momentum value": (lambda m: _sgd(m, lr=0.1, momentum=0.9), lambda m: _sgd(m, lr=0.2, momentum=0.5), True),
+    "SGD momentum on": (lambda m: _sgd(m, lr=0.1), lambda m: _sgd(m, lr=0.1, momentum=0.9), False),
+    "SGD nesterov": (
+        lambda m: _sgd(m, lr=0.1, momentum=0.9),
+        lambda m: _sgd(m, lr=0.1, momentum=0.9, nesterov=True),
+        False,
+    ),
+    "AdamW to Adam": (lambda m: _adamw(m), lambda m: torch.optim.Adam(m.parameters(), lr=1e-3), False),
+    "AdamW fused": (lambda m: _adamw(m), lambda m: _adamw(m, fused=True), False),
+    "L-BFGS history": (
+        lambda m: torch.optim.LBFGS(m.parameters(), history_size=10),
+        lambda m: torch.optim.LBFGS(m.parameters(), history_size=20),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZER_SETTINGS))
+def test_only_the_optimizer_settings_that_change_memory_are_in_the_key(name: str) -> None:
+    first, second, same = OPTIMIZER_SETTINGS[name]
+    model, sample = small()
+    keys = [_key(model, sample, Options(memory_limit="1MiB", optimizer=make(model))) for make in (first, second)]
+    assert (keys[0] == keys[1]) is same
 
 
 @pytest.mark.parametrize("version", ["torch_version", "batchfit_version"])
@@ -270,8 +333,8 @@ def _edited(field: str, value: Any) -> Any:
         where = entry
         *path, last = field.split(".")
         for name in path:
-            where = where[name]
-        where[last] = value
+            where = where[int(name) if isinstance(where, list) else name]
+        where[int(last) if isinstance(where, list) else last] = value
         return json.dumps(entry)
 
     return edit
@@ -287,6 +350,31 @@ BROKEN = {
     "edited key fields": (_edited("key_fields.search.headroom", "float 0.5"), "its key fields do not hash"),
     "no time": (_edited("written_at", None), "it says not when it was written"),
     "a refused result": (_edited("result.max_batch", "big"), "its result is refused (not a batchfit result"),
+    "a time with an escape": (_edited("written_at", "\x1b[2J"), "it says not when it was written"),
+    # The issue's tampering: an answer its own trials contradict.
+    "a max no trial fitted": (
+        lambda text: _edited("result.safe_batch", 3600)(_edited("result.max_batch", 4000)(text)),
+        "its answer contradicts its own trials: max_batch 4000 fitted no trial under the budget",
+    ),
+    "a max above a failed size": (
+        _edited("result.trials.0.fits", False),
+        lambda text: (
+            f"its answer contradicts its own trials: max_batch {json.loads(text)['result']['max_batch']} is "
+            "at or above batch 2, which ran out of memory in its trials"
+        ),
+    ),
+    "a verified safe batch never verified": (
+        _edited("result.safe_batch", 1),
+        "its answer contradicts its own trials: safe_batch 1 is said to be verified, and no verification",
+    ),
+    "a throughput batch that never ran": (
+        _edited("result.best_throughput_batch", 4000),
+        "its answer contradicts its own trials: best_throughput_batch 4000 fitted no trial",
+    ),
+    "memory said not monotone": (
+        _edited("result.non_monotone", True),
+        "its answer contradicts its own trials: it says memory was not monotone, and its trials say otherwise",
+    ),
 }
 
 
@@ -301,16 +389,19 @@ def stored(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 
 #: The damage a real probe meets in the test below; every other kind is checked on the entry alone.
-PROBED = ("not JSON", "truncated", "empty", "another schema", "a mismatched key", "a refused result")
+PROBED = (
+    "not JSON", "truncated", "empty", "another schema", "a mismatched key", "a refused result", "a max no trial fitted",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("broken", sorted(BROKEN))
 def test_every_kind_of_damage_is_named(broken: str, stored: tuple[str, str]) -> None:
     name, text = stored
     damage, why = BROKEN[broken]
+    why = why(text) if callable(why) else why
     assert check_entry(text.encode(), Path(name).stem) is None
     said = check_entry(damage(text).encode(), Path(name).stem)
-    assert said is not None and said.startswith(why)
+    assert said is not None and said.startswith(why), said
 
 
 @pytest.mark.parametrize("broken", PROBED)
@@ -347,6 +438,118 @@ def test_an_entry_from_another_world_size_keeps_per_rank_sizes_and_says_so(
     assert hit.from_cache is not None and hit.from_cache.world_size == 4 and hit.world_size == 1
     assert hit.max_batch == Result.from_json(json.dumps(json.loads(text)["result"])).max_batch
     assert any("measured on 4 ranks, now 1" in n and "samples/s are those of the 4" in n for n in hit.notes)
+
+
+#: Text a terminal acts on: clear the screen, set the window title, ring, reverse the line's direction.
+RAW = ("\x1b[2J", "\x1b]0;", "\x07", "\u202e")
+
+
+def _rigged(text: str) -> str:
+    """The entry ``text`` with terminal escapes (and rich markup) in every kind of text it shows."""
+    entry = json.loads(text)
+    result = entry["result"]
+    result["notes"] = ["\x1b[2Jcleared", "[/] [link=file:///etc]\u202ereversed[/link]"]
+    result["device"]["name"] = "\x1b]0;a title\x07CPU"
+    result["settings"]["limit_source"] = "memory_limit\x1b[31m"
+    return json.dumps(entry)
+
+
+def test_an_entry_s_text_reaches_no_terminal_raw(stored: tuple[str, str], tmp_path: Path) -> None:
+    """A shared cache is written by others: what a hit shows is escaped once, as it is read, so that
+    ``str(result)``, the notes, the JSON and the rich view show the escapes as text."""
+    from io import StringIO
+
+    from batchfit.view.live import LiveView
+
+    name, text = stored
+    (tmp_path / name).write_text(_rigged(text))
+    model, sample = small()
+    hit = batchfit.find(model, sample, cache=tmp_path, **FAST)
+    assert hit.from_cache is not None
+    assert hit.notes[:2] == ("\\x1b[2Jcleared", "[/] [link=file:///etc]\\u202ereversed[/link]")
+    assert hit.device.name == "\\x1b]0;a title\\x07CPU"
+    live = StringIO()
+    LiveView(live).summary(hit)  # rich: markup in a note is text too ("[/]" would raise, a link would be one)
+    for shown in (str(hit), hit.to_json(), live.getvalue()):
+        assert not any(raw in shown for raw in RAW), shown
+    assert "\\x1b[2Jcleared" in live.getvalue() and "[link=file:///etc]" in live.getvalue()
+
+
+def test_a_hit_whose_safe_batch_no_longer_fits_is_probed_again(tmp_path: Path) -> None:
+    """The key cannot see everything that changes memory (the model's code, what else holds the
+    device): a hit runs its safe batch once, under the budget less its headroom, before it is
+    trusted. Here the entry holds a true answer, for a larger budget: self-consistent, and wrong."""
+    model, sample = small()
+    roomy = batchfit.find(model, sample, memory_limit="1MiB", timed_steps=0)
+    options = Options(**FAST)
+    key = probe_key(Prober(model, sample, options=options), options)
+    path = tmp_path / f"{key.hex}.json"
+    path.write_text(json.dumps(entry_document(key.hex, key.fields, roomy)))
+    assert check_entry(path.read_bytes(), key.hex) is None  # nothing in it contradicts itself
+    counted = Counted(model)
+
+    result = batchfit.find(model, sample, cache=tmp_path, **FAST, **counted.kwargs())
+
+    assert result.from_cache is None and counted.trials > 0 and result.safe_batch < roomy.safe_batch
+    cap = format_bytes(safe_cap(result.budget_bytes or 0, 0.10))
+    said = f"its safe batch {roomy.safe_batch} ran out of memory when checked under {cap}"
+    assert f"the cache entry {path} was ignored: {said}; probed again" in result.notes
+    assert Result.from_dict(json.loads(path.read_text())["result"]).safe_batch == result.safe_batch  # rewritten
+    assert sum("budget" in note for note in result.notes) == sum("budget" in note for note in roomy.notes)
+
+
+def test_a_file_larger_than_any_entry_is_not_read(stored: tuple[str, str], tmp_path: Path) -> None:
+    name, _ = stored
+    path = tmp_path / name
+    with open(path, "wb") as file:
+        file.truncate(ENTRY_CAP_BYTES + 1)  # sparse: no disk
+    model, sample = small()
+    result = batchfit.find(model, sample, cache=tmp_path, **FAST)
+    assert f"the cache entry {path} was ignored: it is larger than 64.00 MiB, more than any entry; probed again" in (
+        result.notes
+    )
+
+
+#: A child that probes with a cache holding, at the entry's path, what ``argv`` names; its data
+#: segment is capped, so that a read of ``/dev/zero`` fails fast instead of filling the machine.
+_SPECIAL_ENTRY_CHILD = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_DATA, (3 * 2**30, 3 * 2**30))
+import batchfit
+from batchfit import examples
+said = {}
+for cache in sys.argv[1:]:
+    model, sample = examples.mlp(in_features=32, hidden=64, depth=1)
+    result = batchfit.find(model, sample, cache=cache, memory_limit="160KiB", timed_steps=0)
+    said[cache] = [note for note in result.notes if "cache entry" in note]
+print(json.dumps(said))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs and /dev/zero are POSIX")
+def test_a_fifo_or_a_device_at_an_entry_s_path_is_not_read(stored: tuple[str, str], tmp_path: Path) -> None:
+    """A FIFO would block the read before any trial, ``/dev/zero`` and ``/dev/urandom`` would be
+    read until memory runs out: only a regular file is opened. In a child with a deadline, so that
+    a regression fails here instead of hanging the suite."""
+    name, _ = stored
+    made = {"fifo": os.mkfifo, "/dev/zero": Path.symlink_to, "/dev/urandom": Path.symlink_to}
+    paths = {}
+    for kind in made:
+        path = tmp_path / kind.replace("/", "_") / name
+        path.parent.mkdir()
+        os.mkfifo(path) if kind == "fifo" else path.symlink_to(kind)
+        paths[kind] = path
+    dirs = [str(path.parent) for path in paths.values()]
+    child = subprocess.run(
+        [sys.executable, "-c", _SPECIAL_ENTRY_CHILD, *dirs], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    said = json.loads(child.stdout.splitlines()[-1])
+    for kind, path in paths.items():
+        assert said[str(path.parent)] == [
+            f"the cache entry {path} was ignored: it is not a regular file; probed again"
+        ], kind
+        assert path.is_file() and not path.is_symlink() and check_entry(path.read_bytes(), path.stem) is None
 
 
 # Writers at once ----------------------------------------------------------------------------------
@@ -411,17 +614,23 @@ def test_the_noise_scale_is_measured_again_on_a_hit_and_never_stored(tmp_path: P
 def test_probe_with_cache_twice_answers_the_second_time_from_the_cache(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """And shows the entry's text as text: escapes in it (another writer's) do not reach the terminal."""
     cache, first, second = tmp_path / "cache", tmp_path / "first.json", tmp_path / "second.json"
     command = ["probe", "batchfit.examples:gpt", "--device", "cpu", "--memory-limit", "64MiB", "--max-batch", "16"]
     command += ["--timed-steps", "0", "--cache", str(cache)]
     assert main([*command, "--json", str(first)]) == 0
+    (path,) = entries(cache)
+    path.write_text(_rigged(path.read_text()))
+    capsys.readouterr()
     assert main([*command, "--json", str(second)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
     before, after = Result.from_json(first.read_text()), Result.from_json(second.read_text())
     assert before.from_cache is None and after.from_cache is not None
     assert (after.max_batch, after.safe_batch, after.trials) == (before.max_batch, before.safe_batch, before.trials)
-    assert after.from_cache.path == str(entries(cache)[0])
-    assert re.search(r"from the cache: .*written \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ; no trial ran", out)
+    assert after.from_cache.path == str(path)
+    said = r"no search ran; safe batch \d+ checked with 2 steps under [\d.]+ MiB: it fits"
+    assert re.search(rf"from the cache: .*written \d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\dZ; {said}", captured.out)
+    assert "\\x1b[2Jcleared" in captured.out and not any(raw in captured.out + captured.err for raw in RAW)
 
 
 @pytest.mark.parametrize("extra", [["--require-batch", "4"], ["--nproc-per-trial", "2"]])

@@ -119,6 +119,53 @@ TARGETS = textwrap.dedent(
 
     def meta_sample():
         return nn.Linear(8, 8), torch.empty(2, 8, device="meta")
+
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 256)
+            self.head = nn.Linear(256, 1)
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.embed(ids)))
+
+
+    class Chatty(nn.Module):
+        """Says what a Hugging Face model says in its forward: a Python warning and a library logger's."""
+
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(64, 64)
+
+        def forward(self, x):
+            import logging
+            import warnings
+
+            warnings.warn("chatty: `past_key_values` as a tuple is deprecated", FutureWarning)
+            logging.getLogger("transformers.models.chatty").warning("chatty: the attention mask was not given")
+            return self.layer(x)
+
+
+    def chatty():
+        import logging
+        import sys
+
+        # As a library sets up its logger at import: its own handler on stderr, not propagated.
+        logger = logging.getLogger("transformers.models.chatty")
+        logger.handlers[:] = [logging.StreamHandler(sys.stderr)]
+        logger.propagate = False
+        return Chatty(), torch.randn(2, 64)
+
+
+    def sample_and_make_batch():
+        """One file for `batchfit probe` (the sample) and `batchfit frontier` (make_batch(b, s))."""
+        torch.manual_seed(0)
+        return {
+            "model": Tokens(),
+            "sample": torch.randint(0, 64, (2, 32)),
+            "make_batch": lambda batch_size, seq_len: torch.randint(0, 64, (batch_size, seq_len)),
+        }
     '''
 )
 
@@ -720,3 +767,55 @@ def test_probe_on_cuda_with_a_limit(tmp_path: Path) -> None:
     result = Result.from_json(out.read_text())
     assert result.device.type == "cuda" and result.boundary_reached
     assert result.budget_bytes == 2**30
+
+
+def test_one_target_file_serves_probe_estimate_and_frontier(
+    targets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A mapping with both a sample and make_batch: the probe and the estimate size on the sample (and
+    # say make_batch is not used), the frontier and an estimated frontier build with make_batch.
+    spec, out = f"{targets}:sample_and_make_batch", tmp_path / "result.json"
+    small = ["--device", "cpu", "--memory-limit", "1MiB", "--max-batch", "16"]
+    assert main(["probe", spec, *small, "--verify-steps", "0", "--timed-steps", "0", "--json", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "make_batch is not used: batchfit probe sizes on its sample" in said
+    result = Result.from_json(out.read_text())
+    assert result.trials[0].batch_size == 2 and result.max_batch >= 2
+    assert main(["estimate", spec, "--memory-limit", "1MiB", "--device", "cpu", "--max-batch", "16"]) == 0
+    assert "make_batch is not used" in capsys.readouterr().out
+    lengths = ["--seq-lens", "16,32", "--no-longest"]
+    assert main(["frontier", spec, *small, *lengths, "--verify-steps", "0", "-q"]) == 0
+    assert main(["estimate", spec, "--memory-limit", "1MiB", "--device", "cpu", *lengths]) == 0
+    assert "not used" not in capsys.readouterr().out  # the lengths' commands use make_batch, as asked
+
+
+def test_what_libraries_say_during_the_trials_comes_once_after_the_table(
+    targets: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # With --json - the table and the summary go to stderr too: what the model's libraries said must
+    # not split the table's rows (once per trial), but come once, after everything else.
+    import logging
+
+    args = ["--device", "cpu", "--memory-limit", "1MiB", "--max-batch", "16", "--timed-steps", "0", "--json", "-"]
+    try:
+        code = main(["probe", f"{targets}:chatty", *args])
+    finally:
+        logging.getLogger("transformers.models.chatty").handlers.clear()
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert Result.from_json(out).max_batch >= 2
+    lines = err.splitlines()
+    said = [i for i, line in enumerate(lines) if "chatty: " in line]
+    assert len(said) == 2, err  # each once
+    assert any("FutureWarning" in lines[i] and "`past_key_values` as a tuple" in lines[i] for i in said)
+    assert any("transformers.models.chatty" in lines[i] and "attention mask" in lines[i] for i in said)
+    last_row = max(i for i, line in enumerate(lines) if ROW.match(line))
+    summary = next(i for i, line in enumerate(lines) if line.startswith("max batch "))
+    assert min(said) > summary > last_row  # after the table and the summary
+
+
+def test_an_estimates_budget_line_names_the_limit_as_the_probes_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--memory-limit`` is the budget's source in an estimate too, not a bare "(memory)" (issue 32)."""
+    args = ["estimate", "batchfit.examples:mlp", "--memory-limit", "16MiB", "--device", "cpu", "--max-batch", "64"]
+    assert main(args) == 0
+    assert re.search(r"^budget\s+16\.00 MiB \(memory_limit\)", capsys.readouterr().out, re.M)

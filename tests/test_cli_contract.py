@@ -318,3 +318,31 @@ def test_frontier_options_reach_frontier(
     }
     line = capsys.readouterr().out.strip()
     assert line.startswith("seq_len:max/safe 16:") and "longest_at_batch_1=96" in line
+
+
+def test_the_docs_give_finds_cpu_default_with_its_cap() -> None:
+    # find()'s budget line on a CPU says 1.00 GiB where the docs said "half of the available memory":
+    # the code takes half of what is available, at most 1 GiB; every page of ours that says the one says both.
+    from batchfit.backends.cpu import DEFAULT_CPU_FRACTION, DEFAULT_CPU_LIMIT
+
+    assert (DEFAULT_CPU_FRACTION, DEFAULT_CPU_LIMIT) == (0.5, 2**30)  # what the pages below say
+    pages = ["README.md", "docs/reference/cli.md", "docs/reference/python-api.md", "docs/getting-started.md"]
+    said = 0
+    for page in pages:
+        for paragraph in (REPO / page).read_text().split("\n\n"):
+            flat = " ".join(paragraph.split())
+            if re.search(r"half (of )?the (available|host)", flat):
+                said += 1
+                assert "at most 1 GiB" in flat, f"{page}: {flat}"
+    assert said >= 2
+
+
+def test_the_license_is_an_spdx_expression_the_build_backend_reads() -> None:
+    # A TOML table (`license = {text = ...}`) makes setuptools warn on every install, and builds stop
+    # taking it after 2027-02-18 (PEP 639); a string needs setuptools 77 or later to build.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    requires = [r for r in project["build-system"]["requires"] if r.replace(" ", "").startswith("setuptools")]
+    assert requires and re.fullmatch(r"setuptools>=(\d+)", requires[0].replace(" ", ""))
+    assert int(requires[0].split(">=")[1]) >= 77

@@ -88,8 +88,8 @@ def test_a_probe_ends_with_the_recommendation_and_the_json_carries_it(
     rec = result.recommendation
     tail = _tail(stdout)
     assert tail == rec.lines()  # the last lines, nothing after them
-    assert tail[0].startswith("recommended      train at ")
-    assert tail[1].startswith(f"                 global batch {rec.global_batch} = micro-batch {rec.batch_size}")
+    assert tail[0] == f"recommended      {rec.decision()}" and tail[0].startswith("recommended      train at ")
+    assert tail[1] == f"why              {rec.reason}"
     assert any(line.startswith("caveat ") and "--noise-scale" in line for line in tail)
     assert json.loads(out.read_text())["recommendation"]["reason"] == rec.reason
     assert rec.batch_size <= result.safe_batch
@@ -103,12 +103,15 @@ def test_the_recommendation_takes_the_target_batch(targets: Path, capsys: pytest
     plan = next(i for i, line in enumerate(lines) if line.startswith("plan "))
     tail = _tail(stdout)
     assert lines.index(tail[0]) > plan  # the plan, then the recommendation
-    assert "the target global batch 1000" in tail[0]
-    assert tail[1].endswith("decided by the target")
+    assert tail[0].startswith("recommended      train at ") and tail[0].endswith("decided by the target")
+    assert tail[1].startswith("why              the target global batch 1000")
 
 
 def test_quiet_keeps_its_one_line(targets: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["probe", f"{targets}:loader", *SMALL, "--quiet"])
+    # --timed-steps 0: the warm timing after the search is the one phase whose trials depend on the
+    # clock (its neighbourhood runs until a deadline), and in-process steps run on every core: on a
+    # loaded machine it decided what this test ran. What it checks is the line, not the timing.
+    code = main(["probe", f"{targets}:loader", *SMALL, "--timed-steps", "0", "--quiet"])
     stdout, err = capsys.readouterr()
     assert code == 0, err
     assert len(stdout.splitlines()) == 1 and stdout.startswith("max_batch=")

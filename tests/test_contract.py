@@ -558,8 +558,11 @@ def test_a_cuda_equation_is_not_fitted_to_neighbouring_sizes_at_the_boundary() -
     3.57 MiB per sample, so the what-if row that fits 49% more showed twice the bytes per sample.
     The upper piece must now span enough sizes to pin its slope."""
     model, sample = examples.gpt()
-    base = batchfit.estimate(model, sample, memory_limit="2GiB", device="cuda")
-    bf16 = batchfit.estimate(model, sample, memory_limit="2GiB", device="cuda", amp="bf16")
+    # The logits kept through backward (loss_fn), as when this case was written: freed, they leave
+    # holes the simulated segments fragment around, and the line is another test's subject.
+    kept = {"loss_fn": lambda output, batch: output["loss"]}
+    base = batchfit.estimate(model, sample, memory_limit="2GiB", device="cuda", **kept)
+    bf16 = batchfit.estimate(model, sample, memory_limit="2GiB", device="cuda", amp="bf16", **kept)
     assert base.memory is not None and bf16.memory is not None
     assert bf16.max_batch > base.max_batch
     assert bf16.memory.per_sample_bytes < base.memory.per_sample_bytes

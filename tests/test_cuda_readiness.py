@@ -30,8 +30,14 @@ MiB, GiB = 2**20, 2**30
 # 1. The safe batch: fitted on what predicts, verified under (1 - headroom) x budget -------------------
 @pytest.fixture(scope="module")
 def gpt_at_1gib() -> batchfit.Result:
+    """The logits kept through backward (``loss_fn``), the workload these defects were found on.
+    With the model's own loss the output is freed before backward (issue 32): the largest sizes
+    then fit without reaching the cap, so nothing piles up there to show the defect. (Its equation
+    is fitted on the top three sizes, whose reserved bytes bend: 358 MiB + 1.0 MiB x batch against
+    72 MiB + 1.57 MiB kept; left open by issue 32.)"""
     model, sample = examples.gpt()
-    return batchfit.estimate(model, sample, memory_limit="1GiB", reserve=0, device="cuda")
+    kept = {"loss_fn": lambda output, batch: output["loss"]}
+    return batchfit.estimate(model, sample, memory_limit="1GiB", reserve=0, device="cuda", **kept)
 
 
 def test_reserved_peaks_pile_up_at_the_cap_near_the_boundary(gpt_at_1gib: batchfit.Result) -> None:

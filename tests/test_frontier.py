@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -126,6 +127,28 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         ),
         ({"seq_lens": [32], "make_batch": None}, TypeError, "frontier() needs make_batch"),
         ({"seq_lens": [32], "on_point": 3}, TypeError, "on_point must be callable"),
+        # integral numbers are ints, bools are not (issue 32, item 11)
+        ({"seq_lens": [True]}, TypeError, "seq_lens[0] must be an int"),
+        ({"seq_lens": [32, torch.tensor(True)]}, TypeError, "seq_lens[1] must be an int"),
+        ({"seq_lens": [32], "max_seq_len": True}, TypeError, "max_seq_len must be an int"),
+        ({"seq_lens": np.array([32, 32])}, ValueError, "seq_lens has 32 more than once"),
+        ({"seq_lens": {32: "a"}}, TypeError, "seq_lens must be a list of ints"),
+        # make_batch is not believed: each length's batch is checked before any trial (items 3, 11)
+        (
+            {"seq_lens": [8, 16], "make_batch": lambda b, s: make_batch(b, 16)},
+            ValueError,
+            "make_batch(1, 8) built a batch of length 16, not 8",
+        ),
+        (
+            {"seq_lens": [32, 64], "make_batch": lambda b, s: make_batch(b, 48)},
+            ValueError,
+            "make_batch(1, 32) built a batch of length 48, not 32",
+        ),
+        (
+            {"seq_lens": [32], "make_batch": lambda b, s: {k: t.to("meta") for k, t in make_batch(b, s).items()}},
+            ValueError,
+            "make_batch(1, 32)['input_ids'] is on the meta device, which holds no data",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_any_trial(kwargs, error, words):
@@ -156,3 +179,63 @@ def test_estimate_with_a_length_axis_refuses_a_sample():
     model = gpt2("eager", positions=256)
     with pytest.raises(TypeError, match="seq_lens= builds each length's batches with make_batch"):
         batchfit.estimate(model, make_batch(2, 32), seq_lens=[32], memory_limit=LIMIT)
+
+
+def on_the_global_generator(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (batch_size, seq_len))
+    return {"input_ids": ids, "labels": ids}
+
+
+def test_seq_lens_may_be_any_integral_numbers_and_the_random_state_is_kept():
+    model = gpt2("sdpa", positions=64)
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
+
+    frontier = batchfit.frontier(
+        model,
+        on_the_global_generator,
+        seq_lens=np.arange(16, 65, 48),
+        max_seq_len=torch.tensor(64),
+        memory_limit="4MiB",
+        verify_steps=1,
+    )
+
+    assert [p.seq_len for p in frontier.points] == [16, 64] and {type(p.seq_len) for p in frontier.points} == {int}
+    assert frontier.longest_at_batch_1 == 64 and type(frontier.longest_at_batch_1) is int
+    assert Frontier.from_json(frontier.to_json()) == frontier
+    assert torch.equal(torch.get_rng_state(), rng)  # the batches checked before the trials drew nothing for good
+
+
+def test_a_refused_make_batch_leaves_the_random_state():
+    model = gpt2("sdpa", positions=64)
+    rng = torch.get_rng_state()
+
+    with pytest.raises(ValueError, match="built a batch of length 16, not 32"):
+        batchfit.frontier(model, lambda b, s: on_the_global_generator(b, 16), seq_lens=[16, 32], memory_limit=LIMIT)
+
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_make_batch_that_stops_short_on_the_length_axis_is_named():
+    """The length axis builds lengths no one listed: a make_batch that truncates (a tokenizer's
+    max_length) is caught at the first batch it cuts, not taken for the longest length."""
+    model = gpt2("sdpa", positions=256)
+
+    def truncated(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+        return make_batch(batch_size, min(seq_len, 100))
+
+    with pytest.raises(ValueError, match=r"make_batch\(1, \d+\) built a batch of length 100, not \d+"):
+        batchfit.frontier(model, truncated, seq_lens=[64], memory_limit="4MiB", verify_steps=0)
+
+
+def test_an_estimate_takes_a_make_batch_of_meta_tensors():
+    """An estimate runs no step: meta tensors are what it traces, so only a real frontier refuses them."""
+    model = gpt2("sdpa", positions=256)
+
+    def on_meta(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, VOCAB, (batch_size, seq_len), device="meta")
+        return {"input_ids": ids, "labels": ids}
+
+    estimated = batchfit.estimate(model, make_batch=on_meta, seq_lens=[32, 64], memory_limit=LIMIT)
+
+    assert [p.seq_len for p in estimated.points] == [32, 64] and all(p.max_batch > 1 for p in estimated.points)

@@ -23,7 +23,15 @@ import torch
 import batchfit
 from batchfit.cli import main
 from batchfit.examples import GPT
-from batchfit.report import Frontier, FrontierPoint, PlotUnavailableError, Surface, render_frontier, save_frontier_plot
+from batchfit.report import (
+    Frontier,
+    FrontierPoint,
+    PlotUnavailableError,
+    Surface,
+    compact_rate,
+    render_frontier,
+    save_frontier_plot,
+)
 from batchfit.view import FrontierProgress, FrontierView, chart_text, frontier_chart
 
 LENGTHS = (16, 32, 64)
@@ -278,6 +286,140 @@ def test_plot_draws_an_estimate_and_an_svg(frontier: Frontier, tmp_path: Path) -
     assert path.read_text().lstrip().startswith("<?xml") and "ESTIMATE" in path.read_text()
 
 
+def drawn(frontier: Frontier) -> Any:
+    """The frontier's figure, drawn (so that every text has its place), to read what it shows."""
+    from batchfit.report.frontier_plot import frontier_figure
+
+    figure = frontier_figure(frontier)
+    figure.canvas.draw()
+    return figure
+
+
+def close(figure: Any) -> None:
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
+
+
+def marker_of(artist: Any) -> Any:
+    """The marker's outline an artist draws at each of its points (``None``: a line without markers)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.markers import MarkerStyle
+
+    if isinstance(artist, Line2D):
+        if artist.get_marker() in (None, "None", "", " "):
+            return None
+        style = MarkerStyle(artist.get_marker())
+        return style.get_path().transformed(style.get_transform())
+    return artist.get_paths()[0]
+
+
+def points_of(artist: Any) -> set[tuple[float, float]]:
+    from matplotlib.lines import Line2D
+
+    data = artist.get_xydata() if isinstance(artist, Line2D) else artist.get_offsets()
+    return {(float(x), float(y)) for x, y in data}
+
+
+def as_estimated(frontier: Frontier) -> Frontier:
+    """The frontier as an estimate draws it: no tokens/s, so no colours."""
+    return replace(frontier, estimated=True, points=tuple(replace(p, tokens_per_s=None) for p in frontier.points))
+
+
+def a_small_last_length(frontier: Frontier) -> Frontier:
+    """The last length trains at batch 1 only, and is the longest the model takes: its point, its
+    labels and the star of the longest length at batch 1 meet in one corner."""
+    *head, last = frontier.points
+    return replace(
+        frontier,
+        points=(*head, replace(last, max_batch=2, safe_batch=1)),
+        longest_at_batch_1=last.seq_len,
+        longest_limited_by="positions",
+    )
+
+
+@pytest.mark.parametrize("timed", [True, False])
+def test_the_legend_shows_the_marker_each_series_is_drawn_with(frontier: Frontier, timed: bool) -> None:
+    import numpy as np
+
+    if not timed:
+        frontier = as_estimated(frontier)
+    figure = drawn(frontier)
+    axes = figure.axes[0]
+    legend = axes.get_legend()
+    shown = {text.get_text(): marker_of(handle) for text, handle in zip(legend.get_texts(), legend.legend_handles)}
+    shown = {
+        label: mark for text, mark in shown.items() for label in ("max batch", "safe batch") if text.startswith(label)
+    }
+    series = {
+        "max batch": {(float(p.seq_len), float(p.max_batch)) for p in frontier.points},
+        "safe batch": {(float(p.seq_len), float(p.safe_batch)) for p in frontier.points},
+    }
+    for label, at in series.items():
+        artists = [a for a in [*axes.lines, *axes.collections] if marker_of(a) is not None and at <= points_of(a)]
+        assert artists, label
+        for artist in artists:  # every marker drawn at the series' points is the legend's marker
+            mark, key = marker_of(artist).vertices, shown[label].vertices
+            assert mark.shape == key.shape and np.allclose(mark, key), (label, artist)
+    close(figure)
+
+
+@pytest.mark.parametrize("timed", [True, False])
+def test_every_point_is_labelled_with_its_batch(frontier: Frontier, timed: bool) -> None:
+    if not timed:
+        frontier = as_estimated(frontier)
+    figure = drawn(frontier)
+    labels = [(tuple(map(float, text.xy)), text.get_text()) for text in figure.axes[0].texts]
+    for point in frontier.points:
+        for batch in (point.max_batch, point.safe_batch):
+            at = (float(point.seq_len), float(batch))
+            assert any(xy == at and f"{batch:,}" in text for xy, text in labels), (at, labels)
+        if timed:
+            rate = f"{compact_rate(point.tokens_per_s)} tok/s"
+            assert any(xy == (point.seq_len, point.safe_batch) and rate in text for xy, text in labels)
+    close(figure)
+
+
+@pytest.mark.parametrize("corner", [False, True])
+def test_no_label_covers_a_point_or_leaves_the_picture(frontier: Frontier, corner: bool) -> None:
+    frontier = a_small_last_length(frontier) if corner else frontier
+    figure = drawn(frontier)
+    axes = figure.axes[0]
+    renderer = figure.canvas.get_renderer()
+    marks = []  # (centre in pixels, radius in pixels) of every marker drawn
+    for line in axes.lines:
+        if marker_of(line) is not None:
+            radius = line.get_markersize() / 2 * figure.dpi / 72
+            marks += [(xy, radius) for xy in axes.transData.transform(line.get_xydata())]
+    for collection in axes.collections:
+        radius = float(collection.get_sizes()[0]) ** 0.5 / 2 * figure.dpi / 72
+        marks += [(xy, radius) for xy in axes.transData.transform(collection.get_offsets())]
+    for text in axes.texts:
+        box = text.get_window_extent(renderer)
+        for (x, y), radius in marks:
+            covered = box.x0 - radius < x < box.x1 + radius and box.y0 - radius < y < box.y1 + radius
+            assert not covered, f"{text.get_text()!r} covers the marker at {(round(x), round(y))}"
+        inside = axes.bbox
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, (
+            f"{text.get_text()!r} leaves the plot"
+        )
+    close(figure)
+
+
+def test_the_title_names_the_device_kind_once(frontier: Frontier) -> None:
+    figure = drawn(frontier)
+    title = figure.axes[0].get_title().splitlines()[0]
+    close(figure)
+    assert frontier.device.name in title
+    assert title.lower().count("cpu") == frontier.device.name.lower().count("cpu") == 1
+
+    gpu = replace(frontier.device, type="xpu", index=1, name="Intel(R) Data Center GPU Max 1550")
+    figure = drawn(replace(frontier, device=gpu))
+    title = figure.axes[0].get_title().splitlines()[0]
+    close(figure)
+    assert title.endswith("Intel(R) Data Center GPU Max 1550 (xpu:1)")  # the index tells devices apart
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(
     frontier: Frontier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -453,3 +595,25 @@ def batchfit_frontier_of(target: str) -> Frontier:
         longest_at_batch_1=False,
         verify_steps=0,
     )
+
+
+def test_progress_takes_lengths_from_a_generator_and_shows_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """``progress=True`` reads ``seq_lens`` once, as the algorithm does: a generator of numpy ints
+    is probed and shown whole, not consumed by the view first (issue 32)."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    model = GPT(vocab_size=VOCAB, seq_len=128, d_model=32, n_layers=1, n_heads=2)
+    answer = batchfit.frontier(
+        model,
+        make_batch=make_batch,
+        seq_lens=(s for s in np.array([8, 16])),
+        longest_at_batch_1=False,
+        device="cpu",
+        memory_limit="4MiB",
+        max_batch=256,
+        verify_steps=2,
+        progress=True,
+    )
+    assert [p.seq_len for p in answer.points] == [8, 16]
+    shown = capsys.readouterr().err
+    assert "8, 16" in shown or "8 16" in shown or ("length 8" in shown and "length 16" in shown), shown

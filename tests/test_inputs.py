@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,3 +170,57 @@ def test_frozen_model_cannot_train(mlp: tuple[torch.nn.Module, torch.Tensor]) ->
     with pytest.raises(ValueError, match="no trainable parameter"):
         batchfit.find(model, sample, memory_limit="64MiB")
     assert batchfit.find(model, sample, memory_limit="64MiB", mode="inference", max_batch=8).max_batch == 8
+
+
+# Integral numbers that are not Python ints (issue 32, item 11) --------------------------------------------
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(np.int64, id="numpy int64"),
+        pytest.param(lambda n: np.arange(n, n + 1)[0], id="an element of np.arange"),
+        pytest.param(torch.tensor, id="0-d int tensor"),
+    ],
+)
+def test_an_integral_number_is_taken_as_the_int_it_holds(value: Any) -> None:
+    options = batchfit.Options(max_batch=value(8), multiple_of=value(2), seq_len=value(16), verify_steps=value(0))
+
+    assert (options.max_batch, options.multiple_of, options.seq_len, options.verify_steps) == (8, 2, 16, 0)
+    assert {type(options.max_batch), type(options.multiple_of), type(options.seq_len)} == {int}
+
+
+def test_find_takes_numpy_sizes_and_answers_in_ints() -> None:
+    model = torch.nn.Linear(8, 2)
+
+    result = batchfit.find(
+        model, torch.zeros(2, 8), memory_limit="8MiB", init_batch=np.int64(2), max_batch=np.int64(8), verify_steps=0
+    )
+
+    assert result.max_batch == 8
+    assert type(result.settings.init_batch) is int and type(result.settings.max_batch) is int
+    assert batchfit.Result.from_json(result.to_json()) == result
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (True, "bool True"),
+        (np.bool_(True), "True"),
+        (torch.tensor(True), "tensor(True)"),
+        (torch.tensor([8]), "tensor([8])"),
+        (torch.tensor(8.0), "tensor(8.)"),
+        (torch.tensor(8, device="meta"), "meta"),
+        (8.0, "float 8.0"),
+    ],
+)
+def test_a_bool_or_a_non_integral_number_is_not_an_int(value: Any, shown: str) -> None:
+    with pytest.raises(TypeError, match="max_batch must be an int") as raised:
+        batchfit.Options(max_batch=value)
+    assert shown in str(raised.value)
+
+
+def test_a_make_batch_of_meta_tensors_is_named_by_find() -> None:
+    """``find(make_batch=...)`` building meta tensors: the batch and what to do, not torch's raw
+    "Cannot copy out of meta tensor" (issue 32)."""
+    model = torch.nn.Linear(8, 2)
+    with pytest.raises(ValueError, match=r"make_batch\(2\) is on the meta device.*build the batches on the CPU"):
+        batchfit.find(model, make_batch=lambda b: torch.randn(b, 8, device="meta"), memory_limit="1MiB", device="cpu")

@@ -224,3 +224,29 @@ def test_a_process_without_a_group_leads() -> None:
     from batchfit.distributed import leads
 
     assert leads(None) and leads(False) and leads(True)  # alone (True fails later, in find(), naming the group)
+
+
+@pytest.mark.parametrize("gone", [0, 1])
+def test_env_launch_with_a_rank_that_never_joins_ends_within_the_rank_timeout(tmp_path: Path, gone: int) -> None:
+    """Launched as ``srun`` or a plain pod does it (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``,
+    ``WORLD_SIZE``, no torchrun agent), a rank that dies before the process group forms (here: a
+    command-line error) leaves the other in ``init_process_group``: it must end there after
+    ``--rank-timeout`` seconds with an error saying so, not after gloo's 30 minutes (the subprocess
+    timeout turns such a hang into a failure)."""
+    survivor = 1 - gone
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2", "LOCAL_RANK": "0"}  # fmt: skip
+    probe = [sys.executable, *PROBE, "--rank-timeout", "4"]
+    dead = subprocess.run([*probe, "--memory-limit", "lots"], env={**env, "RANK": str(gone)}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)  # fmt: skip
+    assert dead.returncode != 0 and "lots" in dead.stderr  # it never reached the group
+    try:
+        alive = subprocess.run(probe, env={**env, "RANK": str(survivor)}, cwd=tmp_path, capture_output=True,
+                               text=True, timeout=60)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail("the surviving rank was still waiting for the process group after 60 s (--rank-timeout 4)")
+    assert alive.returncode == 1, alive.stderr[-3000:]
+    assert f"rank {survivor} of 2 could not join the process group at 127.0.0.1:{env['MASTER_PORT']}" in alive.stderr
+    assert "within 4 s (--rank-timeout)" in alive.stderr
+    assert "a rank failed or died before joining" in alive.stderr
+    assert not (tmp_path / "out.json").exists()

@@ -219,7 +219,7 @@ def _text_batches(ids: torch.Tensor, seed: int) -> Iterator[dict[str, torch.Tens
         yield {"input_ids": rows, "labels": rows}
 
 
-def test_a_tiny_gpt2_s_noise_scale_is_positive_and_grows_as_it_trains() -> None:
+def _tiny_gpt2() -> nn.Module:
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -228,7 +228,11 @@ def test_a_tiny_gpt2_s_noise_scale_is_positive_and_grows_as_it_trains() -> None:
         vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
-    model = GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(config)
+
+
+def test_a_tiny_gpt2_s_noise_scale_is_positive_and_grows_as_it_trains() -> None:
+    model = _tiny_gpt2()
     ids = _text_ids()
     at_init = batchfit.noise_scale(model, _text_batches(ids, seed=1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -241,6 +245,21 @@ def test_a_tiny_gpt2_s_noise_scale_is_positive_and_grows_as_it_trains() -> None:
         assert noise.b_simple is not None and math.isfinite(noise.b_simple) and noise.b_simple > 0, noise.summary()
         assert noise.passes == 128 and noise.elapsed_s > 0  # its cost is measured in benchmarks/noise_scale.py
     assert at_init.high is not None and trained.low > at_init.high, (at_init.summary(), trained.summary())
+
+
+def test_batches_of_two_structures_are_refused_naming_the_first_that_differs() -> None:
+    """A dict with labels (the LM loss), then a tuple without (the logits' mean): two objectives."""
+    model = _tiny_gpt2()
+    before = state_of(model)
+
+    def mixed() -> Iterator[Any]:
+        for number, batch in enumerate(_text_batches(_text_ids(), seed=1), start=1):
+            yield batch if number % 2 else (batch["input_ids"],)
+
+    with pytest.raises(ValueError, match=r"batch 2 of the data differs in structure from its first batch") as caught:
+        batchfit.noise_scale(model, mixed(), passes=16)
+    assert "no batch['labels']" in str(caught.value) and "two objectives" in str(caught.value)
+    assert_same_state(before, state_of(model))
 
 
 # Nothing lost --------------------------------------------------------------------------------------------
@@ -398,6 +417,10 @@ def test_data_too_short_is_named() -> None:
         batchfit.noise_scale(_classifier(), iter(three), criterion=nn.CrossEntropyLoss())
     with pytest.raises(ValueError, match="the data yielded no batch: it is empty"):
         batchfit.noise_scale(_classifier(), iter([]), criterion=nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="batch 1 of the data is None"):
+        batchfit.noise_scale(_classifier(), (None for _ in range(4)), criterion=nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="batch 3 of the data is None"):
+        batchfit.noise_scale(_classifier(), iter([*three[:2], None, *three]), criterion=nn.CrossEntropyLoss())
 
 
 # Two ranks ------------------------------------------------------------------------------------------------
@@ -459,6 +482,8 @@ def _rank(rank: int, out: str) -> None:
     finally:
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
         if dist.is_initialized():
+            if "crash" not in record:  # both ranks past their last collective before either closes
+                dist.barrier()
             dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -349,3 +350,67 @@ def test_torchrun_environment_is_read_and_a_job_of_one_probes_alone() -> None:
     assert launch.device_for("cpu") == "cpu"
     assert from_environment({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}) is None
     assert from_environment({}) is None
+
+
+def test_a_job_without_local_rank_takes_srun_s_or_is_refused() -> None:
+    """srun sets RANK-like variables but ``SLURM_LOCALID``, not ``LOCAL_RANK``: such a rank used to
+    probe alone, silently (issue 32); now its local rank is read, or the job is refused by name."""
+    launch = from_environment({"RANK": "5", "WORLD_SIZE": "8", "SLURM_LOCALID": "1"})
+    assert launch is not None and (launch.rank, launch.local_rank, launch.world_size) == (5, 1, 8)
+    with pytest.raises(ValueError, match=r"RANK=5 and WORLD_SIZE=8 are set but no local rank.*LOCAL_RANK="):
+        from_environment({"RANK": "5", "WORLD_SIZE": "8"})
+
+
+#: Two gloo ranks, each started as its own process (a rank killed under ``mp.spawn`` takes its
+#: peers down with it): rank 1 is killed (SIGKILL) in forward at batch 8, rank 0 writes what it got.
+KILLED_JOB = """
+import datetime, json, os, signal, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+import batchfit
+
+class KilledAt8(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 4)
+
+    def forward(self, x):
+        if dist.get_rank() == 1 and x.shape[0] >= 8:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+
+rank, out = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+torch.set_num_threads(1)
+try:
+    batchfit.find(DistributedDataParallel(KilledAt8()), torch.randn(4, 8), strategy="binary", max_batch=64,
+                  verify_steps=0, rank_timeout=60.0)
+except Exception as exc:
+    Path(out, "survivor.json").write_text(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+"""
+
+
+def test_a_rank_killed_mid_probe_is_named_as_gone_not_as_a_timeout(tmp_path: Path) -> None:
+    """gloo tells the survivor at once that its peer's connection closed: the error says that rank
+    1 went away, where and when, not that the ranks ran out of their 60 s."""
+    (tmp_path / "job.py").write_text(KILLED_JOB)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(tmp_path / "job.py")]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": env}
+    ranks = [subprocess.Popen([*command, str(rank), str(tmp_path)], **pipes) for rank in (0, 1)]
+    try:
+        (_, survivor_err), _ = (rank.communicate(timeout=JOB_TIMEOUT_S) for rank in ranks)
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert ranks[1].returncode == -signal.SIGKILL
+    assert ranks[0].returncode == 0, survivor_err[-3000:]
+    raised = json.loads((tmp_path / "survivor.json").read_text())
+    assert raised["type"] == "RanksTimeoutError"
+    assert raised["message"].startswith("rank 0: rank 1 went away during forward at batch size 8, at "), raised
+    assert re.search(r", at \d\d:\d\d:\d\d UTC, \d+\.\d s into the meeting:", raised["message"]), raised
+    assert "it exited, crashed or was killed" in raised["message"]
+    assert "within 60 s" not in raised["message"]

@@ -217,14 +217,55 @@ def probe_failing_model(config: dict[str, Any]) -> None:
     import ray.train.torch
 
     model = ray.train.torch.prepare_model(FailsOnRank1())
-    rank = ray.train.get_context().get_world_rank()
+    _probe_and_record(model, ray.train.get_context().get_world_rank(), config["out"], rank_timeout=60)
+
+
+def _probe_and_record(model: torch.nn.Module, rank: int, out: str, rank_timeout: float) -> None:
+    """One worker's probe; what it raised (or None) written to ``out/rank{rank}.json``, then raised."""
     try:
-        bfr.worker_batch(model, torch.randn(1, 16), global_batch=64, memory_limit="1MiB", rank_timeout=60)
+        bfr.worker_batch(model, torch.randn(1, 16), global_batch=64, memory_limit="1MiB", rank_timeout=rank_timeout)
     except Exception as exc:
         raised = {"type": type(exc).__name__, "message": str(exc)}
-        Path(config["out"], f"rank{rank}.json").write_text(json.dumps({"raised": raised}))
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"raised": raised}))
         raise
-    Path(config["out"], f"rank{rank}.json").write_text(json.dumps({"raised": None}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"raised": None}))
+
+
+class KilledOnRank1(torch.nn.Module):
+    """A model whose forward kills its own worker process on rank 1 from batch 8 on (SIGKILL, as
+    the kernel's out-of-memory killer would: no exception, no cleanup)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1 and x.shape[0] >= 8:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.linear(x)
+
+
+def probe_killed_worker(config: dict[str, Any]) -> None:
+    """Probe with a rank timeout longer than the run may take: the run must end on the kill."""
+    import ray.train
+    import ray.train.torch
+
+    model = ray.train.torch.prepare_model(KilledOnRank1())
+    rank = ray.train.get_context().get_world_rank()
+    Path(config["out"], f"pid{rank}").write_text(str(os.getpid()))
+    _probe_and_record(model, rank, config["out"], rank_timeout=600)
+
+
+def _ended(pid: int, within_s: float = 60.0) -> bool:
+    """Whether process ``pid`` is gone, waiting up to ``within_s`` for Ray to reap it."""
+    import time
+
+    stop = time.monotonic() + within_s
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < stop:
+        time.sleep(0.2)
+    return not Path(f"/proc/{pid}").exists()
 
 
 # the tests ---------------------------------------------------------------------------------------
@@ -393,6 +434,30 @@ def test_an_error_in_one_workers_model_fails_the_run_with_it(cluster: None, tmp_
         assert isinstance(failures[1], ValueError) and str(failures[1]) == f"boom at batch {batch}"
         assert isinstance(failures[0], batchfit.errors.RankFailedError)
         assert (failures[0].rank, failures[0].batch_size, failures[0].phase) == (1, batch, "forward")
+
+
+def test_a_worker_killed_mid_probe_fails_the_run_naming_it_and_leaves_nothing_running(
+    cluster: None, tmp_path: Path
+) -> None:
+    """A real SIGKILL of worker 1 inside its probe, with a rank timeout (600 s) far past the fit's
+    deadline: the run ends on the kill itself, Ray's health check naming the dead worker, and
+    neither worker's process outlives it."""
+    with pytest.raises(TrainingFailedError) as raised:
+        fit(probe_killed_worker, {"out": str(tmp_path)}, tmp_path / "storage")
+    pids = {rank: int((tmp_path / f"pid{rank}").read_text()) for rank in range(WORKERS)}
+    said = str(raised.value)
+    assert "[Rank 1 Error Snippet]" in said and "died" in said and f"pid={pids[1]}" in said, said[-3000:]
+    failures = getattr(raised.value, "worker_failures", None)
+    if failures is not None:  # Ray Train v2's WorkerGroupError: rank 1's own entry says it died
+        assert "died unexpectedly" in str(failures[1])
+    assert not (tmp_path / "rank1.json").exists()  # killed: no exception, no record
+    # Worker 0 heard of it at once from gloo (the dead rank's connection closed), unless Ray's
+    # teardown ended it first; either way it did not wait out the rank timeout.
+    if (tmp_path / "rank0.json").exists():
+        survivor = json.loads((tmp_path / "rank0.json").read_text())["raised"]
+        assert survivor["type"] == "RanksTimeoutError"
+        assert survivor["message"].startswith("rank 0: rank 1 went away during forward at batch size "), survivor
+    assert all(_ended(pid) for pid in pids.values()), pids
 
 
 # the front end's own checks (no Ray Train run) -----------------------------------------------------

@@ -10,6 +10,8 @@ own CPU meter with the same limit (a step over it is a real ``torch.OutOfMemoryE
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ LOADER_BATCH = 4
 POSITIONS = 256
 #: Live tensor bytes a step may use: batch ~15 at 64 tokens, ~100 at the first batch's 9.
 LIMIT = "32MiB"
+#: No verification, no timing: a probe that only searches.
+QUICK: dict[str, Any] = {"verify_steps": 0, "timed_steps": 0}
 
 
 class Sequences(Dataset):
@@ -161,7 +165,8 @@ def test_scanning_one_batch_reproduces_the_first_batch_answer(
     first = answers["first"].max_batch
     # Searched right at the first-batch answer's boundary: it fits there and one more does not.
     around = {"init_batch": first, "max_batch": first + 1, "verify_steps": 0}
-    one = batchfit.find(model, loader_of(Sequences(LENGTHS)), memory_limit=LIMIT, scan_batches=1, **around)
+    with pytest.warns(UserWarning, match="the scan read 1 of the DataLoader's 6 batches"):
+        one = batchfit.find(model, loader_of(Sequences(LENGTHS)), memory_limit=LIMIT, scan_batches=1, **around)
     assert one.max_batch == first and one.boundary_reached
     assert one.sized_on is not None and one.sized_on.batches_scanned == 1 and one.sized_on.leaf is None
     assert any("the first batch of the DataLoader (batch size 4)" in n and "1 batch scanned" in n for n in one.notes)
@@ -199,7 +204,8 @@ def test_the_scan_keeps_every_generator_and_stops_at_scan_batches() -> None:
     loader = DataLoader(dataset, batch_size=LOADER_BATCH, collate_fn=pad, shuffle=True)
     torch.manual_seed(5)
     before = torch.get_rng_state()
-    _, _, sized_on = worst_batch(loader, scan_batches=2)
+    with pytest.warns(UserWarning, match="the scan read 2 of the DataLoader's 6 batches"):
+        _, _, sized_on = worst_batch(loader, scan_batches=2)
     assert torch.equal(torch.get_rng_state(), before)
     assert sized_on is not None and (sized_on.batches_scanned, sized_on.total_batches) == (2, 6)
     assert len(dataset.loaded) == 2 * LOADER_BATCH
@@ -331,3 +337,151 @@ def test_the_command_line_takes_seq_len_and_scan_batches(tmp_path: Path, capsys:
     assert sized_on is not None and (sized_on.length, sized_on.first_length, sized_on.batches_scanned) == (24, 8, 1)
     assert cli.main(["probe", f"{path}:build", *common, "--seq-len", "65"]) == 2
     assert "seq_len=65 is longer than" in capsys.readouterr().err
+    # --scan-batches all is the Python API's scan_batches=None: every batch read, nothing left unread.
+    assert cli.main(["estimate", f"{path}:build", *common, "--scan-batches", "all", "--json", str(out)]) == 0
+    every = batchfit.Result.from_json(out.read_text()).sized_on
+    assert every is not None and every.batches_scanned == every.total_batches == 3, every
+
+
+# A loader sorted by length (issue 32, item 1) -----------------------------------------------------------
+#: The issue's eval loader, scaled down: 600 rows growing from 8 to 100 tokens, in order, in batches of 8:
+#: 75 batches, more than the scan's default 64. The 64th batch (the last the old scan read) holds length 86.
+SORTED = [8 + (92 * i) // 599 for i in range(600)]
+SORTED_BATCH = 8
+#: Live tensor bytes a step may use: the tiny BERT trains ~12 rows of 100 tokens, ~16 of 86.
+SORTED_LIMIT = "12MiB"
+
+
+def sorted_rows() -> list[tuple[torch.Tensor, int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(1, 500, (n,), generator=generator), i % 2) for i, n in enumerate(SORTED)]
+
+
+def classify(items: list[tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+    """A classifier's batch: ids and mask padded to the batch's longest, one label per row."""
+    ids = pad([item for item, _ in items])["input_ids"]
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([y for _, y in items])}
+
+
+def tiny_bert() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=500, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=128, num_labels=2,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    return transformers.BertForSequenceClassification(config)
+
+
+def in_order(rows: list[tuple[torch.Tensor, int]]) -> Iterator[dict[str, torch.Tensor]]:
+    """The same batches from a generator: no sampler, no len()."""
+    for start in range(0, len(rows), SORTED_BATCH):
+        yield classify(rows[start : start + SORTED_BATCH])
+
+
+def test_a_loader_sorted_by_length_is_sized_on_its_longest_batch_not_its_head() -> None:
+    model, rows = tiny_bert(), sorted_rows()
+    loader = DataLoader(rows, batch_size=SORTED_BATCH, collate_fn=classify)
+    assert len(loader) == 75
+    head = classify(rows[63 * SORTED_BATCH : 64 * SORTED_BATCH])  # the worst of the first 64: what the old scan used
+    assert head["input_ids"].shape[1] == 86
+    settings: dict[str, Any] = {"memory_limit": SORTED_LIMIT, "verify_steps": 0, "timed_steps": 0}
+    with pytest.warns(UserWarning, match=r"64 of the DataLoader's 75 batches") as caught:
+        sized = batchfit.find(model, loader, **settings)
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    assert sized.sized_on is not None
+    assert (sized.sized_on.length, sized.sized_on.batch_number) == (max(SORTED), 75)
+    assert (sized.sized_on.batches_scanned, sized.sized_on.total_batches) == (64, 75)
+    assert any("spread across the epoch" in note and "scan_batches=None" in note for note in sized.notes)
+    on_the_head = batchfit.find(model, head, **settings)
+    assert on_the_head.safe_batch > sized.max_batch
+    # A pass over the data at batch b ends on its b longest rows: the head's answer runs out of memory there.
+    with batchfit.Prober(model, make_batch=lambda b: classify(rows[-b:]), memory_limit=SORTED_LIMIT) as prober:
+        assert prober.trial(sized.safe_batch).fits and prober.trial(sized.max_batch).fits
+        assert not prober.trial(on_the_head.safe_batch).fits
+
+
+def test_scan_batches_none_reads_the_whole_epoch_and_says_nothing_is_left() -> None:
+    rows = sorted_rows()
+    dataset = Sequences([len(item) for item, _ in rows])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, note, sized_on = worst_batch(loader_of(dataset, SORTED_BATCH), scan_batches=None)
+    assert sized_on is not None and (sized_on.batches_scanned, sized_on.total_batches, sized_on.length) == (75, 75, 100)
+    assert note is not None and "scan_batches=None" not in note
+    assert sorted(dataset.loaded) == list(range(600))  # every item once, read by index: no worker, no second pass
+
+
+def test_a_spread_scan_reads_only_the_batches_it_picks_its_ends_included() -> None:
+    dataset = Sequences(SORTED)
+    with pytest.warns(UserWarning, match="71 not read"):
+        _, _, sized_on = worst_batch(loader_of(dataset, SORTED_BATCH), scan_batches=4)
+    picked = sorted({index // SORTED_BATCH for index in dataset.loaded})
+    assert picked[0] == 0 and picked[-1] == 74 and len(picked) == 4
+    assert sized_on is not None and (sized_on.batch_number, sized_on.length) == (75, max(SORTED))
+
+
+def test_a_plain_iterable_is_read_on_while_its_worst_batch_is_at_the_scan_s_edge() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # it reached the end: nothing to warn about
+        _, note, sized_on = worst_batch(in_order(sorted_rows()), scan_batches=20)
+    assert sized_on is not None and (sized_on.batches_scanned, sized_on.length) == (75, max(SORTED))
+    assert note is not None and "batch 75 of the generator" in note
+
+
+def test_a_plain_iterable_the_scan_cannot_cover_warns_what_to_pass() -> None:
+    with pytest.warns(UserWarning) as caught:
+        _, note, sized_on = worst_batch(in_order(sorted_rows()), scan_batches=4)
+    said = str(caught[0].message)
+    assert "16 batches of the generator" in said and "still growing" in said
+    for remedy in ("scan_batches=None", "seq_len=", "lengths"):
+        assert remedy in said
+    assert note is not None and said.removeprefix("batchfit: ") in note
+    assert sized_on is not None and sized_on.batches_scanned == 16  # 4 x scan_batches at most, then it stops
+    model = nn.Embedding(500, 4)
+
+    def ids() -> Iterator[torch.Tensor]:
+        return (batch["input_ids"] for batch in in_order(sorted_rows()))
+
+    with pytest.warns(UserWarning, match="scan_batches=None") as caught:
+        batchfit.find(model, ids(), scan_batches=4, max_batch=2, **QUICK)
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        whole = batchfit.find(model, ids(), scan_batches=None, max_batch=2, **QUICK)
+    assert whole.sized_on is not None and (whole.sized_on.batches_scanned, whole.sized_on.length) == (75, 100)
+
+
+# Batches of another structure (issue 32, item 4) ----------------------------------------------------------
+def test_a_scan_refuses_batches_whose_structure_changes_naming_the_first() -> None:
+    ids = torch.randint(0, 500, (4, 16))
+    batches = [{"input_ids": ids, "labels": ids}, {"input_ids": ids, "labels": ids}, (ids,), {"input_ids": ids}]
+    model = gpt2()
+    before = state_of(model)
+    with pytest.raises(ValueError, match=r"batch 3 of the sample list_iterator differs in structure from its first"):
+        batchfit.find(model, iter(batches), memory_limit=LIMIT)
+    assert_same_state(before, state_of(model))
+    without_labels = [batches[0], batches[3]]
+    with pytest.raises(ValueError, match=r"batch 2 .*\(no batch\['labels'\]\)"):
+        worst_batch(iter(without_labels))
+    reordered = [batches[0], {"labels": ids, "input_ids": ids}]  # the order of a dict's keys is no structure
+    assert worst_batch(iter(reordered))[2] is not None
+    with pytest.raises(ValueError, match=r"batch 2 .*\(batch\[0\] of 3 dims, not 2\)"):
+        worst_batch(iter([(ids,), (ids[:, :, None],)]))
+
+
+def test_a_generator_of_nones_is_named_as_such() -> None:
+    with pytest.raises(ValueError, match=r"batch 1 of the sample generator is None"):
+        batchfit.find(nn.Linear(2, 2), (None for _ in range(4)))
+
+
+def test_a_loader_of_one_shape_is_noted_not_warned_about() -> None:
+    """Text packed into blocks (every batch one shape): batches left unread are said in the note,
+    but a warning on every such loader would teach users to ignore the one that matters."""
+    rows = torch.utils.data.TensorDataset(torch.zeros(400, 12, dtype=torch.long))
+    loader = DataLoader(rows, batch_size=4, collate_fn=lambda items: torch.stack([item[0] for item in items]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch, note, sized_on = worst_batch(loader, scan_batches=20)
+    assert sized_on is not None and (sized_on.batches_scanned, sized_on.total_batches) == (20, 100)
+    assert note is not None and "80 not read" in note and tuple(batch.shape) == (4, 12)

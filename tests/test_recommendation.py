@@ -89,7 +89,8 @@ def _consistent(rec: Recommendation, result: Result) -> None:
     assert rec.global_batch == rec.batch_size * rec.accumulation * rec.world_size
     assert rec.world_size == result.world_size
     assert rec.decided_by in DECIDERS
-    assert rec.reason.startswith("train at ")
+    assert rec.decision().startswith(f"train at {rec.batch_size}") and rec.decision().endswith(rec.decided_by)
+    assert rec.reason and not rec.reason.startswith("train at ")  # the why, apart from the decision
     assert Recommendation.from_dict(json.loads(json.dumps(dataclasses.asdict(rec)))) == rec
 
 
@@ -101,8 +102,19 @@ def test_a_real_result_recommends_within_the_safe_batch(real: Result) -> None:
     assert rec.max_batch == real.max_batch and rec.safe_batch == real.safe_batch
     assert rec.noise_scale is None and rec.target is None and rec.target_changed_by is None
     assert any("noise_scale=True" in c and "--noise-scale" in c for c in rec.caveats)
-    assert rec.lines()[0].startswith("recommended      train at ")
+    assert rec.lines()[:2] == [f"recommended      {rec.decision()}", f"why              {rec.reason}"]
     assert str(rec) == "\n".join(rec.lines())
+
+
+def test_the_decision_and_its_reasons_are_lines_of_their_own(real: Result) -> None:
+    rec = _result(real, 48, {16: 500.0, 48: 1000.0}, _noise(190.0, 150.0, 240.0)).recommendation
+    assert rec.lines()[:2] == [
+        "recommended      train at 48 x 4 accumulation (global batch 192), decided by the noise scale",
+        "why              the noise scale (~190, 90% 150-240 samples) is above the 48 that fits, so accumulate; "
+        "beyond ~240 the extra samples buy little",
+    ]
+    plain = _result(real, 40).recommendation
+    assert plain.decision() == "train at 40, decided by memory"
 
 
 def test_the_result_document_carries_the_recommendation_and_reads_back(real: Result) -> None:
@@ -134,8 +146,7 @@ def test_without_a_noise_scale_the_knee_says_how_much_faster_the_safe_batch_is(r
     _consistent(rec, result)
     assert (rec.batch_size, rec.accumulation, rec.decided_by) == (64, 1, "throughput knee")
     assert rec.reason == (
-        "train at 64: the throughput knee, the smallest batch within 5% of the best rate; 96 fits but is only 2% "
-        "faster per sample"
+        "the throughput knee, the smallest batch within 5% of the best rate; 96 fits but is only 2% faster per sample"
     )
     assert rec.knee_batch == 64 and rec.best_batch == 96 and rec.samples_per_s == 1000.0
 
@@ -178,8 +189,8 @@ def test_a_noise_scale_above_what_fits_accumulates_to_it(real: Result) -> None:
     _consistent(rec, result)
     assert (rec.batch_size, rec.accumulation, rec.global_batch, rec.decided_by) == (48, 4, 192, "noise scale")
     assert rec.reason == (
-        "train at 48 x 4 accumulation: the noise scale (~190, 90% 150-240 samples) is above the 48 that fits, so "
-        "accumulate; beyond ~240 the extra samples buy little"
+        "the noise scale (~190, 90% 150-240 samples) is above the 48 that fits, so accumulate; beyond ~240 the extra "
+        "samples buy little"
     )
     assert (rec.noise_scale, rec.noise_low, rec.noise_high) == (190.0, 150.0, 240.0)
     assert any("SGD" in c and "Adam" in c for c in rec.caveats)
@@ -198,7 +209,7 @@ def test_a_noise_scale_below_the_knee_trains_at_the_knee(real: Result) -> None:
     rec = result.recommendation
     _consistent(rec, result)
     assert (rec.batch_size, rec.accumulation, rec.decided_by) == (64, 1, "throughput knee")
-    assert rec.reason.startswith("train at 64: the throughput knee; 96 fits but is only 2% faster per sample")
+    assert rec.reason.startswith("the throughput knee; 96 fits but is only 2% faster per sample")
     assert "noise scale (~40, 90% 30-55 samples) is below it" in rec.reason
     assert "below the knee the device idles" in rec.reason
 
@@ -245,9 +256,9 @@ def test_ranks_compare_the_global_noise_scale_with_every_ranks_batch(real: Resul
     rec = result.recommendation
     _consistent(rec, result)
     assert (rec.batch_size, rec.accumulation, rec.world_size, rec.global_batch) == (48, 2, 2, 192)
-    assert rec.reason.startswith("train at 48 per rank x 2 accumulation x 2 ranks: ")
+    assert rec.decision().startswith("train at 48 per rank x 2 accumulation x 2 ranks (global batch 192)")
     assert "above the 96 that fits over 2 ranks" in rec.reason
-    assert "x 2 ranks" in rec.lines()[1]
+    assert "x 2 ranks" in rec.lines()[0]
 
 
 # Rule 1: a target ---------------------------------------------------------------------------------
@@ -289,7 +300,7 @@ def test_target_tokens_in_whole_sequences(real: Result) -> None:
     assert rec.global_batch == 98 and rec.tokens_per_step == 98 * 1024
     assert "the target of 100,000 tokens per step (98 sequences of 1,024)" in rec.reason
     assert any("352 tokens over the 100,000 asked" in c for c in rec.caveats)
-    assert "(100,352 tokens)" in rec.lines()[1]
+    assert "(global batch 98, 100,352 tokens)" in rec.lines()[0]
     view = result.recommend(seq_len=512)
     assert view.tokens_per_step == view.global_batch * 512 and view.target is None
 

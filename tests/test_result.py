@@ -565,3 +565,49 @@ def test_throughput_prefers_the_best_timed_trial_of_a_size_and_needs_one() -> No
     assert throughput is not None
     assert throughput.best_samples_per_s == pytest.approx(100.0)
     assert throughput.spread == 0.0 and not throughput.within_noise and not throughput.single_step_best
+
+
+def test_print_of_sized_on_reads_as_its_summary() -> None:
+    # README: `print(result.sized_on)` shows which batch was sized on, not a dataclass's fields.
+    from batchfit.report import SizedOn
+
+    sized = SizedOn(
+        source="loader scan", batches_scanned=64, total_batches=75, leaf="sample['input_ids']", dim=1, length=257,
+        first_length=8, batch_number=64,
+    )  # fmt: skip
+    assert str(sized) == sized.summary() and "\n" not in str(sized)
+    assert str(sized).startswith("length 257 (dim 1 of sample['input_ids'])")
+    assert "SizedOn(" not in str(sized) and repr(sized).startswith("SizedOn(")
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "shown"),
+    [(0.89, 1.0, "0.89-1.00"), (1.5, 12.0, "1.5-12.0"), (150.0, 240.0, "150-240"), (0.012, 0.3, "0.012-0.300")],
+)
+def test_a_noise_interval_shows_both_ends_alike(low: float, high: float, shown: str) -> None:
+    from batchfit.report import NoiseScale
+
+    noise = NoiseScale(
+        b_simple=low, low=low, high=high, gradient_sq=1.0, trace_sigma=1.0, small_batch=4, big_batch=32, windows=4,
+        passes=128, samples=512, elapsed_s=1.0,
+    )  # fmt: skip
+    assert noise.interval_text() == f"90% {shown}"
+    assert f"90% interval {shown};" in noise.summary()
+
+
+def test_the_readmes_first_snippet_sets_up_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The README promises a machine without a GPU: its first snippet must not move the model to one.
+    # (Its find() under the CPU's default limit of 1 GiB takes a minute: the set-up is what differed.)
+    import re
+    from pathlib import Path
+
+    import torch
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = re.search(r"## In Python\n\n```python\n(.*?)```", readme, re.S)
+    assert snippet is not None
+    set_up = snippet.group(1).split("result = batchfit.find")[0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without one
+    names = {"MyModel": lambda: torch.nn.Linear(4, 4), "ids": torch.zeros(4, 8, dtype=torch.long)}
+    exec(compile(set_up, "README.md", "exec"), names)
+    assert next(names["model"].parameters()).device.type == "cpu"

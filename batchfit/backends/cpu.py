@@ -1,31 +1,27 @@
 """The CPU backend: exact live-tensor accounting, and a memory limit that raises a real OOM.
 
 The CPU has no allocator statistics. :class:`LiveTensorMeter` is a ``TorchDispatchMode`` that sees
-every operation; each output whose storage is new (not one of the op's inputs' storages, not
-already counted) adds ``storage.nbytes()`` to the live total, and a ``weakref.finalize`` on the
-storage subtracts it when the storage dies. That is the exact live-tensor peak of a step,
-gradients and optimizer state included. With a limit, the operation whose output takes live
-memory over the cap raises a real ``torch.OutOfMemoryError``, in forward, backward or optimizer
-step, as a GPU of that size would. Its message carries the CPU allocator's wording
-("DefaultCPUAllocator: can't allocate memory") so other libraries' OOM detection recognises it
-too.
+every operation; each output whose storage is new (not one of the op's inputs', not already
+counted) adds ``storage.nbytes()`` to the live total, and a ``weakref.finalize`` on the storage
+subtracts it when the storage dies: the exact live-tensor peak of a step, gradients and optimizer
+state included. With a limit, the operation that takes live memory over it raises a real
+``torch.OutOfMemoryError``, as a GPU of that size would, in the CPU allocator's words
+("DefaultCPUAllocator: can't allocate memory") for other libraries' OOM detection.
 
-What it counts beyond plain tensors: a sparse tensor's indices and values, and a wrapper
-subclass's inner tensors (a jagged nested tensor's values and offsets), each storage once
-(:func:`~batchfit.backends.base.data_storages`); a storage that grows or shrinks in place
-(``resize_``, ``untyped_storage().resize_()``: seen at its next operation, and at the end of
-each phase); a storage made outside an operation (``torch.UntypedStorage``, a storage's
-``clone()``) once an operation uses it; tensors made on other Python threads started during a
-step (each such thread gets its own observer: dispatch modes are per thread). What it refuses:
-tensors with no storage to measure (``to_mkldnn()``), with an
-:class:`~batchfit.errors.UncountableMemoryError` rather than an answer that takes them as free.
+It also counts a sparse tensor's indices and values and a wrapper subclass's inner tensors (a
+jagged nested tensor's values and offsets), each storage once (:func:`~batchfit.backends.base.data_storages`);
+a storage resized in place (``resize_``, ``untyped_storage().resize_()``: at its next operation and
+each phase's end); a storage made outside an operation (``torch.UntypedStorage``, a storage's
+``clone()``) once an operation uses it; tensors made on Python threads started during a step (each
+gets its own observer: dispatch modes are per thread). A tensor with no storage to measure
+(``to_mkldnn()``) stops the probe with :class:`~batchfit.errors.UncountableMemoryError`.
 
-What it does not see: scratch memory that a kernel allocates and frees inside itself (CPU
-convolutions do this: the result says so when such operators ran, see
-:data:`SCRATCH_OPERATORS`), allocator overheads, threads that were already running when the
-step began, and a storage that grows and shrinks back between two operations. The CPU limit is
-therefore a limit on live *tensor* bytes: well defined and repeatable, not the process's
-resident size. Allocated and reserved bytes are the same number here.
+It does not see scratch memory a kernel allocates and frees inside itself (CPU convolutions: the
+result says so, see :data:`SCRATCH_OPERATORS`), allocator overheads, threads already running when
+the step began, or a storage that grows and shrinks back between two operations. So the CPU limit
+is one on live *tensor* bytes, well defined and repeatable, not the resident size, and it takes at
+most :data:`SAFE_CPU_FRACTION` of the host memory available at the start. Allocated and reserved
+bytes are the same number here.
 """
 
 from __future__ import annotations
@@ -48,13 +44,14 @@ from batchfit.errors import UncountableMemoryError
 from batchfit.report import DeviceInfo
 from batchfit.units import format_bytes
 
-#: Without an explicit limit, a CPU probe may use this fraction of the memory that is
-#: available when it starts. The live-tensor meter does not see kernel scratch memory or
-#: allocator overheads, so half leaves room for them and for the rest of the machine.
+#: Without an explicit limit, a CPU probe may use this fraction of the memory available when it starts: the
+#: meter does not see kernel scratch memory or allocator overheads, and the rest of the machine needs room.
 DEFAULT_CPU_FRACTION = 0.5
 #: ... and at most this: a CPU step's time grows with the memory it touches, and a probe under half
 #: of a large host took twelve minutes and printed nothing. The limit is what a user asks for more.
 DEFAULT_CPU_LIMIT = 2**30
+#: A limit takes at most this of what is available at the start (more is clipped, with a note).
+SAFE_CPU_FRACTION = 0.75
 
 
 class CpuBackend(Backend):
@@ -92,13 +89,21 @@ class CpuBackend(Backend):
         return half, f"default: {DEFAULT_CPU_FRACTION:.0%} of available host memory"
 
     def reachable_bytes(self, device: torch.device) -> int | None:
-        return available_host_bytes()
+        available = available_host_bytes()  # a limit near all of it would take the host down
+        return None if available is None else int(available * SAFE_CPU_FRACTION)
 
     def make_meter(
         self, device: torch.device, budget_bytes: int | None, limit_bytes: int | None, tensors: list[torch.Tensor]
     ) -> Meter:
         # The meter counts storages it sees created; what exists before the probe it is told.
-        return LiveTensorMeter(budget_bytes, total_host_bytes(), tensors=tensors)
+        said: list[str] = []
+        if budget_bytes is not None and limit_bytes is not None and budget_bytes < limit_bytes:  # clipped to reach
+            said.append(
+                f"on the CPU a memory limit takes at most {SAFE_CPU_FRACTION:.0%} of the host memory available when "
+                f"the probe starts ({format_bytes(int(budget_bytes / SAFE_CPU_FRACTION))}), the rest left for what "
+                "the meter does not see and the rest of the machine; batchfit.estimate() sizes a larger device"
+            )
+        return LiveTensorMeter(budget_bytes, total_host_bytes(), tensors=tensors, notes=said)
 
     # The CPU generator is saved and restored by the snapshot for every probe, whatever the device.
 
@@ -112,11 +117,14 @@ class LiveTensorMeter(Meter):
         total_bytes: int | None,
         baseline_bytes: int = 0,
         tensors: Iterable[torch.Tensor] = (),
+        notes: Iterable[str] = (),
     ) -> None:
         """``baseline_bytes``: bytes live before the probe that the meter is told of;
         ``tensors``: tensors live before the probe (weights, buffers, the sample), whose
-        storages are tracked like the probe's own, so that growing one in place is seen."""
+        storages are tracked like the probe's own, so that growing one in place is seen;
+        ``notes``: what the result should say about the limit (:meth:`CpuBackend.make_meter`)."""
         super().__init__()
+        self._said = list(notes)
         self.device = torch.device("cpu")
         self.budget_bytes = budget_bytes
         self.total_bytes = total_bytes
@@ -157,8 +165,7 @@ class LiveTensorMeter(Meter):
         return nbytes
 
     def _release(self, key: int) -> None:
-        # Runs inside a weakref callback: plain bookkeeping only, nothing that can raise (an
-        # exception here would be printed and dropped; Ctrl-C is deferred by the probe).
+        # A weakref callback: bookkeeping only, nothing that can raise (it would be printed and dropped).
         with self._lock:
             nbytes = self._live.pop(key, None)
             self._finalizers.pop(key, None)
@@ -217,9 +224,8 @@ class LiveTensorMeter(Meter):
             return None
         self._last_failure = self._current
         return torch.OutOfMemoryError(
-            f"CPU out of memory under batchfit's live-tensor limit: {func} tried to allocate "
-            f"{format_bytes(added)} with {format_bytes(self._current - added)} of tensors live "
-            f"and a limit of {format_bytes(limit)} "
+            f"CPU out of memory under batchfit's live-tensor limit: {func} tried to allocate {format_bytes(added)} "
+            f"with {format_bytes(self._current - added)} of tensors live and a limit of {format_bytes(limit)} "
             f"(DefaultCPUAllocator: can't allocate memory: you tried to allocate {added} bytes)"
         )
 
@@ -248,9 +254,9 @@ class LiveTensorMeter(Meter):
 
     def notes(self) -> list[str]:
         if not self.scratch_ops:
-            return []
+            return list(self._said)
         ops = ", ".join(sorted({op.overloadpacket.__name__ for op in self.scratch_ops}))
-        return [self.scratch_note.format(ops=ops)]
+        return [*self._said, self.scratch_note.format(ops=ops)]
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
@@ -290,8 +296,7 @@ class LiveTensorMeter(Meter):
             with self._lock:
                 self._phase = None
             raise
-        # Memory no operation reported (a storage resized between operations, another thread's
-        # tensors) still counts, and over the limit fails the step here, as the next op would.
+        # Memory no operation reported (resized between operations, another thread's) fails the step here.
         error = self._over_limit(f"the {name} phase", self._settle(), anywhere=True)
         with self._lock:
             self._phase = None
@@ -312,9 +317,8 @@ _ATEN = torch.ops.aten
 _LIFT_FRESH = _ATEN.lift_fresh.default
 
 
-#: CPU operators whose kernels allocate scratch memory and free it before they return, unseen
-#: by the meter (the oneDNN/im2col convolution buffers): where one ran, the result's note says the
-#: CPU max may be a little high (resnet18 67 where the allocator's boundary is 66).
+#: CPU operators whose kernels allocate scratch memory and free it before they return, unseen by the meter (the
+#: oneDNN/im2col convolution buffers): where one ran, a note says the max may be a little high (resnet18: 67, not 66).
 SCRATCH_OPERATORS = frozenset(
     {
         _ATEN.convolution.default,
@@ -356,21 +360,19 @@ class _DispatchObserver(TorchDispatchMode):
             meter.scratch_ops.add(func)
         added = 0
         if func in _SET_STORAGE and isinstance(out, torch.Tensor):
-            # A storage made outside any operation (torch.UntypedStorage, a storage's clone())
-            # enters the step here; by now it is also its input's storage, so count it before
-            # _observe would take it for the input's own.
+            # A storage made outside any operation (torch.UntypedStorage, a storage's clone()) enters the
+            # step here; by now it is also its input's storage: count it before _observe takes it for that.
             added += meter._adopt(out)
         added += meter._observe(args, kwargs, out)
         if not self._main:
             return out
         error = meter._over_limit(func, added)
         if error is not None:
-            # A real allocator never hands out the failing block: drop it before raising, so
-            # no frame of the traceback keeps it alive while the caller handles the error. And
-            # drop the local name of the error too: this frame is in the error's traceback, so
-            # keeping it would make a reference cycle, and every tensor of the failed step would
-            # stay alive until the garbage collector's next pass (a real allocator's OOM, raised
-            # from C++, makes no such cycle; Accelerate's retry loop then ran out of memory again).
+            # A real allocator never hands out the failing block: drop it before raising, so no
+            # frame of the traceback keeps it alive. And drop the error's local name: this frame is
+            # in its traceback, and the cycle would keep every tensor of the failed step alive until
+            # the garbage collector's next pass (a real allocator's OOM, raised from C++, makes no
+            # such cycle; Accelerate's retry loop then ran out of memory again).
             del out
             try:
                 raise error
@@ -381,9 +383,8 @@ class _DispatchObserver(TorchDispatchMode):
 
 
 class _ThreadWatch:
-    """``threading.setprofile`` hook while a step runs: a thread started then gets its own
-    :class:`_DispatchObserver` (dispatch modes are per thread), at its first Python call, and
-    the profile function it would have had back."""
+    """``threading.setprofile`` hook while a step runs: a thread started then gets its own :class:`_DispatchObserver`
+    (dispatch modes are per thread) at its first Python call, and the profile function it would have had back."""
 
     def __init__(self, meter: LiveTensorMeter, previous: Any) -> None:
         self._meter = meter
@@ -399,8 +400,7 @@ class _ThreadWatch:
 
 
 def _storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
-    """A CPU tensor's data storages (:func:`~batchfit.backends.base.data_storages`); none for
-    other devices."""
+    """A CPU tensor's data storages (:func:`~batchfit.backends.base.data_storages`); none elsewhere."""
     if tensor.device.type != "cpu":
         return []
     return data_storages(tensor)

@@ -8,6 +8,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from batchfit.cli.parser import CLI_CPU_MEMORY_LIMIT
+from batchfit.cli.values import as_keyword
 from batchfit.units import format_bytes, parse_memory_limit
 from batchfit.version import __version__
 
@@ -73,7 +74,7 @@ def find_kwargs(args: argparse.Namespace, target: Target | None, device: str, li
         kwargs["noise_scale"] = True
     for name in ("max_batch", "init_batch", "verify_steps", "timed_steps", "strategy", "seq_len", "scan_batches"):
         if getattr(args, name, None) is not None:
-            kwargs[name] = getattr(args, name)
+            kwargs[name] = as_keyword(getattr(args, name))
     for name in ("time_budget", "rank_timeout", "noise_passes", "cache"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)

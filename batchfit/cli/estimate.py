@@ -21,6 +21,7 @@ from batchfit.cli.output import (
     report_exception,
     write_json,
 )
+from batchfit.cli.values import as_keyword
 from batchfit.errors import first_line
 from batchfit.version import __version__
 
@@ -77,12 +78,15 @@ def estimate_command(args: argparse.Namespace) -> int:
     }
     for name in ("max_batch", "seq_len", "scan_batches"):
         if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
+            kwargs[name] = as_keyword(getattr(args, name))
     print(
         f"batchfit {__version__}: estimating {args.target} ({args.mode}) for {args.device}{device_note} with {memory}: "
         "fake tensors, no device and no memory used",
         file=human,
     )
+    unused = target.unused_note("estimate")
+    if unused is not None:
+        print(f"  {unused}", file=human)
     if args.seq_lens is not None:
         return _estimate_frontier(args, target, kwargs, human)
 
@@ -145,10 +149,9 @@ def _estimate_frontier(args: argparse.Namespace, target: Any, kwargs: dict[str, 
     from batchfit.estimation import estimate
     from batchfit.view import FrontierView
 
-    if target.sample is not None or kwargs.get("make_batch") is None:
+    if kwargs.get("make_batch") is None:  # a sample beside make_batch was left out when it loaded
         raise UsageError(
-            f"--seq-lens needs {args.target} to give 'make_batch', a function (batch_size, seq_len) -> batch, "
-            "and no 'sample'"
+            f"--seq-lens needs {args.target} to give 'make_batch', a function (batch_size, seq_len) -> batch"
         )
     kwargs.update(seq_lens=list(args.seq_lens), longest_at_batch_1=not args.no_longest)
     if args.max_seq_len is not None:

@@ -46,6 +46,14 @@ def run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], calls: Calls) -> 
     return search_with(prober, options, time.monotonic(), **calls.kwargs())
 
 
+def rank_timeout(args: argparse.Namespace) -> float:
+    """``--rank-timeout``, else ``find()``'s default: also how long a rank waits for the others to
+    join the process group (``Launch.start``), which comes before the target and its keywords."""
+    from batchfit.probe import Options
+
+    return float(args.rank_timeout if args.rank_timeout is not None else Options.rank_timeout)
+
+
 def trial_worker(args: argparse.Namespace, launch: Launch) -> int:
     """One rank of a ``--nproc-per-trial`` job: join the group, *then* load the target (its factory
     may shard the model), run one trial, write the verdict (``batchfit.probe.jobs``). Silent."""
@@ -56,7 +64,7 @@ def trial_worker(args: argparse.Namespace, launch: Launch) -> int:
     device, limit, _, _ = probe_plan(args, launch)
     owned = False
     try:
-        _, owned = launch.start(device)
+        _, owned = launch.start(device, rank_timeout(args))
         target = load_target(args.target)
         options = Options(**find_kwargs(args, target, device, limit))
     except BaseException as exc:  # noqa: BLE001 (the driver reads the verdict; this rank ends)

@@ -1,5 +1,6 @@
 """What the CLI writes besides the views: exit codes, the one-line errors, ``--json`` files, the
-line shown while a target loads, the plan line, the recommended batch.
+line shown while a target loads, the plan line, the recommended batch, and what libraries said
+during a probe (held back until its table is whole).
 
 Every error goes to stderr in a line starting with ``batchfit: error:`` (see ``batchfit.cli``).
 """
@@ -8,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import stat
 import sys
 import tempfile
 import traceback
+import warnings
 from typing import TYPE_CHECKING, Any, TextIO
 
 from batchfit.errors import first_line
@@ -171,7 +174,8 @@ def is_terminal(stream: TextIO) -> bool:
 def load(args: argparse.Namespace) -> Target | int:
     """The target, or the exit code of why it could not be loaded (said on stderr). Importing a
     model and building it can take seconds: a terminal is told meanwhile, on a line that goes
-    away when the target is in."""
+    away when the target is in. A command given ``--seq-lens`` sizes lengths with the target's
+    ``make_batch``; the others size its sample (``batchfit.cli.targets``)."""
     from batchfit.cli.targets import TargetCallError, TargetError, load_target
 
     stream = sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
@@ -180,7 +184,7 @@ def load(args: argparse.Namespace) -> Target | int:
         stream.write(f"batchfit: loading {args.target} (importing it, building the model)...")
         stream.flush()
     try:
-        return load_target(args.target)
+        return load_target(args.target, lengths=getattr(args, "seq_lens", None) is not None)
     except TargetError as exc:
         error(str(exc))
         return EXIT_USAGE
@@ -291,3 +295,76 @@ def noise_summary(noise: Any) -> str:
         f"{noise.passes} passes in {format_duration(noise.elapsed_s)}"
     )
     return text + "".join(f"; {note}" for note in noise.notes)
+
+
+# What libraries say during a probe ----------------------------------------------------------------
+class HeldOutput:
+    """What the model's libraries say while a probe runs, held back and shown once after it.
+
+    A Hugging Face model warns in its forward, once per trial: on a terminal those lines land
+    between the table's rows, or on its spinner line. Held here: Python warnings (each once per
+    place, as Python's default filter shows them; filters that ignore or raise act as before), and
+    log records on their way to the terminal (a handler writing to stdout or stderr, the last-resort
+    handler included) from loggers other than batchfit's. Records bound for files pass as before.
+    A context manager; :meth:`show` then writes each message once, with how often it came.
+    """
+
+    def __init__(self) -> None:
+        self.said: dict[str, int] = {}
+        self._recording = warnings.catch_warnings(record=True)
+        self._caught: list[warnings.WarningMessage] | None = []
+        self._handlers: list[logging.Handler] = []
+        self._last: logging.LogRecord | None = None  # one record passes every handler: counted once
+
+    def __enter__(self) -> HeldOutput:
+        self._caught = self._recording.__enter__()  # the list the warnings go to (record=True)
+        self._handlers = terminal_handlers()
+        for handler in self._handlers:
+            handler.addFilter(self._hold)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handler in self._handlers:
+            handler.removeFilter(self._hold)
+        self._recording.__exit__(*exc_info)  # type: ignore[arg-type]
+        caught: dict[str, int] = {}
+        for w in self._caught or ():
+            text = f"{w.category.__name__}: {w.message} ({os.path.basename(w.filename)}:{w.lineno})"
+            caught[text] = caught.get(text, 0) + 1
+        self.said = {**caught, **self.said}
+
+    def _hold(self, record: logging.LogRecord) -> bool:
+        if record.name == "batchfit" or record.name.startswith("batchfit."):
+            return True  # batchfit's own lines are part of what it shows
+        if record is not self._last:
+            self._last = record
+            text = f"{record.name} {record.levelname.lower()}: {record.getMessage()}"
+            self.said[text] = self.said.get(text, 0) + 1
+        return False
+
+    def show(self, stream: TextIO) -> None:
+        """The messages held, each once, under one line that says why they come now."""
+        if not self.said:
+            return
+        lines = ["batchfit: said during the probe (held back so the table stays whole; each once):"]
+        lines += [f"  {text}" + (f" ({count} times)" if count > 1 else "") for text, count in self.said.items()]
+        try:
+            sys.stdout.flush()  # what the probe printed comes first, in a pipe too
+            stream.write("\n".join(lines) + "\n")
+            stream.flush()
+        except BrokenPipeError:  # its reader is gone: nothing left to tell
+            pass
+
+
+def terminal_handlers() -> list[logging.Handler]:
+    """Every logging handler that writes to this process's stdout or stderr now."""
+    streams = {id(stream) for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)}
+    loggers = [logging.getLogger(), *list(logging.Logger.manager.loggerDict.values())]  # a copy: threads add loggers
+    found: dict[int, logging.Handler] = {}
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", ()):  # a PlaceHolder has none
+            if isinstance(handler, logging.StreamHandler) and id(getattr(handler, "stream", None)) in streams:
+                found[id(handler)] = handler
+    if logging.lastResort is not None:
+        found[id(logging.lastResort)] = logging.lastResort
+    return list(found.values())

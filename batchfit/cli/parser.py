@@ -15,6 +15,7 @@ from batchfit.cli.values import (
     memory_limit,
     positive_int,
     reserve,
+    scan_batches,
     seconds,
     seq_lens,
     size,
@@ -141,9 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--scan-batches",
-        type=positive_int,
-        metavar="N",
-        help="with a DataLoader as the sample: scan at most N batches for the worst one (default 64)",
+        type=scan_batches,
+        metavar="N|all",
+        help="with a DataLoader as the sample: read N batches, spread across the epoch, for the worst one "
+        "(default 64; all: every batch)",
     )
     probe.add_argument(
         "--noise-scale",
@@ -180,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--rank-timeout",
         type=finite_seconds,
         metavar="SECONDS",
-        help="under torchrun (or --nproc-per-trial): how long a rank waits for the others at each meeting point "
-        "before the probe fails, so a stuck rank ends it (default 300)",
+        help="with several ranks (torchrun, srun, --nproc-per-trial): how long a rank waits for the others to join "
+        "the process group and at each meeting point before the probe fails, so a stuck or dead rank ends it "
+        "(default 300)",
     )
     # A rank's side of a --nproc-per-trial job (started by batchfit under torchrun, not by users).
     probe.add_argument("--trial-batch", type=positive_int, help=argparse.SUPPRESS)
@@ -266,9 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument(
         "--scan-batches",
-        type=positive_int,
-        metavar="N",
-        help="with a DataLoader as the sample: scan at most N batches for the worst one (default 64)",
+        type=scan_batches,
+        metavar="N|all",
+        help="with a DataLoader as the sample: read N batches, spread across the epoch, for the worst one "
+        "(default 64; all: every batch)",
     )
     estimate.add_argument(
         "--seq-lens",

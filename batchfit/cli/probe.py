@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from batchfit.cli.arguments import find_kwargs, probe_plan
-from batchfit.cli.jobs import run_jobs, trial_worker
+from batchfit.cli.jobs import rank_timeout, run_jobs, trial_worker
 from batchfit.cli.output import (
     EXIT_DOES_NOT_FIT,
     EXIT_ERROR,
@@ -20,6 +20,7 @@ from batchfit.cli.output import (
     EXIT_TERMINATED,
     EXIT_USAGE,
     RESTORED,
+    HeldOutput,
     UsageError,
     check_json_path,
     check_noise_options,
@@ -46,7 +47,10 @@ if TYPE_CHECKING:
 def probe_command(args: argparse.Namespace) -> int:
     from batchfit.distributed import from_environment
 
-    launch = from_environment()
+    try:
+        launch = from_environment()
+    except ValueError as exc:  # a job whose rank cannot be placed
+        raise UsageError(str(exc)) from None
     if args.trial_batch is not None:
         if launch is None or not args.trial_dir:
             raise UsageError("--trial-batch is the rank side of --nproc-per-trial: batchfit starts it under torchrun")
@@ -90,9 +94,9 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
     if launch is not None:
         # The group first: a target's factory may need it (fully_shard, a rank-dependent build).
         try:
-            backend, started = launch.start(device)
+            backend, started = launch.start(device, rank_timeout(args))
         except Exception as exc:
-            report_exception(exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {first_line(exc)}")
+            report_exception(exc, args.traceback, cause=False, text=f"cannot join the ranks: {first_line(exc)}")
             return EXIT_ERROR
         if owned is not None:
             owned.append(started)
@@ -106,6 +110,9 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
         if problem is not None:  # before the probe: found out after it, it would cost the whole probe
             error(problem)
             return EXIT_USAGE
+        unused = target.unused_note("probe")
+        if unused is not None:
+            header.append(unused)
 
     human = sys.stderr if args.json == "-" else sys.stdout
     leader = launch is None or launch.is_leader
@@ -113,7 +120,7 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
         try:
             model, wrapped = launch.wrap(target.model, device)
         except Exception as exc:
-            report_exception(exc, args.traceback, cause=False, text=f"cannot join the torchrun job: {first_line(exc)}")
+            report_exception(exc, args.traceback, cause=False, text=f"cannot join the ranks: {first_line(exc)}")
             return EXIT_ERROR
         target = replace(target, model=model)
         header.append(
@@ -137,8 +144,11 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
         view.set_budget(outcome.budget_bytes)  # the budget the probe really had, for the final frame
         return outcome
 
-    outcome, failure = run_shown(view, probe)
+    with HeldOutput() as held:  # a library's warnings would split the table: shown once, at the end
+        outcome, failure = run_shown(view, probe)
     if failure is not None:
+        if leader:
+            held.show(sys.stderr)
         return probe_failed(failure, calls, args.traceback, leader)
     if args.require_batch is not None:
         view.gate(outcome)
@@ -159,6 +169,8 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
             for line in lines:
                 for part in fit_lines(line, None if args.quiet else columns(), 17):
                     print(part, file=human)
+    if leader:
+        held.show(sys.stderr)
     if args.json and leader:
         write_json(args.json, outcome.to_json())
     return code

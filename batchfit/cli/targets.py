@@ -5,6 +5,12 @@ sample: a ``(model, sample)`` pair, or a mapping with ``model`` and ``sample`` t
 carry ``optimizer``, ``loss_fn``, ``make_batch`` and ``step_fn`` (the :func:`batchfit.find`
 keywords of the same names).
 
+One file serves every command: a mapping may hold both a ``sample`` and a
+``make_batch(batch_size, seq_len)``. A command that sizes one batch shape (``probe``, ``estimate``,
+a trial of ``--nproc-per-trial``) uses the sample and leaves ``make_batch`` out; one that sizes
+several lengths (``frontier``, ``estimate --seq-lens``: ``lengths=True``) uses ``make_batch`` and
+leaves the sample out. :attr:`Target.unused` says which key was left out.
+
 Two kinds of failure are kept apart because the CLI answers them with different exit codes:
 
 * :class:`TargetError`: the target itself is wrong (no such module or attribute, a factory that
@@ -26,7 +32,7 @@ import inspect
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +60,19 @@ class Target:
     model: Any
     sample: Any
     extras: Mapping[str, Any] = field(default_factory=dict)
+    #: The key the target gave and this command does not use (``"make_batch"`` or ``"sample"``).
+    unused: str | None = None
+
+    def unused_note(self, command: str) -> str | None:
+        """The header line of a command that sizes on the sample and leaves the target's ``make_batch``
+        out (a user may have meant it); ``None`` otherwise. A frontier's sample is left out as its
+        docs say: a frontier needs batches of every length."""
+        if self.unused != "make_batch":
+            return None
+        return (
+            f"the target's make_batch is not used: batchfit {command} sizes on its sample "
+            "(batchfit frontier uses make_batch)"
+        )
 
 
 def exit_call(exc: SystemExit) -> str:
@@ -69,19 +88,31 @@ def split_spec(spec: str) -> tuple[str, str]:
     return where, attr
 
 
-def load_target(spec: str, *, add_cwd_to_path: bool = True) -> Target:
+def load_target(spec: str, *, add_cwd_to_path: bool = True, lengths: bool = False) -> Target:
     """Import the target's module, resolve the attribute, call it if it is a factory, and check
     the shape of what it gave.
 
     ``add_cwd_to_path`` puts the working directory on ``sys.path`` for module targets, as
     ``python -m`` does, so ``batchfit probe mymodels:build`` works from a project's root with the
-    console script too.
+    console script too. ``lengths``: the command sizes several sequence lengths, so of a sample
+    and a ``make_batch`` given together it keeps ``make_batch`` (else the sample; module docs).
     """
     where, attr = split_spec(spec)
     module = _import(where, add_cwd_to_path=add_cwd_to_path)
     obj = _resolve(module, where, attr)
     value = _call_if_factory(obj, spec)
-    return _coerce(value, spec)
+    return _one_source(_coerce(value, spec), lengths)
+
+
+def _one_source(target: Target, lengths: bool) -> Target:
+    """``target`` with one source of batches, as ``find()`` and ``frontier()`` take: of a sample and
+    a ``make_batch`` given together, the one this kind of command sizes with."""
+    if target.sample is None or "make_batch" not in target.extras:
+        return target
+    if lengths:
+        return replace(target, sample=None, unused="sample")
+    extras = {key: value for key, value in target.extras.items() if key != "make_batch"}
+    return replace(target, extras=extras, unused="make_batch")
 
 
 def _import(where: str, *, add_cwd_to_path: bool) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import Any
 
 from batchfit.units import check_memory_limit, parse_reserve
 
@@ -70,6 +71,20 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 positive_int = int_at_least(1)
 count = int_at_least(0)
+
+
+#: ``--scan-batches all``: every batch of the loader (the Python API's ``scan_batches=None``).
+EVERY_BATCH = "all"
+
+
+def scan_batches(value: str) -> int | str:
+    """``--scan-batches``: a positive count, or ``all`` (:data:`EVERY_BATCH`)."""
+    return EVERY_BATCH if value.strip().lower() == EVERY_BATCH else positive_int(value)
+
+
+def as_keyword(value: Any) -> Any:
+    """A parsed option as the Python API takes it: ``all`` (:data:`EVERY_BATCH`) is ``None``."""
+    return None if value == EVERY_BATCH else value
 
 
 def fraction(value: str) -> float:

@@ -14,7 +14,9 @@ wins on every rank at once:
 * another error on any rank makes every other rank raise :class:`~batchfit.errors.RankFailedError`
   naming that rank, the batch size, the phase and the original message;
 * a Ctrl-C on any rank raises ``KeyboardInterrupt`` on every rank (the probe's interrupt guard
-  defers it to the next meeting, see ``batchfit.interrupts``), and every rank restores its model.
+  defers it to the next meeting, see ``batchfit.interrupts``), and every rank restores its model;
+* a rank that dies (killed, crashed) closes its connections: the others raise
+  :class:`~batchfit.errors.RanksTimeoutError` at once, saying it went away, where and when.
 
 Why a side gloo group: right after an out-of-memory the device may have nothing left, a gloo
 collective runs on CPU tensors; NCCL has no bitwise reductions (pytorch #41362) and its
@@ -42,6 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import re
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -57,6 +61,9 @@ from batchfit.report import Trial
 from batchfit.units import format_bytes
 
 __all__ = ["Group", "combine_trials", "leads", "ranks_for"]
+
+#: What gloo says when a peer's connection closes (the process exited or was killed).
+_GONE = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refused", re.IGNORECASE)
 
 
 class Group(Solo):
@@ -194,17 +201,31 @@ class Group(Solo):
 
     def _collective(self, where: str, call: Any) -> Any:
         """Run a control collective unseen by any dispatch mode (the CPU meter must not count
-        the control tensors), turning a timeout into an error that says where it happened."""
+        the control tensors), turning a timeout or a rank gone into an error that says where."""
         from torch.utils._python_dispatch import _disable_current_modes
 
+        started = time.monotonic()
         try:
             with _disable_current_modes(), torch.inference_mode(False):
                 return call()
         except RuntimeError as exc:
-            raise RanksTimeoutError(
-                f"rank {self.rank}: not every rank answered within {self.timeout_s:g} s at {where}; a rank is stuck in "
-                f"the model's code, died, or stopped calling batchfit ({first_line(exc)})"
-            ) from None
+            raise RanksTimeoutError(self._no_answer(where, exc, time.monotonic() - started)) from None
+
+    def _no_answer(self, where: str, exc: RuntimeError, waited_s: float) -> str:
+        """Why a control collective failed: a rank went away (gloo sees its connection close at
+        once, long before the timeout), or not every rank answered in time. Only in a group of
+        two is the rank that went away known for sure (gloo names an address, not a rank)."""
+        if _GONE.search(str(exc)) is None:
+            return (
+                f"rank {self.rank}: not every rank answered within {self.timeout_s:g} s at {where}; a rank is stuck "
+                f"in the model's code, died, or stopped calling batchfit ({first_line(exc)})"
+            )
+        gone = f"rank {1 - self.rank}" if self.world_size == 2 else "a rank"
+        clock = datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S")
+        return (
+            f"rank {self.rank}: {gone} went away during {where}, at {clock} UTC, {waited_s:.1f} s into the meeting: "
+            f"it exited, crashed or was killed, and its own output says why ({first_line(exc)})"
+        )
 
     # DDP ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -252,10 +273,13 @@ class Group(Solo):
             "steps hold: the batch sizes found are conservative by about that much"
         ]
 
-    def close(self) -> None:
+    def close(self, settled: bool = False) -> None:
         group, self._group = self._group, None
         if group is not None:
             with contextlib.suppress(Exception):
+                if settled:  # a rank that tears its sockets down while a peer still reads the last
+                    # meeting's answer aborts that peer ("terminate called without an active exception")
+                    self._collective("the end", lambda: self._dist.barrier(group=group))
                 self._dist.destroy_process_group(group)
 
 

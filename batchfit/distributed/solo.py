@@ -78,5 +78,6 @@ class Solo:
         """What a reader of the result should know about probing ``model`` on these ranks."""
         return []
 
-    def close(self) -> None:
-        """Leave the group (no meeting)."""
+    def close(self, settled: bool = False) -> None:
+        """Leave the group (no meeting). ``settled``: every rank ended the probe normally, so the
+        ranks meet once more before the group goes (:meth:`Group.close`)."""

@@ -63,7 +63,7 @@ def estimate(
     multiple_of: int = 1,
     strategy: str = "interpolate",
     seq_len: int | None = None,
-    scan_batches: int = 64,
+    scan_batches: int | None = 64,
     seq_lens: Sequence[int] | None = None,
     longest_at_batch_1: bool = True,
     max_seq_len: int | None = None,

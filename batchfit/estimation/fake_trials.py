@@ -201,7 +201,7 @@ class FakeProbe:
         self._sample_size = batch_size_of(sample) if sample is not None else None
         self.budget_bytes: int | None = budget_bytes
         self.limit_bytes: int | None = budget_bytes
-        self.limit_source = "memory"
+        self.limit_source = "memory_limit"  # the budget line names it as find() does
         self.reserve_bytes = 0
         self.counts: Unit = target.counts
         self.device_info = DeviceInfo(type=target.device_type, name=f"estimate for {target.name}", total_bytes=None)

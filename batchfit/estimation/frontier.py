@@ -59,6 +59,7 @@ def estimate_frontier(
             max_seq_len=max_seq_len,
             callback=callback,
             started=started,
+            real_steps=False,  # fake trials: make_batch may build meta tensors
         )
     except Untraceable as untraceable:
         raise ValueError(

@@ -74,6 +74,7 @@ if TYPE_CHECKING:
         call_model_explained,
         default_loss,
         optimizer_factory,
+        own_loss,
         split_pair,
     )
 
@@ -140,6 +141,7 @@ _EXPORTS = {
     "call_model": "batchfit.probe.workload",
     "call_model_explained": "batchfit.probe.workload",
     "default_loss": "batchfit.probe.workload",
+    "own_loss": "batchfit.probe.workload",
     "optimizer_factory": "batchfit.probe.workload",
     "split_pair": "batchfit.probe.workload",
 }

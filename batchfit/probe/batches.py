@@ -1,4 +1,4 @@
-"""Batches as trees of tensors: find their leaves, their batch size, move and tile them.
+"""Batches as trees of tensors: find their leaves, their batch size and structure, move and tile them.
 
 A sample is a tensor, or tuples, lists and mappings (a Hugging Face ``BatchEncoding`` too) of
 them, nested; dim 0 of every tensor is the batch. Everything that reads or rebuilds a batch goes
@@ -44,6 +44,11 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 def batch_size_of(batch: Any, what: str = "sample") -> int:
     """The common leading dimension of every tensor in ``batch``; a clear error if there is none."""
+    if batch is None:
+        raise ValueError(
+            f"the {what} is None: a batch is a tensor, or a tuple/list/dict of tensors whose first dimension is "
+            "the batch; does the collate function (or the generator) return the batch it builds?"
+        )
     leaves = list(tensor_leaves(batch, what))
     if not leaves:
         raise ValueError(
@@ -62,6 +67,39 @@ def batch_size_of(batch: Any, what: str = "sample") -> int:
     if size == 0:
         raise ValueError(f"the {what} is empty: its tensors have batch size 0")
     return size
+
+
+def structure(batch: Any) -> dict[str, int]:
+    """What a batch is made of: each tensor's path and number of dims. The batches of one source
+    share it: one made of other tensors is another input, or another objective (no ``labels``: no
+    loss), and neither a probe nor the noise scale can stand for both at once."""
+    return {path: tensor.dim() for path, tensor in tensor_leaves(batch, "batch")}
+
+
+def structure_change(first: Mapping[str, int], batch: Any) -> str | None:
+    """What differs between ``first`` (a :func:`structure`) and ``batch``'s, in words; ``None``
+    when nothing does (the order of a mapping's keys does not count)."""
+    now = structure(batch)
+    said = [f"no {path}" for path in first if path not in now]
+    said += [f"{path}, which the first has not" for path in now if path not in first]
+    said += [f"{path} of {now[path]} dims, not {dims}" for path, dims in first.items() if now.get(path, dims) != dims]
+    return "; ".join(said) or None
+
+
+#: What to do with a ``make_batch`` of meta tensors (:func:`check_has_values`), wherever a real step needs it.
+META_BATCH = (
+    "build the batches on the CPU or the device, as a real step trains on their values "
+    "(batchfit.estimate(model, make_batch=...) sizes from meta tensors, without a step)"
+)
+
+
+def check_has_values(batch: Any, what: str, instead: str) -> None:
+    """Refuse a batch on the ``meta`` device: a real step copies and trains on its values, which
+    it has none of (torch's own "Cannot copy out of meta tensor" names neither the batch nor what to
+    do). ``what`` names the batch in the paths, ``instead`` says what to pass."""
+    for path, tensor in tensor_leaves(batch, what):
+        if tensor.is_meta:
+            raise ValueError(f"{path} is on the meta device, which holds no data: {instead}")
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -5,19 +5,43 @@
 search's settings, the versions; not the weights, not the world size) and looks for
 ``DIR/<key>.json``:
 
-* **hit**: no trial runs, no callback is called (``callback``, ``on_trial_start``, ``on_start``)
-  and the model never runs. The answer is the stored one, every measurement identical (trials,
-  memory equation, throughput, notes), with ``Result.from_cache`` (a :class:`CacheHit`: the
-  entry, when it was written, the world size that measured it and how long that probe took) and a
-  note saying so; ``elapsed_s`` is the hit's own time. Measured with another world size: the
+* **hit**: no search runs, no callback is called (``callback``, ``on_trial_start``, ``on_start``).
+  The answer is the stored one, every measurement identical (trials, memory equation,
+  throughput, notes), with ``Result.from_cache`` (a :class:`CacheHit`: the entry, when it was
+  written, the world size that measured it and how long that probe took) and a note saying so
+  and what was checked; ``elapsed_s`` is the hit's own time. Measured with another world size: the
   batch sizes are per rank and hold as stored, ``world_size`` is the current one, and a note says
   that the rates are those of the ranks that measured them (the key leaves the world size out on
   purpose: ``batchfit.probe.keys``);
+* **the check on a hit** (on by default; ``verify_steps=0``, which verifies nothing, skips it and
+  a hit never runs the model): before the stored answer is returned, its safe batch runs for real
+  once, under the cap its verification ran under (the budget less its headroom), for the fewest
+  steps that show the peak with the optimizer state live (two on a fresh process), on every rank,
+  outside the trial callbacks. If it runs out of memory, the entry is ignored with a note and the probe runs.
+  Why on by default: the key cannot see everything that changes memory (the model's Python code,
+  a configuration attribute that is not a module or a parameter, another process on the device,
+  a driver), and a directory shared by nodes can be written by anyone who reaches it, with an
+  entry that agrees with itself. The safe batch is the one a run trains with, so one real run of
+  it is the check that matters, and it costs about one training step, against the tens of
+  trials of the probe a hit saves; the hit still never searches. What it does not check:
+  ``max_batch`` and the rates stay the stored ones (the max is the boundary's other side: running
+  it would be a trial that may fail by design);
 * **miss**: the probe runs as usual and its answer is written at the end. An entry that cannot be
-  trusted (not JSON, empty or truncated, another schema, a key that is not its file's, key fields
-  that do not hash to it, a result the codec refuses) is ignored with a note naming the file and
-  why, and overwritten by the fresh answer: never trusted, never a crash. A probe that ends
-  otherwise (Ctrl-C, an error) writes nothing.
+  trusted is ignored with a note naming the file and why, and overwritten by the fresh answer:
+  never trusted, never a crash. That is: not a regular file (a FIFO, a device: the file type is
+  checked before anything opens it), larger than
+  :data:`~batchfit.probe.cache_files.ENTRY_CAP_BYTES` (64 MiB, thousands of times a real entry),
+  not JSON, empty or truncated, another schema, a key that is not its file's, key fields that do
+  not hash to it, a time not as batchfit writes it, a result the codec refuses, an answer its own
+  trials contradict (:func:`~batchfit.probe.cache_files.contradiction`: ``max_batch`` at or above
+  a size that ran out of memory, a max, safe or best-throughput size no trial fitted), or a safe
+  batch that no longer fits (the check). A probe that ends otherwise (Ctrl-C, an error) writes
+  nothing.
+
+Every string of a stored answer (notes, names, the device's configuration, the settings' words)
+is made printable as it is read (:func:`~batchfit.probe.cache_files.printable`: escapes are
+shown as ``\\x1b[2J``, not sent to the terminal), so neither ``str(result)``, the CLI, the rich
+view nor a user's own ``print`` can be made to act on a terminal by an entry.
 
 The gradient noise scale depends on the current weights, which the key leaves out: it is never
 stored, and ``noise_scale=True`` measures it again on a hit (real forward and backward passes at
@@ -46,29 +70,35 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.distributed import Solo
-from batchfit.probe.cache_files import entry_document, read_entry, write_atomically
+from batchfit.probe.cache_files import entry_document, read_entry, read_file, write_atomically
 from batchfit.probe.keys import CacheKey, probe_key
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
+from batchfit.probe.safe_batch import safe_cap
 from batchfit.report import CacheHit, Result
+from batchfit.units import format_bytes
 
 __all__ = ["ResultCache", "open_cache"]
 
 def open_cache(prober: Prober, options: Options) -> ResultCache:
     """The cache entry of the probe ``prober`` is set up for (built, not entered)."""
     assert options.cache is not None
-    return ResultCache(options.cache, probe_key(prober, options), prober)
+    return ResultCache(options.cache, probe_key(prober, options), prober, verify=options.verify_steps > 0)
 
 
 class ResultCache:
     """One probe's entry in a cache directory: :meth:`look_up` before the probe, :meth:`store` after."""
 
-    def __init__(self, directory: str | os.PathLike[str], key: CacheKey, prober: Prober) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], key: CacheKey, prober: Prober, *, verify: bool = True
+    ) -> None:
         self.directory = Path(os.fsdecode(os.fspath(directory))).expanduser()
         self.key = key
         self.path = self.directory / f"{key.hex}.json"
         self._prober = prober
         self._ranks: Solo = prober.ranks
+        #: Check the stored safe batch with a real run before a hit is answered (see the module docs).
+        self._verify = verify
         #: What the look-up and the write have to say (an entry ignored, a directory not writable).
         self.notes: list[str] = []
 
@@ -83,12 +113,16 @@ class ResultCache:
         except BaseException:
             ranks.close()
             raise
+        ran = "no trial ran"
+        if entry is not None and self._verify:  # every rank runs the check: the ranks still agree
+            why, ran = self._check(Result.from_dict(entry["result"]))  # rank 0 read it already: it loads
+            entry = None if why is not None else entry
         if why is not None:
             self.notes.append(f"the cache entry {self.path} was ignored: {why}; probed again")
         if entry is None:
-            return None  # the probe meets the ranks again as joined, and closes the group at its end
-        ranks.close()
-        stored = Result.from_dict(entry["result"])  # rank 0 read it already: it loads
+            return None  # the probe meets the ranks again (as joined), and closes the group at its end
+        ranks.close()  # closed already where the check ran (the prober's exit)
+        stored = Result.from_dict(entry["result"])
         hit = CacheHit(
             path=str(self.path),
             key=self.key.hex,
@@ -96,7 +130,7 @@ class ResultCache:
             world_size=stored.world_size,
             elapsed_s=stored.elapsed_s,
         )
-        notes = [*stored.notes, f"from the cache: {self.path}, written {hit.written_at}; no trial ran"]
+        notes = [*stored.notes, f"from the cache: {self.path}, written {hit.written_at}; {ran}"]
         if stored.world_size != ranks.world_size:
             notes.append(
                 f"measured on {stored.world_size} rank{'s' if stored.world_size != 1 else ''}, now "
@@ -125,10 +159,23 @@ class ResultCache:
 
     def _read(self) -> tuple[dict[str, Any] | None, str | None]:
         """The entry, checked, or ``None`` and why it was ignored (``None``: there was none)."""
-        try:
-            text = self.path.read_bytes()
-        except (FileNotFoundError, NotADirectoryError):  # no entry (a file in the way is the write's to say)
-            return None, None
-        except OSError as error:
-            return None, f"it cannot be read ({error.strerror or error})"
-        return read_entry(text, self.key.hex)
+        text, why = read_file(self.path)
+        return (None, why) if text is None else read_entry(text, self.key.hex)
+
+    def _check(self, stored: Result) -> tuple[str | None, str]:
+        """Run the stored safe batch for real, once, under the cap its verification ran under (the
+        budget less its headroom): ``(None, what was checked)`` when it fits, else ``(why, "")``. Every
+        rank runs it and takes the group's verdict (``Prober.trial``), so the ranks still agree."""
+        prober, settings = self._prober, stored.settings
+        before = len(prober.notes)  # the set-up's notes: the probe that may follow says them again
+        with prober:
+            budget = prober.budget_bytes
+            lowered = budget is not None and stored.safe_batch > settings.init_batch  # as safe_batch() runs it
+            cap = safe_cap(budget, settings.headroom) if budget is not None and lowered else None
+            trial = prober.trial(stored.safe_batch, kind="verify", cap_bytes=cap)
+        del prober.notes[before:]
+        under = f" under {format_bytes(cap)}" if cap is not None else ""
+        if not trial.fits:
+            return f"its safe batch {stored.safe_batch} ran out of memory when checked{under}", ""
+        steps = f"{trial.steps} step{'s' if trial.steps != 1 else ''}"
+        return None, f"no search ran; safe batch {stored.safe_batch} checked with {steps}{under}: it fits"

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from batchfit.probe.batches import tensor_leaves
+from batchfit.probe.batches import check_has_values
 from batchfit.probe.options import Options
 from batchfit.probe.workload import split_pair
 from batchfit.report import MemoryModel, Trial, Unit
@@ -51,9 +51,8 @@ def check_materialised(model: nn.Module, sample: Any) -> None:
                 f"the model's {name} is on the meta device, which holds no data: materialise the model "
                 "(model.to_empty(device=...), then initialise its weights) before probing"
             )
-    for path, tensor in tensor_leaves(sample, "sample") if sample is not None else ():
-        if tensor.is_meta:
-            raise ValueError(f"{path} is on the meta device, which holds no data: pass a sample with real values")
+    if sample is not None:
+        check_has_values(sample, "sample", "pass a sample with real values")
 
 
 def check_callbacks(*callbacks: Any) -> None:
@@ -64,6 +63,34 @@ def check_callbacks(*callbacks: Any) -> None:
 
 
 def loss_notes(model: nn.Module, sample: Any, options: Options) -> list[str]:
+    """What the result says about the loss: whether the step kept the model's output through
+    backward (:func:`output_notes`), and what a Hugging Face model given no labels leaves out."""
+    return output_notes(sample, options) + _unlabelled_notes(model, sample, options)
+
+
+def output_notes(sample: Any, options: Options) -> list[str]:
+    """Which loop the step stands for (``Workload.forward``), where the user may have meant the
+    other: the model's own loss frees the output before backward, a ``loss_fn`` keeps it (a
+    ``criterion`` keeps it too, as everyone's ``criterion(model(x), y)`` loop does: no note). Said
+    before any step, so the model's own loss is known by its usual sign, ``labels`` in the batch."""
+    if options.mode != "train" or options.step_fn or options.criterion:
+        return []
+    if options.loss_fn is not None:
+        return [
+            "loss_fn takes the model's output, so the output was kept alive through backward, as "
+            "`out = model(x); loss = loss_fn(out, batch); loss.backward()` keeps it; a loop that frees it first "
+            "(`loss = model(**batch).loss`) fits more: step_fn=lambda model, batch: model(**batch).loss sizes that one"
+        ]
+    if isinstance(sample, Mapping) and "labels" in sample:
+        return [
+            "the loss is the model's own (output.loss), so its output was freed before backward, as "
+            "`loss = model(**batch).loss`, Hugging Face's Trainer and Lightning free it; a loop that keeps the output "
+            "through backward needs more: loss_fn=lambda output, batch: output.loss sizes that one"
+        ]
+    return []
+
+
+def _unlabelled_notes(model: nn.Module, sample: Any, options: Options) -> list[str]:
     """A Hugging Face head model given no ``labels`` returns logits and no loss, and the default
     loss (``logits.mean()``) skips what the real loss holds. How much that is depends on the head:
     a language-model head (one with output embeddings) makes vocabulary-sized logits, and their

@@ -3,7 +3,9 @@
 :func:`frontier_with` reads top to bottom as what :func:`batchfit.frontier` does:
 
 1. check the lengths against the model before any trial (a length longer than its position
-   embeddings is an error now, not an ``IndexError`` in a trial);
+   embeddings is an error now, not an ``IndexError`` in a trial), and the batch ``make_batch``
+   builds at each: as long as asked (a ``make_batch`` that ignores ``seq_len`` would measure one
+   length under another's label), with values to train on (:func:`check_batches`);
 2. search the longest length from the smallest batch, as :func:`batchfit.find` does (its boundary
    is the smallest, so the full search is cheapest there), and fit the surface
    ``fixed + b (a s + q s^2)`` (:class:`~batchfit.report.frontier.Surface`) through it;
@@ -26,22 +28,37 @@ one, or the estimate's fake trials (``batchfit.estimation``), which is how
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
+from batchfit.backends import backend_for, resolve_device
+from batchfit.errors import annotate
+from batchfit.probe.batches import META_BATCH, check_has_values, tensor_leaves
 from batchfit.probe.finder import ProbeStartCallback, StartCallback, TrialCallback, search_with, verdict
-from batchfit.probe.options import Options, check_takes_length, positive_int
+from batchfit.probe.options import Options, check_takes_length
 from batchfit.probe.positions import position_limit
+from batchfit.probe.real_data import sequence_dims
 from batchfit.probe.safe_batch import STEP_DOWN, safe_cap
 from batchfit.report import Frontier, FrontierPoint, LongestLimit, MemoryModel, PhaseLine, Result, Surface, Trial, Unit
 from batchfit.search import HEDGE, Attempt, Grid, SearchReport, search_near
+from batchfit.units import positive_int
 
-__all__ = ["ANCHOR_MARGIN", "LENGTH_CEILING", "PointCallback", "ProberFactory", "check_lengths", "frontier_with"]
+__all__ = [
+    "ANCHOR_MARGIN",
+    "LENGTH_CEILING",
+    "PointCallback",
+    "ProberFactory",
+    "check_batches",
+    "check_lengths",
+    "frontier_with",
+]
 
 #: ``options -> prober``: a context manager that runs trials (``batchfit.probe.Prober``, or the
 #: estimate's ``FakeProbe``) for the options given (their ``make_batch`` bound to one length).
@@ -55,6 +72,11 @@ ANCHOR_MARGIN = 0.01
 
 #: How far the length-axis search may go when neither the model nor ``max_seq_len`` bounds it.
 LENGTH_CEILING = 2**20
+#: What a batch of the wrong length on the length axis was for, and how to do without it.
+SEARCHING_LONGEST = (
+    " (this length was tried in the search for the longest length at batch 1: pass longest_at_batch_1=False "
+    "or max_seq_len= to keep to the lengths make_batch builds)"
+)
 
 
 def check_lengths(
@@ -72,16 +94,14 @@ def check_lengths(
             f"frontier() needs make_batch: a callable (batch_size, seq_len) -> batch, got {type(make_batch).__name__}"
         )
     check_takes_length(make_batch, "make_batch must take (batch_size, seq_len) for a frontier")
-    if isinstance(seq_lens, (str, bytes)) or not isinstance(seq_lens, Sequence):
-        raise TypeError(f"seq_lens must be a list of ints (sequence lengths), got {type(seq_lens).__name__}")
-    if not seq_lens:
+    lengths = [positive_int(f"seq_lens[{i}]", value) for i, value in enumerate(_listed(seq_lens))]
+    if not lengths:
         raise ValueError("seq_lens is empty: give at least one sequence length")
-    lengths = [positive_int(f"seq_lens[{i}]", value) for i, value in enumerate(seq_lens)]
     twice = sorted({s for s in lengths if lengths.count(s) > 1})
     if twice:
         raise ValueError(f"seq_lens has {', '.join(map(str, twice))} more than once")
     if max_seq_len is not None:
-        positive_int("max_seq_len", max_seq_len)
+        max_seq_len = positive_int("max_seq_len", max_seq_len)
     limit = position_limit(model)
     if limit is not None:
         too_long = [s for s in lengths if s > limit[0]]
@@ -100,6 +120,76 @@ def check_lengths(
     return tuple(sorted(lengths)), min(ceilings) if ceilings else None, limit
 
 
+def _listed(seq_lens: Any) -> list[Any]:
+    """The lengths given, as a list: a list or tuple, a numpy array (``np.arange(...)``), a 1-d
+    tensor, any iterable of numbers; not a string or a mapping."""
+    wrong = TypeError(f"seq_lens must be a list of ints (sequence lengths), got {type(seq_lens).__name__}")
+    if isinstance(seq_lens, (str, bytes, Mapping)) or not isinstance(seq_lens, Iterable):
+        raise wrong
+    try:
+        return list(seq_lens)
+    except TypeError:  # a 0-d array or tensor: iterable by type, not by value
+        raise wrong from None
+
+
+def check_batches(
+    model: nn.Module, make_batch: Callable[[int, int], Any], lengths: Sequence[int], options: Options, real_steps: bool
+) -> None:
+    """``make_batch(1, s)`` at every length, checked before any trial: its sequence dimension
+    must be ``s`` long (a ``make_batch`` that ignores ``seq_len``, a closure or a
+    ``functools.partial`` that fixed it, would label one length's points with others), and, for
+    ``real_steps``, its tensors must hold values (not the ``meta`` device, which an estimate's
+    fake trials take). The random generators are left as they were: these batches are not the
+    trials'."""
+    with _generators_kept(model, options), torch.no_grad():
+        for s in lengths:
+            try:
+                batch = make_batch(1, s)
+            except Exception as exc:
+                annotate(exc, f"batchfit: raised by make_batch(1, {s}), built before any trial to check its length")
+                raise
+            if real_steps:
+                check_has_values(batch, f"make_batch(1, {s})", META_BATCH)
+            check_length(batch, 1, s)
+
+
+def check_length(batch: Any, batch_size: int, seq_len: int, searching: str = "") -> None:
+    """``ValueError`` unless ``batch``, built by ``make_batch(batch_size, seq_len)``, is ``seq_len``
+    long along its sequence dimension (:func:`~batchfit.probe.real_data.sequence_dims`; where that
+    dimension cannot be told apart, some dimension beyond the batch must be ``seq_len`` long).
+    ``searching`` says what was searched, for a length no one listed."""
+    leaves = list(tensor_leaves(batch, "batch"))
+    shapes = ", ".join(f"{path} {tuple(tensor.shape)}" for path, tensor in leaves) or "no tensor"
+    said = f"make_batch({batch_size}, {seq_len}) built a batch"
+    fix = (
+        "make_batch(batch_size, seq_len) must build sequences seq_len long; does it ignore seq_len (a closure or "
+        "functools.partial that fixed the length, a tokenizer's max_length)?" + searching
+    )
+    try:
+        dim = next(iter(sequence_dims(batch, seq_len).values()))
+    except ValueError:  # no dimension, or several, is the sequence: one of them must have the length
+        if not any(seq_len in tuple(tensor.shape[1:]) for _, tensor in leaves):
+            raise ValueError(f"{said} with no dimension of length {seq_len} ({shapes}): {fix}") from None
+        return
+    built = next(tensor.shape[dim] for _, tensor in leaves if tensor.dim() > dim)
+    if built != seq_len:
+        raise ValueError(f"{said} of length {built}, not {seq_len} (dim {dim} of {shapes}): {fix}")
+
+
+@contextlib.contextmanager
+def _generators_kept(model: nn.Module, options: Options) -> Iterator[None]:
+    """The CPU's random generator and the probe device's, put back as they were on the way out."""
+    device = resolve_device(options.device, model)
+    backend = backend_for(device)
+    cpu, on_device = torch.random.get_rng_state(), backend.get_rng_state(device)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        if on_device is not None:
+            backend.set_rng_state(device, on_device)
+
+
 def frontier_with(
     model: nn.Module,
     make_batch: Callable[[int, int], Any],
@@ -115,16 +205,20 @@ def frontier_with(
     on_point: PointCallback | None = None,
     on_length: Callable[[int | None], None] | None = None,
     started: float | None = None,
+    real_steps: bool = True,
 ) -> Frontier:
     """The frontier of ``model`` over ``seq_lens`` (see the module), each length probed by a
     prober ``make_prober`` builds from ``options`` with ``make_batch`` bound to the length.
-    ``on_length`` is told each length before its trials (``None``: the length axis at batch 1)."""
+    ``on_length`` is told each length before its trials (``None``: the length axis at batch 1).
+    ``real_steps``: the prober runs real steps, so the batches must hold values (an estimate's
+    fake trials take meta tensors: ``False``)."""
     started = time.monotonic() if started is None else started
     if on_point is not None and not callable(on_point):
         raise TypeError(f"on_point must be callable, got {type(on_point).__name__}")
     if not isinstance(longest_at_batch_1, bool):
         raise TypeError(f"longest_at_batch_1 must be True or False, got {longest_at_batch_1!r}")
     lengths, ceiling, limit = check_lengths(model, make_batch, seq_lens, max_seq_len)
+    check_batches(model, make_batch, lengths, options, real_steps)
     notes: list[str] = []
     results: dict[int, Result] = {}
     points: dict[int, FrontierPoint] = {}
@@ -219,10 +313,13 @@ def _order(lengths: tuple[int, ...]) -> list[int]:
 
 
 def _bound_to(make_batch: Callable[[int, int], Any], length: list[int]) -> Callable[[int], Any]:
-    """``make_batch`` at the length ``length[0]`` holds when called (the length-axis search moves it)."""
+    """``make_batch`` at the length ``length[0]`` holds when called (the length-axis search moves
+    it), each batch checked to be that long: these lengths were not checked before the trials."""
 
     def at_current_length(batch_size: int) -> Any:
-        return make_batch(batch_size, length[0])
+        batch = make_batch(batch_size, length[0])
+        check_length(batch, batch_size, length[0], SEARCHING_LONGEST)
+        return batch
 
     return at_current_length
 

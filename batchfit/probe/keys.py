@@ -20,8 +20,9 @@ the cache entry stores it beside the key, so a reader can see what an entry was 
   ``DataLoader``'s worst-batch pick and ``seq_len``; with ``make_batch``, its qualified name and
   the shapes of the batch it builds at the first size (built with the random generators put back);
 * **work** and **search**: mode, amp, the optimizer (its class and the settings of each param
-  group without the parameters; a factory by its qualified name, so two lambdas on one line key
-  alike: pass an optimizer object to key on its hyperparameters; the default AdamW says so), the
+  group that can change memory, without the parameters: :func:`optimizer_fields`; a factory by
+  its qualified name, so two lambdas on one line key alike: pass an optimizer object to key on
+  its settings; the default AdamW says so), the
   loss (``loss_fn``/``step_fn`` by qualified name, a module ``criterion`` by its repr), the memory
   limit in bytes as resolved (a fraction keys on the bytes it comes to now) and the reserve (in
   bytes, or ``"auto"``: what it measures varies from run to run), headroom, ``init_batch``,
@@ -188,13 +189,33 @@ def batch_leaves(batch: Any, path: str) -> list[list[Any]]:
 
 def optimizer_fields(optimizer: Any) -> dict[str, Any]:
     """The optimizer a trial builds: the default AdamW, an optimizer's class and the settings of
-    each param group (without the parameters), or a factory's qualified name."""
+    each param group that can change memory (:func:`memory_setting`; not the parameters), or a
+    factory's qualified name."""
     if optimizer is None:
         return {"default": "torch.optim.AdamW with torch's defaults"}
     if isinstance(optimizer, torch.optim.Optimizer):
-        groups = [{k: _value(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        groups = [
+            {k: memory_setting(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+        ]
         return {"class": qualified(type(optimizer)), "param_groups": groups}
     return {"factory": qualified(optimizer)}
+
+
+def memory_setting(value: Any) -> Any:
+    """A param group's setting as far as it can change what a step allocates. A float (the
+    learning rate, weight decay, betas, eps, a momentum or dampening value) keys only on whether it
+    is zero: its value changes the numbers, not the tensors, while zero can (SGD keeps no momentum
+    buffer at 0; Adam's coupled weight decay adds a copy of the gradients when it is not 0), so a
+    learning-rate change is a hit. Anything else keys as it is: flags that allocate state or
+    buffers (``amsgrad``, ``foreach``, ``fused``, ``capturable``, ``maximize``, ``nesterov``) and
+    counts (L-BFGS's ``history_size``)."""
+    if isinstance(value, float):
+        return "float 0" if value == 0 else "float not 0"
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() == 1:
+        return f"tensor {value.dtype} {list(value.shape)} {'0' if value.item() == 0 else 'not 0'}"
+    if isinstance(value, (tuple, list)):
+        return [memory_setting(item) for item in value]
+    return _value(value)
 
 
 def criterion_fields(criterion: Any) -> str:

@@ -11,9 +11,11 @@ How a measurement runs:
   sample carry no gradient noise (:func:`check_noise_data`). Its batches are cut into micro-batches
   of ``micro_batch`` rows (default: the first batch's size; a larger one is measured at that size,
   with a note: rows of several batches are never joined); a batch with fewer rows (a short last
-  batch) is skipped. A window's micro-batches are drawn before it runs, so none is spent on a
-  window the data cannot complete; the measurement stops when ``passes`` are spent or the data
-  runs out (at least two windows, else ``ValueError``);
+  batch) is skipped; a batch made of other tensors than the first's (``batches.structure``: labels
+  gone, a dict then a tuple) is refused, naming it, as it would mix two objectives. A window's
+  micro-batches are drawn before it runs, so none is spent on a window the data cannot complete;
+  the measurement stops when ``passes`` are spent or the data runs out (at least two windows,
+  else ``ValueError``);
 * one process: a *window* is ``per_window`` micro-batches, each one forward and backward pass
   (``passes``); its small batch is a micro-batch (``|g_b|^2``, their mean) and its big batch
   their mean gradient (``B = per_window x b``). Under DDP (the probe's ranks, ``world_size > 1``):
@@ -50,11 +52,12 @@ from torch import nn
 
 from batchfit.backends import is_oom
 from batchfit.errors import annotate
-from batchfit.probe.batches import batch_size_of, map_tensors, to_device
-from batchfit.probe.options import Options, positive_int
+from batchfit.probe.batches import batch_size_of, map_tensors, structure, structure_change, to_device
+from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
 from batchfit.probe.real_data import generators_kept, is_batch_source
 from batchfit.report import NoiseScale
+from batchfit.units import positive_int
 
 __all__ = ["check_noise_data", "measure_noise"]
 
@@ -63,6 +66,8 @@ FP16_SCALE = 2.0**16
 MAX_RESCALES = 24
 #: Batches with fewer rows than the micro-batch skipped in a row before the data is called unusable.
 MAX_SKIPPED_IN_A_ROW = 64
+#: What ``_Stream._draw`` returns once the data ran out (a batch may itself be ``None``: that is refused).
+_END = object()
 
 
 def check_noise_data(data: Any) -> None:
@@ -167,23 +172,25 @@ class _Stream:
         self.exhausted = False
         self._pending: deque[Any] = deque()
         first = self._draw()
-        if first is None:
+        if first is _END:
             raise ValueError("the data yielded no batch: it is empty")
         self.first = first
-        self.rows = batch_size_of(first, "data's first batch")
+        self.rows = batch_size_of(first, "batch 1 of the data")
+        self.structure = structure(first)
         self.asked = micro_batch
         self.size = self.rows if micro_batch is None else min(micro_batch, self.rows)
         self._pending.extend(self._cut(first, self.rows))
 
-    def _draw(self) -> Any | None:
+    def _draw(self) -> Any:
+        """The next batch, or ``_END`` once the data ran out."""
         if self._iterator is None:
-            return None
+            return _END
         try:
             batch = next(self._iterator)
         except StopIteration:
             self.exhausted = True
             self.close()
-            return None
+            return _END
         self.batches += 1
         return batch
 
@@ -197,9 +204,16 @@ class _Stream:
         in_a_row = 0
         while not self._pending:
             batch = self._draw()
-            if batch is None:
+            if batch is _END:
                 return None
-            rows = batch_size_of(batch, f"data's batch {self.batches}")
+            rows = batch_size_of(batch, f"batch {self.batches} of the data")
+            change = structure_change(self.structure, batch)
+            if change is not None:
+                raise ValueError(
+                    f"batch {self.batches} of the data differs in structure from its first batch ({change}): its "
+                    "passes would mix two objectives (or two inputs) in one noise scale; pass batches that all hold "
+                    "the same tensors"
+                )
             if rows < self.size:
                 self.skipped += 1
                 in_a_row += 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from batchfit.search import Grid, Strategy, make_strategy
-from batchfit.units import check_memory_limit, parse_reserve
+from batchfit.units import as_int, check_memory_limit, parse_reserve, positive_int
 
 if TYPE_CHECKING:
     import torch
@@ -34,13 +34,18 @@ MODES: tuple[str, ...] = ("train", "inference")
 AMPS: tuple[str, ...] = ("bf16", "fp16")
 
 
-def positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    """``value`` if it is an int >= ``minimum``; else an error that names ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+#: The fields of :class:`Options` that count something: each is an int (:func:`as_int`) or ``None``.
+COUNTS = (
+    "steps_per_trial",
+    "init_batch",
+    "max_batch",
+    "multiple_of",
+    "verify_steps",
+    "seq_len",
+    "scan_batches",
+    "noise_passes",
+    "timed_steps",
+)
 
 
 @dataclass(frozen=True)
@@ -80,13 +85,16 @@ class Options:
     distributed: bool | None = None
     rank_timeout: float = 300.0
     seq_len: int | None = None
-    scan_batches: int = 64
+    scan_batches: int | None = 64
     noise_scale: bool = False
     noise_passes: int = 128
     timed_steps: int = 2
     cache: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
+        for name in COUNTS:  # numpy's int64, a 0-d tensor: kept as the int it holds (JSON, the grid)
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, as_int(name, getattr(self, name)))
         if self.make_batch is not None and not callable(self.make_batch):
             raise TypeError(f"make_batch must be callable, got {type(self.make_batch).__name__}")
         for name in ("loss_fn", "step_fn", "criterion"):
@@ -139,7 +147,8 @@ class Options:
             )
         self.grid()  # init_batch against max_batch and multiple_of
         make_strategy(self.strategy)
-        positive_int("scan_batches", self.scan_batches)
+        if self.scan_batches is not None:  # None: the whole epoch
+            positive_int("scan_batches", self.scan_batches)
         if not isinstance(self.noise_scale, bool):
             raise TypeError(f"noise_scale must be True or False, got {self.noise_scale!r}")
         positive_int("noise_passes", self.noise_passes, minimum=4)

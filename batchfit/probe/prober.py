@@ -32,14 +32,14 @@ from batchfit.probe.checks import (
     parameter_bytes,
 )
 from batchfit.probe.compiled import compile_notes, compile_seconds, compiled_info
-from batchfit.probe.options import Options, positive_int
+from batchfit.probe.options import Options
 from batchfit.probe.positions import check_seq_len
 from batchfit.probe.real_data import worst_batch
 from batchfit.probe.state import Snapshot, take
 from batchfit.probe.trial import run_trial
 from batchfit.probe.workload import AMP_DTYPES, Workload, optimizer_factory
 from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
-from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
+from batchfit.units import format_bytes, parse_memory_limit, parse_reserve, positive_int
 
 __all__ = ["Prober"]
 
@@ -290,11 +290,11 @@ class Prober:
         """Undo everything (no Ctrl-C can cut it short), then let a Ctrl-C that arrived meanwhile
         surface. On a failed device nothing is asked of it: every call would raise and the raw
         device error would replace the one that explains what happened."""
-        self._interrupts.finish(lambda: self._undo(device_usable), exc)
+        self._interrupts.finish(lambda: self._undo(device_usable, settled=exc is None), exc)
 
-    def _undo(self, device_usable: bool) -> None:
+    def _undo(self, device_usable: bool, settled: bool = False) -> None:
         self._optimizer = None
-        self.ranks.close()
+        self.ranks.close(settled)
         try:
             if self._stack is not None:
                 if device_usable:

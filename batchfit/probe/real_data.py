@@ -11,9 +11,11 @@ size on instead:
   Hugging Face's ``LengthGroupedSampler`` on the loader's sampler; a ``datasets.Dataset`` with a
   ``length`` column too) gives its longest item, collated alone by the loader's own
   ``collate_fn``: no other item is loaded;
-* any other loader (or iterable of batches) is scanned, up to ``scan_batches`` batches, and the
-  batch whose rows hold the most elements wins (the first of equals): its real rows, padded as
-  the user's collate function padded them;
+* any other loader (or iterable of batches) is scanned (:mod:`~batchfit.probe.scan`: the whole
+  epoch where ``scan_batches`` allows, else batches spread across it, or drawn in order while the
+  data still grows), and the batch whose rows hold the most elements wins (the first of equals):
+  its real rows, padded as the user's collate function padded them. A scan that did not read the
+  whole epoch says so, in the note and in a ``UserWarning`` that names what to pass;
 * ``seq_len=`` sizes on exactly that length instead: the chosen rows are cut to it, or extended
   by repeating their own content along the sequence dimension (never with invented values).
 
@@ -25,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from batchfit.probe.batches import batch_size_of, map_tensors, tensor_leaves
+from batchfit.probe.scan import Scan, scan, warn_at_caller
 from batchfit.report import SizedOn
 
 __all__ = ["at_length", "generators_kept", "is_batch_source", "sequence_dims", "worst_batch"]
@@ -40,15 +43,17 @@ _REPEATED = "repeated along dim 0 to build every size"
 
 
 def worst_batch(
-    sample: Any, *, scan_batches: int = 64, seq_len: int | None = None, keep_rng: bool = True
+    sample: Any, *, scan_batches: int | None = 64, seq_len: int | None = None, keep_rng: bool = True
 ) -> tuple[Any, str | None, SizedOn | None]:
     """The batch to size on, the note that says what it is, and the record for the result.
 
     ``sample``: a batch, a ``DataLoader`` or any other iterable of batches, or ``None`` (the
-    probe builds batches with ``make_batch``). ``scan_batches``: the most batches drawn from a
-    loader. ``seq_len``: the sequence length to size on. ``keep_rng``: draw on copies of the
-    random generators (a loader's iterator seeds itself from torch's), so they come back as they
-    were (:func:`generators_kept`).
+    probe builds batches with ``make_batch``). ``scan_batches``: how many batches a scan reads
+    (``None``: the whole epoch; :mod:`~batchfit.probe.scan`). ``seq_len``: the sequence length to
+    size on. ``keep_rng``: draw on copies of the random generators (a loader's iterator seeds
+    itself from torch's), so they come back as they were (:func:`generators_kept`). A scan that
+    did not read the whole epoch says so in the note and in a ``UserWarning``, unless ``seq_len``
+    fixed the length.
     """
     if sample is None:
         if seq_len is None:
@@ -60,17 +65,22 @@ def worst_batch(
     name = type(sample).__name__
     with generators_kept(sample) if keep_rng else contextlib.nullcontext():
         longest = _longest_by_lengths(sample)
-        scan = _scan(sample, scan_batches) if longest is None else None
+        scanned = scan(sample, scan_batches) if longest is None else None
     if longest is not None:
         return _from_lengths(longest, name, seq_len)
-    assert scan is not None
-    if scan.scanned == 0:
+    assert scanned is not None
+    if scanned.scanned == 0:
         raise ValueError(f"the sample {name} yielded no batch: it is empty")
-    total = _length_of(sample)
     if seq_len is not None:
-        return _scan_at_length(scan, name, total, seq_len)
-    record = scan.record(total)
-    return scan.worst, _scan_note(scan, name, record), record
+        return _scan_at_length(scanned, seq_len)
+    record = scanned.record()
+    note = _scan_note(scanned, record)
+    gap = scanned.gap()
+    if gap is not None:
+        note += f"; {gap}"
+        if not scanned.one_shape():  # a loader of one shape throughout is said in the note alone
+            warn_at_caller(f"batchfit: {gap}")
+    return scanned.worst, note, record
 
 
 def is_batch_source(sample: Any) -> bool:
@@ -257,102 +267,21 @@ def _from_lengths(longest: _Longest, name: str, seq_len: int | None) -> tuple[An
     return batch, f"{said}; no batch was scanned; its row is {_REPEATED}", record
 
 
-# Any other loader: a scan -----------------------------------------------------------------------------
-@dataclass
-class _Scan:
-    """What a scan of a loader saw: the worst batch, and which dims varied."""
-
-    scanned: int = 0
-    worst: Any = None
-    worst_number: int = 0
-    first: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the worst batch's
-    varying: dict[str, list[int]] = field(default_factory=dict)
-
-    def main(self) -> tuple[str, int] | None:
-        """The varying tensor and dim the notes name: the first in the worst batch's order."""
-        for path in self.shapes:
-            if self.varying.get(path):
-                return path, self.varying[path][0]
-        return None
-
-    def record(self, total: int | None) -> SizedOn:
-        main = self.main()
-        leaf, dim = main if main is not None else (None, None)
-        return SizedOn(
-            source="loader scan",
-            batches_scanned=self.scanned,
-            total_batches=total,
-            leaf=leaf,
-            dim=dim,
-            length=self.shapes[leaf][dim] if leaf is not None and dim is not None else None,
-            first_length=self.first[leaf][dim] if leaf is not None and dim is not None else None,
-            batch_number=self.worst_number,
-        )
-
-
-def _scan(loader: Any, limit: int) -> _Scan:
-    """Draw up to ``limit`` batches; keep the one whose rows hold the most elements (the first of
-    equals) and note, per tensor, the dims >= 1 whose size differed from the first batch's."""
-    scan = _Scan()
-    worst_elements, worst_rows = 0, 1
-    iterator = iter(loader)
-    try:
-        for number in range(1, limit + 1):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            rows = batch_size_of(batch, f"batch {number} of the sample")
-            shapes = {path: tuple(tensor.shape) for path, tensor in tensor_leaves(batch, "sample")}
-            elements = sum(tensor.numel() for _, tensor in tensor_leaves(batch, "sample"))
-            scan.scanned = number
-            if number == 1:
-                scan.first = shapes
-            for path, shape in shapes.items():
-                first = scan.first.get(path)
-                if first is None or len(first) != len(shape):
-                    continue
-                for dim in range(1, len(shape)):
-                    if shape[dim] != first[dim] and dim not in scan.varying.setdefault(path, []):
-                        scan.varying[path].append(dim)
-            if scan.worst is None or elements * worst_rows > worst_elements * rows:
-                scan.worst, scan.worst_number, scan.shapes = batch, number, shapes
-                worst_elements, worst_rows = elements, rows
-            del batch
-    finally:
-        del iterator  # a loader's worker processes end with their iterator
-    for dims in scan.varying.values():
-        dims.sort()
-    return scan
-
-
-def _length_of(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except (TypeError, NotImplementedError):
-        return None
-
-
-def _seen(scan: _Scan, total: int | None) -> str:
-    plural = "es" if scan.scanned != 1 else ""
-    return f"{scan.scanned:,} batch{plural} scanned" + (f" (of {total:,})" if total is not None else "")
-
-
-def _scan_note(scan: _Scan, name: str, record: SizedOn) -> str:
+# Any other loader: a scan (batchfit.probe.scan) ----------------------------------------------------------
+def _scan_note(scan: Scan, record: SizedOn) -> str:
     rows = batch_size_of(scan.worst)
     main = scan.main()
     if main is None:
         which = "first batch" if scan.worst_number == 1 else f"batch {scan.worst_number} (its rows hold the most)"
-        seen = _seen(scan, record.total_batches)
-        return f"sample: the {which} of the {name} (batch size {rows}), {_REPEATED}; the {seen} have the same shapes"
+        same = f"the {scan.seen()} have the same shapes"
+        return f"sample: the {which} of the {scan.name} (batch size {rows}), {_REPEATED}; {same}"
     leaf, dim = main
     others = [f"dim {d} of {p}" for p, dims in scan.varying.items() for d in dims if (p, d) != main]
     same_dim = all(dims == [dim] for dims in scan.varying.values() if dims)
     what = "sequence length" if same_dim else "size"
-    which = "the first" if scan.worst_number == 1 else f"batch {scan.worst_number} of the scan"
+    which = "the first" if scan.worst_number == 1 else f"batch {scan.worst_number} of the {scan.name}"
     note = (
-        f"sample: the worst of {_seen(scan, record.total_batches)} of the {name}: {what} {record.length:,} "
+        f"sample: the worst of {scan.seen()} of the {scan.name}: {what} {record.length:,} "
         f"(dim {dim} of {leaf}), {which} (batch size {rows}); the first batch had length {record.first_length:,}"
     )
     if others and not same_dim:
@@ -360,7 +289,7 @@ def _scan_note(scan: _Scan, name: str, record: SizedOn) -> str:
     return f"{note}; its rows are {_REPEATED}"
 
 
-def _scan_at_length(scan: _Scan, name: str, total: int | None, seq_len: int) -> tuple[Any, str, SizedOn]:
+def _scan_at_length(scan: Scan, seq_len: int) -> tuple[Any, str, SizedOn]:
     """The scan's worst rows at exactly ``seq_len``, along the dim that varied (or, when none did,
     the one dim the batch's tensors share)."""
     if scan.varying:
@@ -368,7 +297,7 @@ def _scan_at_length(scan: _Scan, name: str, total: int | None, seq_len: int) -> 
         if several:
             shown = "; ".join(f"dims {', '.join(map(str, dims))} of {path}" for path, dims in several.items())
             raise ValueError(
-                f"seq_len={seq_len:,}: more than one dimension varies across the batches of the {name} ({shown}), "
+                f"seq_len={seq_len:,}: more than one dimension varies across the batches of the {scan.name} ({shown}), "
                 "so which one is the sequence is ambiguous: pass make_batch=(batch_size, seq_len) -> batch"
             )
         dims = {path: found[0] for path, found in scan.varying.items()}
@@ -377,24 +306,24 @@ def _scan_at_length(scan: _Scan, name: str, total: int | None, seq_len: int) -> 
             dims = sequence_dims(scan.worst, seq_len)
         except ValueError as exc:
             raise ValueError(
-                f"seq_len={seq_len:,}: no dimension varies in the {_seen(scan, total)} of the {name}, and {exc}"
+                f"seq_len={seq_len:,}: no dimension varies in the {scan.seen()} of the {scan.name}, and {exc}"
             ) from None
     leaf = next((path for path in scan.shapes if path in dims), None)
     if leaf is None:
-        raise ValueError(f"seq_len={seq_len:,}: the worst batch of the {name} holds none of the tensors that vary")
+        raise ValueError(f"seq_len={seq_len:,}: the worst batch of the {scan.name} holds none of the tensors that vary")
     dim = dims[leaf]
     had = scan.shapes[leaf][dim]
     first = scan.first[leaf][dim] if leaf in scan.first else None
-    number = "the first" if scan.worst_number == 1 else f"batch {scan.worst_number} of the scan"
+    number = "the first" if scan.worst_number == 1 else f"batch {scan.worst_number} of the {scan.name}"
     note = (
-        f"sample: the worst of {_seen(scan, total)} of the {name} ({number}), {_resized(had, seq_len, leaf, dim)}"
+        f"sample: the worst of {scan.seen()} of the {scan.name} ({number}), {_resized(had, seq_len, leaf, dim)}"
         + (f"; the first batch had length {first:,}" if first is not None else "")
         + f"; its rows are {_REPEATED}"
     )
     record = SizedOn(
         source="seq_len",
         batches_scanned=scan.scanned,
-        total_batches=total,
+        total_batches=scan.total,
         leaf=leaf,
         dim=dim,
         length=seq_len,

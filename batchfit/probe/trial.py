@@ -289,8 +289,9 @@ def _train_step(
     progress: _Progress,
     ranks: Solo,
 ) -> None:
-    # The output stays alive until the step ends, as in an ordinary training loop. Between the
-    # phases a Ctrl-C deferred by the probe surfaces (meter.checkpoint), and the ranks meet.
+    # The output forward hands back stays alive until the step ends, as in the loop it stands for
+    # (None where that loop frees it before backward: Workload.forward). Between the phases a
+    # Ctrl-C deferred by the probe surfaces (meter.checkpoint), and the ranks meet.
     # Under DDP, backward runs without its all-reduce (Solo.deferred_sync), and the gradients
     # are all-reduced at the start of the step phase, once every rank's backward worked.
     progress.phase = "forward"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchfit.probe.batches import batch_size_of, tensor_leaves, tile, to_device
+from batchfit.probe.batches import META_BATCH, batch_size_of, check_has_values, tensor_leaves, tile, to_device
 
 Batch = Any
 LossFn = Callable[[Any, Batch], torch.Tensor]
@@ -60,17 +60,28 @@ def call_model_explained(model: nn.Module, batch: Any) -> Any:
         raise
 
 
-def default_loss(output: Any) -> torch.Tensor:
-    """A scalar to backpropagate from whatever the model returned.
-
-    ``output.loss`` / ``output["loss"]`` when it is a tensor (Hugging Face models given labels),
-    else the output itself, or its first tensor for tuples, lists and mappings (logits), reduced
-    with ``mean()`` in float32 so that fp16 outputs cannot overflow.
-    """
+def own_loss(output: Any) -> torch.Tensor | None:
+    """The loss the model computed itself, ``None`` when it returned none: ``output.loss`` /
+    ``output["loss"]`` when it is a tensor (Hugging Face models given labels), or a scalar first
+    tensor (``return_dict=False``: ``(loss, logits, ...)``, or the loss alone)."""
     loss = getattr(output, "loss", None)
     if not isinstance(loss, torch.Tensor) and isinstance(output, Mapping):
         loss = output.get("loss")
-    if not isinstance(loss, torch.Tensor):
+    if isinstance(loss, torch.Tensor):
+        return loss
+    first = next(iter(tensor_leaves(output, "output")), None)
+    return first[1] if first is not None and first[1].dim() == 0 else None
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """A scalar to backpropagate from whatever the model returned.
+
+    The model's :func:`own_loss` when it has one, else the output itself, or its first tensor
+    for tuples, lists and mappings (logits), reduced with ``mean()`` in float32 so that fp16
+    outputs cannot overflow.
+    """
+    loss = own_loss(output)
+    if loss is None:
         leaves = list(tensor_leaves(output, "output"))
         if not leaves:
             raise TypeError(
@@ -90,7 +101,8 @@ def optimizer_factory(
     ``None``: AdamW with torch's defaults (its two moments make it a realistic worst case).
     An optimizer instance: a fresh one of the same class with the same param-group
     hyperparameters over the same parameters; the user's own instance is never stepped. A
-    callable: called with the list of trainable parameters.
+    callable: called with the list of trainable parameters. Every optimizer made must hold some of
+    the parameters it is given, or it is refused by name (:func:`_stepping_the_model`).
 
     ``parameter_of``: where the probe runs the model's parameters as other tensors (the estimate
     swaps fake ones into the model's slots), the tensor that stands in for each of the template's
@@ -100,21 +112,45 @@ def optimizer_factory(
     if optimizer is None:
         return lambda params: torch.optim.AdamW(params)
     if isinstance(optimizer, torch.optim.Optimizer):
-        return _cloner(optimizer, parameter_of)
-    if callable(optimizer):
-        _check_factory(optimizer)
+        make = _cloner(optimizer, parameter_of)
+    elif callable(optimizer):
+        make = _from_factory(optimizer)
+    else:
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or None, "
+            f"not {type(optimizer).__name__}"
+        )
+    return lambda params: _stepping_the_model(make(params), params)
 
-        def from_factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-            made = optimizer(params)
-            if not isinstance(made, torch.optim.Optimizer):
-                raise TypeError(f"optimizer factory returned {type(made).__name__}, expected a torch.optim.Optimizer")
-            return made
 
-        return from_factory
-    raise TypeError(
-        "optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or None, "
-        f"not {type(optimizer).__name__}"
+def _stepping_the_model(made: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """``made``, unless it holds none of ``params`` (the model's trainable parameters): built over
+    another model's, it would update nothing of this one and allocate no state in the probe's
+    steps, and the batch found would be too large. A subset of the model's parameters (a frozen
+    body, LoRA) is the model's; so is an extra tensor of the loss (a temperature) beside them."""
+    held = [p for group in made.param_groups for p in group["params"]]
+    trainable = {id(p) for p in params}
+    if not held or not trainable or any(id(p) in trainable for p in held):
+        return made
+    raise ValueError(
+        f"optimizer holds none of the model's {len(trainable)} trainable parameters: its {len(held)} are another "
+        "model's (or frozen parts of this one), so the probe's steps would update nothing and allocate no optimizer "
+        "state, and the batch found would be too large. Build it over this model's parameters (a subset is fine: "
+        "frozen parts, LoRA), or pass a factory params -> optimizer, which is given them"
     )
+
+
+def _from_factory(factory: Callable[..., Any]) -> OptimizerFactory:
+    """``factory``, checked now for how it is called and at each call for what it returns."""
+    _check_factory(factory)
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        made = factory(params)
+        if not isinstance(made, torch.optim.Optimizer):
+            raise TypeError(f"optimizer factory returned {type(made).__name__}, expected a torch.optim.Optimizer")
+        return made
+
+    return make
 
 
 def _check_factory(factory: Callable[..., Any]) -> None:
@@ -186,7 +222,12 @@ class Workload:
             assert self.sample_size is not None
             batch = tile(self.sample, batch_size, self.sample_size)
         else:
-            batch = to_device(self.make_batch(batch_size), self.device)
+            built = self.make_batch(batch_size)
+            try:
+                batch = to_device(built, self.device)
+            except NotImplementedError:  # torch's "Cannot copy out of meta tensor": say which, and what to do
+                check_has_values(built, f"make_batch({batch_size})", META_BATCH)
+                raise
             got = batch_size_of(batch, f"make_batch({batch_size})")
             if got != batch_size:
                 raise ValueError(f"make_batch({batch_size}) returned a batch of size {got}")
@@ -213,7 +254,16 @@ class Workload:
         return torch.amp.GradScaler(self.device.type, init_scale=init_scale)
 
     def forward(self, batch: Any) -> tuple[Any, torch.Tensor | None]:
-        """Run forward (and loss): returns ``(output, loss)``; loss is None in inference mode."""
+        """Run forward (and loss): returns ``(output, loss)``; loss is None in inference mode.
+
+        In training ``output`` is what the step keeps alive through backward, as the loop it
+        stands for does. The model's own loss (:func:`own_loss`, with no ``loss_fn``) leaves
+        ``None``: ``loss = model(**batch).loss``, Hugging Face's Trainer and Lightning free the
+        output before backward. A ``loss_fn``, a ``criterion`` or the stand-in loss (the output's
+        mean) took the output, and it is kept, as ``out = model(x); loss = criterion(out, y);
+        loss.backward()`` keeps it. ``step_fn`` returns the loss alone: what it does not return is
+        freed. The result's notes say which (``checks.loss_notes``).
+        """
         with self.autocast():
             if self.step_fn is not None:
                 output = self.step_fn(self.model, batch)
@@ -232,7 +282,11 @@ class Workload:
                 output = call_model_explained(self.model, batch)
                 if self.mode == "inference":
                     return output, None
-                loss = self.loss_fn(output, batch) if self.loss_fn is not None else default_loss(output)
+                own = own_loss(output) if self.loss_fn is None else None
+                if own is not None:
+                    loss, output = own, None  # freed before backward, as `loss = model(**batch).loss` frees it
+                else:
+                    loss = self.loss_fn(output, batch) if self.loss_fn is not None else default_loss(output)
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
         if loss.dim() != 0:

@@ -145,6 +145,15 @@ def _number(value: float) -> str:
     return f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
 
 
+def _interval(low: float, high: float, grouped: bool = True) -> str:
+    """``low-high`` with both ends to the precision the smaller one needs (``0.89-1.00``, ``1.5-12.0``,
+    ``150-240``): an end printed as ``1`` beside ``0.89`` reads as less precise than it is."""
+    smallest = min((value for value in (low, high) if value > 0), default=0.0)
+    places = 0 if smallest == 0 or smallest >= 10 else max(0, 1 - math.floor(math.log10(smallest)))
+    comma = "," if grouped else ""
+    return f"{low:{comma}.{places}f}-{high:{comma}.{places}f}"
+
+
 @dataclass(frozen=True)
 class NoiseScale:
     """The simple gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al. 2018),
@@ -239,16 +248,16 @@ class NoiseScale:
         """``90% 150-240``, or ``90% at least 150, no upper bound``."""
         if self.high is None:
             return f"{self.confidence:.0%} at least {self.plain(self.low)}, no upper bound"
-        return f"{self.confidence:.0%} {self.plain(self.low)}-{self.plain(self.high)}"
+        return f"{self.confidence:.0%} {_interval(self.low, self.high, grouped=False)}"
 
     def summary(self) -> str:
         """One line: ``B_simple ~190 samples (90% interval 150-240; 128 passes of batch 16 in 12.3 s)``."""
         share = f"{self.confidence:.0%}"
-        upper = "unbounded" if self.high is None else _number(self.high)
+        interval = f"{_number(self.low)}-unbounded" if self.high is None else _interval(self.low, self.high)
         if self.b_simple is None:
-            value = f"B_simple large (the signal drowned in its noise; {share} interval {_number(self.low)}-{upper}"
+            value = f"B_simple large (the signal drowned in its noise; {share} interval {interval}"
         else:
-            value = f"B_simple ~{_number(self.b_simple)} samples ({share} interval {_number(self.low)}-{upper}"
+            value = f"B_simple ~{_number(self.b_simple)} samples ({share} interval {interval}"
         ranks = f" on each of {self.world_size} ranks" if self.world_size > 1 else ""
         return f"{value}; {self.passes} passes of batch {self.small_batch}{ranks} in {self.elapsed_s:.1f} s)"
 

@@ -52,6 +52,7 @@ from batchfit.report.recommendation_rules import (
     by_target,
     caveats_for,
     split_global,
+    split_text,
 )
 from batchfit.units import check_positive_int
 
@@ -79,7 +80,7 @@ class Recommendation:
         world_size: the ranks to train on: the ranks that probed, or those a re-plan was asked for.
         global_batch: ``batch_size * accumulation * world_size``: the samples one optimizer step sees.
         decided_by: ``"target"``, ``"noise scale"``, ``"throughput knee"`` or ``"memory"``.
-        reason: one sentence with the numbers that decided it.
+        reason: why, with the numbers that decided it (the decision itself is :meth:`decision`).
         caveats: what a reader should know before trusting it.
         max_batch, safe_batch: the probe's largest fitting and safe batch, per rank.
         knee_batch: the throughput knee (``None``: nothing was timed).
@@ -143,6 +144,16 @@ class Recommendation:
             text += f" x {self.world_size} ranks"
         return text + (", no accumulation" if self.accumulation == 1 else "")
 
+    def decision(self) -> str:
+        """``train at 48 x 4 accumulation (global batch 192), decided by the noise scale``: what to
+        do, in one clause; :attr:`reason` says why."""
+        totals = [f"global batch {self.global_batch}"] if self.global_batch != self.batch_size else []
+        if self.tokens_per_step is not None:
+            totals.append(f"{self.tokens_per_step:,} tokens")
+        said = f" ({', '.join(totals)})" if totals else ""
+        decider = self.decided_by if self.decided_by == "memory" else f"the {self.decided_by}"
+        return f"train at {split_text(self.batch_size, self.accumulation, self.world_size)}{said}, decided by {decider}"
+
     def metrics(self) -> dict[str, float]:
         """What the integrations log beside the batch they set (``batchfit/noise_scale``, ``_low``,
         ``_high``, ``batchfit/recommended_batch``, ``batchfit/recommended_global_batch``): the
@@ -157,14 +168,9 @@ class Recommendation:
         return {f"batchfit/{name}": float(value) for name, value in named.items() if value is not None}
 
     def lines(self) -> list[str]:
-        """The lines the CLI prints last: the recommendation and its reason, the split and what
-        decided it, then one line per caveat (unwrapped; the caller fits them to its width)."""
-        tokens = f" ({self.tokens_per_step:,} tokens)" if self.tokens_per_step is not None else ""
-        decider = self.decided_by if self.decided_by == "memory" else f"the {self.decided_by}"
-        lines = [
-            f"{'recommended':<{LABEL}}{self.reason}",
-            f"{'':<{LABEL}}{self.split()}{tokens}; decided by {decider}",
-        ]
+        """The lines the CLI prints last: the decision (:meth:`decision`), why (:attr:`reason`), then
+        one line per caveat (unwrapped; the caller fits them to its width)."""
+        lines = [f"{'recommended':<{LABEL}}{self.decision()}", f"{'why':<{LABEL}}{self.reason}"]
         return lines + [f"{'caveat':<{LABEL}}{caveat}" for caveat in self.caveats]
 
     def __str__(self) -> str:

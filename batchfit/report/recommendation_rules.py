@@ -140,7 +140,7 @@ def by_target(facts: Facts, target: int, tokens: int | None, length: int | None)
     )
     caveats: list[str] = []
     if reached == target:
-        reason = f"train at {split_text(micro, steps, facts.ranks)}: {asked}, exactly, with the largest of the {bound}"
+        reason = f"{asked}, exactly, with the largest of the {bound}"
         quick = _fewest_steps(facts, target)
         if quick[0] >= 2 * micro and quick[1] < steps:
             other = quick[0] * quick[1] * facts.ranks
@@ -151,10 +151,7 @@ def by_target(facts: Facts, target: int, tokens: int | None, length: int | None)
             )
     else:
         why = f"no split into {bound}" + (f" over {facts.ranks} ranks" if facts.ranks > 1 else "") + " reaches it"
-        reason = (
-            f"train at {split_text(micro, steps, facts.ranks)}: {asked} becomes {reached}, "
-            f"{_off(reached - target)} it, because {why}"
-        )
+        reason = f"{asked} becomes {reached}, {_off(reached - target)} it, because {why}"
     if tokens is not None and length is not None and reached * length != tokens:
         caveats.append(
             f"a step holds {reached * length:,} tokens, {_off(reached * length - tokens, ' tokens')} the "
@@ -188,12 +185,12 @@ def by_noise(facts: Facts, noise: NoiseScale) -> Choice:
         if noise.low > fits:
             steps = max(1, -(-math.ceil(noise.low) // fits))
             reason = (
-                f"train at {split_text(safe, steps, ranks)}: the noise scale is large ({scale}), above the "
+                f"the noise scale is large ({scale}), above the "
                 f"{fits} that fits{_per(ranks)}, so accumulate to at least that"
             )
             return safe, steps, "noise scale", reason, []
         reason = (
-            f"train at {split_text(safe, 1, ranks)}: the noise scale is large ({scale}), so a larger batch still "
+            f"the noise scale is large ({scale}), so a larger batch still "
             f"buys fewer steps, and {facts.headroom()} is the largest that fits"
         )
         return safe, 1, "memory", reason, []
@@ -202,26 +199,23 @@ def by_noise(facts: Facts, noise: NoiseScale) -> Choice:
         steps = max(1, math.floor(scale_b / fits + 0.5))
         if steps == 1:
             reason = (
-                f"train at {split_text(safe, 1, ranks)}: the noise scale ({scale}) is just above the {fits} that "
+                f"the noise scale ({scale}) is just above the {fits} that "
                 f"fits{_per(ranks)}; accumulating 2 steps would double that to {2 * fits}{past}"
             )
             return safe, 1, "noise scale", reason, []
-        reason = (
-            f"train at {split_text(safe, steps, ranks)}: the noise scale ({scale}) is above the {fits} that "
-            f"fits{_per(ranks)}, so accumulate{past}"
-        )
+        reason = f"the noise scale ({scale}) is above the {fits} that fits{_per(ranks)}, so accumulate{past}"
         return safe, steps, "noise scale", reason, []
     if knee is not None and scale_b < knee * ranks:
         if facts.knee is not None and facts.knee > safe:
             reason = (
-                f"train at {split_text(safe, 1, ranks)}: {facts.headroom()}; the throughput knee {facts.knee} is "
+                f"{facts.headroom()}; the throughput knee {facts.knee} is "
                 f"above it, and below the knee the device idles, though samples past the noise scale ({scale}) buy "
                 "few steps"
             )
             return safe, 1, "memory", reason, []
         above = f"; {safe} fits but is {facts.faster(safe, knee)}" if safe > knee else ""
         reason = (
-            f"train at {split_text(knee, 1, ranks)}: the throughput knee{above}, and the noise scale ({scale}) is "
+            f"the throughput knee{above}, and the noise scale ({scale}) is "
             "below it: below the knee the device idles, above it samples past the noise scale buy few steps"
         )
         return knee, 1, "throughput knee", reason, []
@@ -229,7 +223,7 @@ def by_noise(facts: Facts, noise: NoiseScale) -> Choice:
     micro = min(safe, max(floor, math.floor(scale_b / ranks / facts.step + 0.5) * facts.step))
     where = f"between the throughput knee {knee} and" if knee is not None else "within"
     reason = (
-        f"train at {split_text(micro, 1, ranks)}: the noise scale ({scale}), {where} the {fits} that "
+        f"the noise scale ({scale}), {where} the {fits} that "
         f"fits{_per(ranks)}: the most samples a step uses well, at full speed{past}"
     )
     return micro, 1, "noise scale", reason, []
@@ -237,19 +231,19 @@ def by_noise(facts: Facts, noise: NoiseScale) -> Choice:
 
 def by_speed(facts: Facts) -> Choice:
     """Rules 3 and 4: the knee where something was timed, else the safe batch."""
-    safe, ranks = facts.safe, facts.ranks
+    safe = facts.safe
     if facts.knee is None:
         why = "the estimate timed no step" if facts.result.estimated else "no step was timed"
-        reason = f"train at {split_text(safe, 1, ranks)}: {facts.headroom()}; {why}, so there is no throughput knee"
+        reason = f"{facts.headroom()}; {why}, so there is no throughput knee"
         return safe, 1, "memory", reason, []
     if facts.knee >= safe:
         knee = "is also the throughput knee" if facts.knee == safe else f"is below the throughput knee {facts.knee}"
-        reason = f"train at {split_text(safe, 1, ranks)}: {facts.headroom()}, which {knee}"
+        reason = f"{facts.headroom()}, which {knee}"
         return safe, 1, "memory", reason, []
     compared = safe if facts.rate(safe) is not None else facts.best
     which = f"{safe} fits but" if compared == safe else f"the fastest measured, {compared},"
     reason = (
-        f"train at {split_text(facts.knee, 1, ranks)}: the throughput knee, the smallest batch within "
+        f"the throughput knee, the smallest batch within "
         f"{1 - KNEE_FRACTION:.0%} of the best rate; {which} is {facts.faster(compared, facts.knee)}"
     )
     return facts.knee, 1, "throughput knee", reason, []

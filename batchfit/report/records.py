@@ -208,7 +208,7 @@ class SizedOn:
         dim: the dimension of ``leaf`` that varies (the sequence).
         length: its size in the batch sized on (after the collate function's padding).
         first_length: its size in the loader's first batch.
-        batch_number: which batch of the scan was the worst (1: the first).
+        batch_number: the worst batch's place in the loader's order (1: the first).
         dataset_size: with the dataset's lengths: how many items they cover.
         dataset_length: with the dataset's lengths: the longest item's own length (before padding).
     """
@@ -223,6 +223,10 @@ class SizedOn:
     batch_number: Batch | None = None
     dataset_size: Count | None = None
     dataset_length: Count | None = None
+
+    def __str__(self) -> str:
+        """``print(result.sized_on)`` reads as the summary; ``repr`` keeps the fields."""
+        return self.summary()
 
     def summary(self) -> str:
         """One line: the length sized on, where it was measured, and how much data was seen."""

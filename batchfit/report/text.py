@@ -53,7 +53,7 @@ def render_text(result: Result) -> str:
     if hit is not None:
         lines.append(
             f"from the cache     {hit.path}, written {hit.written_at} on {hit.world_size} rank"
-            f"{'s' if hit.world_size != 1 else ''} in {hit.elapsed_s:.1f} s; no trial ran now"
+            f"{'s' if hit.world_size != 1 else ''} in {hit.elapsed_s:.1f} s; no search ran now"
         )
     lines.append(f"trials             {len(result.trials)} in {result.elapsed_s:.1f} s")
     lines.append("")

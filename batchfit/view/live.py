@@ -117,12 +117,13 @@ class LiveView:
     @staticmethod
     def _grid(rows: Sequence[tuple[str, str]]):  # type: ignore[no-untyped-def]
         from rich.table import Table
+        from rich.text import Text
 
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold", no_wrap=True)
         grid.add_column()
-        for label, value in rows:
-            grid.add_row(label, value)
+        for label, value in rows:  # as text, not markup: a note's "[/]" or "[link=...]" is shown as written
+            grid.add_row(Text(label), Text(value))
         return grid
 
 
