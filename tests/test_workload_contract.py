@@ -159,6 +159,29 @@ def test_the_models_own_loss_frees_its_output_before_backward_as_a_plain_loop_do
     assert any("kept alive through backward" in note and "step_fn" in note for note in kept.notes), kept.notes
 
 
+class OwnLossOnTensors(nn.Module):
+    """A model that computes its own loss from a plain tensor (no ``labels`` key to guess by)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.linear(x)
+        return {"loss": out.pow(2).mean(), "out": out}
+
+
+def test_the_note_says_what_the_step_did_not_what_the_sample_suggests() -> None:
+    """The note on the output comes from the first training step itself: a model that returns its
+    own loss from a plain tensor (no ``labels`` to guess by) is said to have its output freed; the
+    stand-in loss (the output's mean) keeps the output and is not said to free it."""
+    search_only = {"memory_limit": "1MiB", "timed_steps": 0, "verify_steps": 0, "max_batch": 8}
+    own = batchfit.find(OwnLossOnTensors(), torch.randn(2, 8), **search_only)
+    assert any("freed before backward" in note for note in own.notes), own.notes
+    stand_in = batchfit.find(nn.Linear(8, 8), torch.randn(2, 8), **search_only)
+    assert not any("before backward" in note or "through backward" in note for note in stand_in.notes)
+
+
 # 9. A CPU limit the host cannot spare ------------------------------------------------------------
 def test_a_cpu_memory_limit_above_what_the_host_can_spare_is_clipped_with_a_note() -> None:
     """Item 9: the README's ``memory_limit="24GiB"`` on a 23.5 GiB machine was taken at its word

@@ -63,25 +63,25 @@ def check_callbacks(*callbacks: Any) -> None:
 
 
 def loss_notes(model: nn.Module, sample: Any, options: Options) -> list[str]:
-    """What the result says about the loss: whether the step kept the model's output through
-    backward (:func:`output_notes`), and what a Hugging Face model given no labels leaves out."""
-    return output_notes(sample, options) + _unlabelled_notes(model, sample, options)
+    """What the result says about the loss before any step: what a Hugging Face model given no
+    labels leaves out (the output's fate is said after the first step: :func:`output_notes`)."""
+    return _unlabelled_notes(model, sample, options)
 
 
-def output_notes(sample: Any, options: Options) -> list[str]:
-    """Which loop the step stands for (``Workload.forward``), where the user may have meant the
-    other: the model's own loss frees the output before backward, a ``loss_fn`` keeps it (a
-    ``criterion`` keeps it too, as everyone's ``criterion(model(x), y)`` loop does: no note). Said
-    before any step, so the model's own loss is known by its usual sign, ``labels`` in the batch."""
-    if options.mode != "train" or options.step_fn or options.criterion:
+def output_notes(kept: bool, options: Options) -> list[str]:
+    """Which loop the step stood for, where the user may have meant the other (``Workload.forward``,
+    as its first training step did it): the model's own loss freed the output before backward, a
+    ``loss_fn`` kept it. A ``criterion`` keeps it as everyone's ``criterion(model(x), y)`` loop
+    does, ``step_fn`` is the user's own loop, and the stand-in loss has its own note: nothing said."""
+    if options.step_fn is not None or options.criterion is not None:
         return []
-    if options.loss_fn is not None:
+    if kept and options.loss_fn is not None:
         return [
             "loss_fn takes the model's output, so the output was kept alive through backward, as "
             "`out = model(x); loss = loss_fn(out, batch); loss.backward()` keeps it; a loop that frees it first "
             "(`loss = model(**batch).loss`) fits more: step_fn=lambda model, batch: model(**batch).loss sizes that one"
         ]
-    if isinstance(sample, Mapping) and "labels" in sample:
+    if not kept:
         return [
             "the loss is the model's own (output.loss), so its output was freed before backward, as "
             "`loss = model(**batch).loss`, Hugging Face's Trainer and Lightning free it; a loop that keeps the output "

@@ -29,6 +29,7 @@ from batchfit.probe.checks import (
     fit_memory,
     fixed_memory_advice,
     loss_notes,
+    output_notes,
     parameter_bytes,
 )
 from batchfit.probe.compiled import compile_notes, compile_seconds, compiled_info
@@ -60,6 +61,7 @@ class Prober:
         options = Options(**kwargs) if options is None else replace(options, **kwargs)
         #: Things the probe's set-up wants the result to say (a clipped budget, ...).
         self.notes: list[str] = []
+        self._output_said = False  # the note on the output held through backward, after the first step
         check_seq_len(model, options.seq_len)  # before a loader is scanned
         sample, drawn, sized_on = worst_batch(
             sample, scan_batches=options.scan_batches, seq_len=options.seq_len, keep_rng=options.restore_rng
@@ -350,6 +352,9 @@ class Prober:
         with self.meter.capped(cap_bytes):
             run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept, self.ranks)
         del kept
+        if run.output_kept is not None and not self._output_said:
+            self._output_said = True
+            self.notes += output_notes(run.output_kept, self.options)
         self._optimizer = run.optimizer
         self._interrupts.check()
         self._grad_scale = run.grad_scale

@@ -63,6 +63,9 @@ class TrialRun:
     optimizer_state_bytes: int
     grad_scale: float | None = None
     optimizer: torch.optim.Optimizer | None = None
+    #: Whether the training step kept the model's output through backward (``Workload.forward``);
+    #: ``None`` when no training forward ran.
+    output_kept: bool | None = None
 
 
 @dataclass
@@ -75,6 +78,7 @@ class _Progress:
     optimizer: torch.optim.Optimizer | None = None
     #: Whether ``optimizer`` holds its complete state (it stepped, here or in an earlier trial).
     optimizer_ready: bool = False
+    output_kept: bool | None = None
 
 
 def run_trial(
@@ -163,7 +167,7 @@ def run_trial(
             message=message,
             **common,
         )
-        return TrialRun(trial, progress.optimizer_state_bytes, progress.grad_scale, kept)
+        return TrialRun(trial, progress.optimizer_state_bytes, progress.grad_scale, kept, progress.output_kept)
     step_time = statistics.median(times) if times else None
     trial = Trial(
         fits=True,
@@ -174,7 +178,7 @@ def run_trial(
         step_times_s=tuple(times),
         **common,
     )
-    return TrialRun(trial, progress.optimizer_state_bytes, progress.grad_scale, kept)
+    return TrialRun(trial, progress.optimizer_state_bytes, progress.grad_scale, kept, progress.output_kept)
 
 
 def _ordered(peaks: dict[str, int]) -> tuple[tuple[str, int], ...]:
@@ -299,6 +303,7 @@ def _train_step(
     with ranks.meet("forward", batch_size), meter.phase("forward"):
         output, loss = workload.forward(batch)
     assert loss is not None
+    progress.output_kept = output is not None
     progress.phase = "backward"
     meter.checkpoint()
     with ranks.meet("backward", batch_size), meter.phase("backward"):

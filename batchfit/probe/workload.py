@@ -262,7 +262,7 @@ class Workload:
         output before backward. A ``loss_fn``, a ``criterion`` or the stand-in loss (the output's
         mean) took the output, and it is kept, as ``out = model(x); loss = criterion(out, y);
         loss.backward()`` keeps it. ``step_fn`` returns the loss alone: what it does not return is
-        freed. The result's notes say which (``checks.loss_notes``).
+        freed. The result's notes say which, after the first step (``checks.output_notes``).
         """
         with self.autocast():
             if self.step_fn is not None:
