@@ -76,14 +76,16 @@ def structure(batch: Any) -> dict[str, int]:
     return {path: tensor.dim() for path, tensor in tensor_leaves(batch, "batch")}
 
 
-def structure_change(first: Mapping[str, int], batch: Any) -> str | None:
-    """What differs between ``first`` (a :func:`structure`) and ``batch``'s, in words; ``None``
-    when nothing does (the order of a mapping's keys does not count)."""
+def check_structure(first: Mapping[str, int], batch: Any, what: str, why: str) -> None:
+    """``ValueError`` when ``batch`` is made of other tensors than ``first`` (a :func:`structure`):
+    it names ``what`` (the batch), what differs, and ``why`` that matters to the caller. The order
+    of a mapping's keys does not count."""
     now = structure(batch)
     said = [f"no {path}" for path in first if path not in now]
     said += [f"{path}, which the first has not" for path in now if path not in first]
     said += [f"{path} of {now[path]} dims, not {dims}" for path, dims in first.items() if now.get(path, dims) != dims]
-    return "; ".join(said) or None
+    if said:
+        raise ValueError(f"{what} differs in structure from its first batch ({'; '.join(said)}): {why}")
 
 
 #: What to do with a ``make_batch`` of meta tensors (:func:`check_has_values`), wherever a real step needs it.

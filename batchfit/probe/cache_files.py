@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from batchfit.probe.notes import non_monotone
 from batchfit.report import Result
-from batchfit.search import Attempt, is_non_monotone
 from batchfit.units import format_bytes
 
 __all__ = [
@@ -136,9 +136,7 @@ def contradiction(result: Result) -> str | None:
         return f"max_batch {top} fitted no trial under the budget"
     failed = sorted(t.batch_size for t in uncapped if not t.fits)
     below = [b for b in failed if b <= top]
-    # The trials that speak about the budget, as ``batchfit.probe.notes.evidence`` picks them.
-    evidence = [t for t in uncapped if not (t.fits and t.batch_size > top)]
-    shown = is_non_monotone([Attempt(t.batch_size, t.fits) for t in evidence])
+    shown = non_monotone(result.trials, top)
     if below and not result.non_monotone:
         return f"max_batch {top} is at or above batch {below[0]}, which ran out of memory in its trials"
     if result.non_monotone != shown:

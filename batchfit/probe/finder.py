@@ -23,13 +23,13 @@ from batchfit.errors import NothingFitsError
 from batchfit.probe.cache import open_cache
 from batchfit.probe.checks import check_callbacks
 from batchfit.probe.noise import check_noise_data, measure_noise
-from batchfit.probe.notes import equation_notes, evidence, ranks_notes, throughput_notes, trial_notes
+from batchfit.probe.notes import equation_notes, non_monotone, ranks_notes, throughput_notes, trial_notes
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
 from batchfit.probe.safe_batch import safe_batch, safe_cap
 from batchfit.probe.timing import time_warm, timing_deadline
 from batchfit.report import DeviceInfo, MemoryModel, Result, Settings, Throughput, Trial, TrialKind, Unit
-from batchfit.search import Attempt, Grid, SearchReport, confirm_from_scratch, is_non_monotone, search
+from batchfit.search import Attempt, Grid, SearchReport, confirm_from_scratch, search
 from batchfit.version import __version__
 
 TrialCallback = Callable[[Trial], None]
@@ -240,7 +240,7 @@ def search_with(
         budget_bytes=budget,
         boundary_reached=report.boundary_reached,
         stop_reason=report.stop_reason,
-        non_monotone=is_non_monotone([verdict(t, unit) for t in evidence(trials, report)]),
+        non_monotone=non_monotone(trials, report.largest_fit),
         safe_verified=verified,
         trials=tuple(trials),
         memory=memory,

@@ -52,7 +52,7 @@ from torch import nn
 
 from batchfit.backends import is_oom
 from batchfit.errors import annotate
-from batchfit.probe.batches import batch_size_of, map_tensors, structure, structure_change, to_device
+from batchfit.probe.batches import batch_size_of, check_structure, map_tensors, structure, to_device
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
 from batchfit.probe.real_data import generators_kept, is_batch_source
@@ -207,13 +207,13 @@ class _Stream:
             if batch is _END:
                 return None
             rows = batch_size_of(batch, f"batch {self.batches} of the data")
-            change = structure_change(self.structure, batch)
-            if change is not None:
-                raise ValueError(
-                    f"batch {self.batches} of the data differs in structure from its first batch ({change}): its "
-                    "passes would mix two objectives (or two inputs) in one noise scale; pass batches that all hold "
-                    "the same tensors"
-                )
+            check_structure(
+                self.structure,
+                batch,
+                f"batch {self.batches} of the data",
+                "its passes would mix two objectives (or two inputs) in one noise scale; pass batches that all "
+                "hold the same tensors",
+            )
             if rows < self.size:
                 self.skipped += 1
                 in_a_row += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from batchfit.report import MemoryModel, Throughput, Trial
@@ -22,16 +23,22 @@ def ranks_notes(prober: Any) -> list[str]:
     ]
 
 
-def evidence(trials: list[Trial], report: SearchReport) -> list[Trial]:
+def evidence(trials: Sequence[Trial], largest_fit: int) -> list[Trial]:
     """The trials that speak about the budget: not those run under a lower cap (the safe batch's
     verification), nor fits above the largest fit that trials from scratch overruled."""
-    return [t for t in trials if t.cap_bytes is None and not (t.fits and t.batch_size > report.largest_fit)]
+    return [t for t in trials if t.cap_bytes is None and not (t.fits and t.batch_size > largest_fit)]
+
+
+def non_monotone(trials: Sequence[Trial], largest_fit: int) -> bool:
+    """Whether a size failed although a larger one fitted, among the trials that speak about the
+    budget (:func:`evidence`): the probe's ``Result.non_monotone``, and what a stored one must show."""
+    return is_non_monotone([Attempt(t.batch_size, t.fits) for t in evidence(trials, largest_fit)])
 
 
 def trial_notes(trials: list[Trial], report: SearchReport) -> list[str]:
     """What the trials showed that a reader should know: odd memory, leaks, fp16 skips."""
     notes: list[str] = []
-    if is_non_monotone([Attempt(t.batch_size, t.fits) for t in evidence(trials, report)]):
+    if non_monotone(trials, report.largest_fit):
         notes.append("memory was not monotone in batch size: a size failed although a larger one fitted")
     notes += [
         f"trial at batch {t.batch_size} left {format_bytes(t.leaked_bytes)} allocated after release"

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchfit.probe.batches import batch_size_of, structure, structure_change, tensor_leaves
+from batchfit.probe.batches import batch_size_of, check_structure, structure, tensor_leaves
 from batchfit.report import SizedOn
 
 __all__ = ["EDGE_STRETCH", "Scan", "scan", "spread", "warn_at_caller"]
@@ -69,12 +69,13 @@ class Scan:
         rows = batch_size_of(batch, what)
         if not self.scanned:
             self.structure = structure(batch)
-        change = structure_change(self.structure, batch)
-        if change is not None:
-            raise ValueError(
-                f"{what} differs in structure from its first batch ({change}): a probe sizes on one batch and "
-                "repeats its rows, so every batch must hold the same tensors; pass a loader whose batches do"
-            )
+        check_structure(
+            self.structure,
+            batch,
+            what,
+            "a probe sizes on one batch and repeats its rows, so every batch must hold the same tensors; pass a "
+            "loader whose batches do",
+        )
         shapes = {path: tuple(tensor.shape) for path, tensor in tensor_leaves(batch, "sample")}
         elements = sum(tensor.numel() for _, tensor in tensor_leaves(batch, "sample"))
         if not self.scanned:
