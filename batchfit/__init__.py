@@ -1,7 +1,8 @@
 """batchfit: the largest batch your model trains with, and the fastest, measured by real steps.
 
-Public API: :func:`find`, :func:`frontier`, :func:`estimate`, :func:`plan`, :func:`what_if`, :class:`Prober`,
-:class:`Options`, the result types and the errors. Integrations: ``batchfit.lightning``,
+Public API: [`find`][batchfit.find], [`frontier`][batchfit.frontier], [`estimate`][batchfit.estimate],
+[`plan`][batchfit.plan], [`what_if`][batchfit.what_if], [`Prober`][batchfit.Prober],
+[`Options`][batchfit.Options], the result types and the errors. Integrations: ``batchfit.lightning``,
 ``batchfit.transformers``, ``batchfit.accelerate``; the CI gate: ``batchfit.testing``.
 
 Names are imported lazily (PEP 562, ``batchfit._lazy``): batchfit is also a pytest plugin and a

@@ -37,9 +37,9 @@ function has to say how to try a size cheaply:
 
 Non-OOM exceptions (a shape error, a sticky CUDA error, a ``KeyboardInterrupt``) propagate
 unchanged at once: an error that is not a memory error is never taken for "too big". OOMs are
-recognised by :func:`batchfit.backends.oom.is_oom`. Between tries the wrapper drops the failed call's
+recognised by `batchfit.backends.oom.is_oom`. Between tries the wrapper drops the failed call's
 traceback, whose frames hold the step's tensors, runs ``gc.collect()`` and empties the device's
-cache through :mod:`batchfit.backends` (only on an accelerator this process has initialised), so
+cache through `batchfit.backends` (only on an accelerator this process has initialised), so
 every try starts from the same memory and cycles cannot carry one try's tensors into the next. The
 full collection costs ~0.1 s per try in a big process, which is small next to building a model.
 
@@ -56,10 +56,10 @@ is the same, and the function still gets ``batch_size`` as its first positional 
 * Accelerate remembers the reduced size across calls of the decorated function. Here each
   call searches again from ``starting_batch_size``, because memory may have changed since.
 * When nothing fits, Accelerate raises ``RuntimeError("No executable batch size found, reached
-  zero.")``. This raises :class:`NoExecutableBatchSizeError`, a :class:`RuntimeError` *and* a
-  :class:`batchfit.NothingFitsError`, with the last OOM as its cause.
+  zero.")``. This raises `NoExecutableBatchSizeError`, a `RuntimeError` *and* a
+  [`batchfit.NothingFitsError`][batchfit.NothingFitsError], with the last OOM as its cause.
 * Accelerate's list of OOM messages includes Habana's ``PT_DEVMEM Allocation failed``, which
-  :func:`batchfit.backends.oom.is_oom` does not know yet.
+  `batchfit.backends.oom.is_oom` does not know yet.
 * The size used and the tries are logged on the ``"batchfit"`` logger and kept on the wrapper:
   ``.batch_size`` (the size of the call whose result was returned), ``.largest_fit`` (the
   exact boundary, with ``probe`` only) and ``.trials`` (``(size, fits)`` for every call in
@@ -86,7 +86,8 @@ import torch
 from batchfit.backends import backend_for, default_device, is_oom
 from batchfit.errors import NothingFitsError, first_line
 from batchfit.probe import DEFAULT_MAX_BATCH
-from batchfit.search import Bracket, Doubling, Grid, midpoint, search
+from batchfit.search import Bracket, Doubling, Grid, search
+from batchfit.search.core import midpoint
 
 __all__ = ["ExecutableBatchSize", "NoExecutableBatchSizeError", "find_executable_batch_size"]
 
@@ -172,7 +173,7 @@ class ExecutableBatchSize(Generic[T]):
         self.batch_size: int | None = None
         self.largest_fit: int | None = None
         self.trials: list[tuple[int, bool]] = []
-        #: The last OOM (traceback dropped): the cause of a :class:`NoExecutableBatchSizeError`.
+        #: The last OOM (traceback dropped): the cause of a `NoExecutableBatchSizeError`.
         self._last_oom: BaseException | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> T:
@@ -219,7 +220,7 @@ class ExecutableBatchSize(Generic[T]):
     def _search(self, fits: Callable[[int], bool]) -> tuple[int, bool]:
         """The largest size that fits, and whether ``max_batch_size`` (not memory) ended the search.
 
-        Up from a start that fits: :func:`batchfit.search.search` as is (doubling, then
+        Up from a start that fits: [`batchfit.search.search`][batchfit.search.core.search] as is (doubling, then
         bisection). Down from a start that fails: halve until a size fits, then bisect between
         it and the smallest failure with the same search. Answers are cached so the search's
         first question (the size that just fitted) costs no second call.
@@ -319,7 +320,7 @@ class ExecutableBatchSize(Generic[T]):
         return size
 
     def _nothing_fits(self, failed: int, why: str = "even the smallest size ran out of memory") -> NoReturn:
-        """Raise :class:`NoExecutableBatchSizeError`, caused by the last OOM (its traceback dropped)."""
+        """Raise `NoExecutableBatchSizeError`, caused by the last OOM (its traceback dropped)."""
         cause, self._last_oom = self._last_oom, None
         raise NoExecutableBatchSizeError(
             failed,
@@ -402,12 +403,14 @@ def find_executable_batch_size(
 ) -> ExecutableBatchSize[T] | Callable[[Callable[..., T]], ExecutableBatchSize[T]]:
     """Decorate a training function ``f(batch_size, ...)`` so that it runs at a batch size that fits.
 
-    Use it as Accelerate's decorator is used::
+    Use it as Accelerate's decorator is used:
 
-        @find_executable_batch_size(starting_batch_size=8)
-        def train(batch_size, probe=False):
-            ...  # build loaders and model; if probe: run a few steps and return
-        train()
+    ```python
+    @find_executable_batch_size(starting_batch_size=8)
+    def train(batch_size, probe=False):
+        ...  # build loaders and model; if probe: run a few steps and return
+    train()
+    ```
 
     With a ``probe`` parameter the size is the exact largest that fits, less ``headroom``, and
     the real run happens once. Without it the first size that completes wins, stepping down 10%

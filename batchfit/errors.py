@@ -19,8 +19,8 @@ class BatchfitError(Exception):
     process hands its exception to another process that way: Ray Train sends a worker's error to
     the driver pickled, as ``multiprocessing`` does. Python's default rebuilds an exception by
     calling its class with ``self.args`` (the message alone), which fails for an error whose
-    ``__init__`` takes its parts (:class:`RankFailedError`) and garbles one that formats its
-    message from them (:class:`NothingFitsError`); so the copy is rebuilt without ``__init__``.
+    ``__init__`` takes its parts ([`RankFailedError`][batchfit.errors.RankFailedError]) and garbles one that formats its
+    message from them ([`NothingFitsError`][batchfit.NothingFitsError]); so the copy is rebuilt without ``__init__``.
     """
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -111,7 +111,8 @@ class RanksTimeoutError(BatchfitError):
 
 
 def _rebuild(cls: type[BatchfitError], args: tuple[Any, ...], state: dict[str, Any]) -> BatchfitError:
-    """A pickled :class:`BatchfitError` as it was: its args, attributes and notes, no ``__init__``."""
+    """A pickled [`BatchfitError`][batchfit.BatchfitError] as it was: its args, attributes and notes, no
+    ``__init__``."""
     exc = cls.__new__(cls, *args)
     exc.args = args
     exc.__dict__.update(state)

@@ -159,7 +159,7 @@ def text_ids(modules: tuple[str, ...] = ("argparse", "collections", "json", "tex
 
 
 def text_loader(seq_len: int = 64, batch_size: int = 16, seed: int = 0) -> DataLoader:
-    """:func:`text_ids` cut into ``seq_len`` windows as ``{"input_ids", "labels"}`` rows, shuffled by
+    """`text_ids` cut into ``seq_len`` windows as ``{"input_ids", "labels"}`` rows, shuffled by
     a seeded generator. Real data carries real gradient noise, which tiled copies of one sample
     do not (``batchfit.noise_scale``)."""
     ids = text_ids()
@@ -169,7 +169,7 @@ def text_loader(seq_len: int = 64, batch_size: int = 16, seed: int = 0) -> DataL
 
 
 def gpt_text(seq_len: int = 64, batch_size: int = 16, seed: int = 0) -> dict[str, object]:
-    """The built-in GPT (byte vocabulary) with :func:`text_loader` as its sample: a CLI target
+    """The built-in GPT (byte vocabulary) with `text_loader` as its sample: a CLI target
     with real data, e.g. ``batchfit probe batchfit.examples:gpt_text --noise-scale``."""
     model, _ = gpt(vocab_size=256, seq_len=seq_len, seed=seed)
     return {"model": model, "sample": text_loader(seq_len, batch_size, seed)}

@@ -8,7 +8,7 @@ probe must not be interrupted there:
   Ctrl-C would be swallowed and the meter would go on counting phantom bytes;
 * the restore of the user's model, which must finish once it has started.
 
-So for the lifetime of a probe :class:`InterruptGuard` replaces Python's default SIGINT handler
+So for the lifetime of a probe `InterruptGuard` replaces Python's default SIGINT handler
 with one that only records the interrupt, and the probe raises ``KeyboardInterrupt`` itself at
 safe points: after each operation the CPU meter observes, between the phases and steps of a
 trial, between trials, and, at the latest, once the restore has finished. A second Ctrl-C during
@@ -17,7 +17,7 @@ the restore is recorded the same way and surfaces after it.
 A second Ctrl-C *before* the first reached a safe point (user code stuck in Python with no tensor
 operation, e.g. waiting on a queue) raises at once, as a second press conventionally does. If it
 lands inside a finalizer and is dropped there, the recorded one still surfaces at the next safe
-point: it is not cleared until it has been raised from :meth:`InterruptGuard.check` or on exit.
+point: it is not cleared until it has been raised from `InterruptGuard.check` or on exit.
 
 The guard only takes over where Python's default handler is in place and only in the main
 thread (signal handlers can only be set there, and only the main thread receives
@@ -35,15 +35,15 @@ from typing import Any
 
 
 class InterruptGuard:
-    """Defers SIGINT to :meth:`check` points while active (see the module docs)."""
+    """Defers SIGINT to `check` points while active (see the module docs)."""
 
     def __init__(self, exits: Iterable[Callable[..., Any]] = ()) -> None:
         """``exits``: the owner's own way out (a probe's ``__exit__``), as uninterruptible as the
-        guard's: a Ctrl-C landing there on its way to :meth:`finish` is only recorded."""
+        guard's: a Ctrl-C landing there on its way to `finish` is only recorded."""
         self.pending = False
         self._exit_code = _EXIT_CODE | {fn.__code__ for fn in exits}
-        #: Set for a probe over several ranks: :meth:`check` never raises, and the ranks raise
-        #: together at their next meeting point (:meth:`take` hands the flag to it), so no rank
+        #: Set for a probe over several ranks: `check` never raises, and the ranks raise
+        #: together at their next meeting point (`take` hands the flag to it), so no rank
         #: leaves while the others wait for it (``batchfit.distributed.ranks``).
         self.deferred = False
         self._installed = False
@@ -78,7 +78,7 @@ class InterruptGuard:
 
     def check(self) -> None:
         """Raise the ``KeyboardInterrupt`` that arrived since the last check, if one did
-        (unless :attr:`deferred`: then the ranks' next meeting point raises it)."""
+        (unless `deferred`: then the ranks' next meeting point raises it)."""
         if self.pending and not self.deferred:
             self.pending = False
             raise KeyboardInterrupt
@@ -90,7 +90,7 @@ class InterruptGuard:
         One section, not a critical one followed by the guard's exit: a second Ctrl-C landing
         between the two would raise from this guard's handler before Python's was put back, and
         the handler would stay installed for the rest of the process. The handler also records
-        without raising while it finds itself in this code (:func:`_in_exit`), so a Ctrl-C landing
+        without raising while it finds itself in this code (`_in_exit`), so a Ctrl-C landing
         before the section's counter has moved cannot cut the restore short either."""
         self._critical += 1
         try:
@@ -118,8 +118,8 @@ def _nothing() -> None:
 
 
 def _in_exit(frame: FrameType | None, codes: frozenset[CodeType], depth: int = 4) -> bool:
-    """Whether the interrupted code is the guard's own way out (:meth:`InterruptGuard.finish`,
-    :meth:`~InterruptGuard.critical`, ``__exit__``): there a Ctrl-C is only recorded, whatever
+    """Whether the interrupted code is the guard's own way out (`InterruptGuard.finish`,
+    `critical`, ``__exit__``): there a Ctrl-C is only recorded, whatever
     bytecode it lands on. A few frames up, to cover the calls between them."""
     while frame is not None and depth > 0:
         if frame.f_code in codes:
@@ -128,7 +128,7 @@ def _in_exit(frame: FrameType | None, codes: frozenset[CodeType], depth: int = 4
     return False
 
 
-#: The code of the guard's way out (see :func:`_in_exit`).
+#: The code of the guard's way out (see `_in_exit`).
 _EXIT_CODE = frozenset(
     {
         InterruptGuard.finish.__code__,

@@ -3,13 +3,13 @@
 At the start of ``fit`` (``on_fit_start``: the strategy has moved the model to its device, wrapped it
 in DDP where it does, and built the optimizers), the callback draws one batch from the train
 dataloader the trainer is about to use, probes with the user's own ``training_step`` and optimizer
-(:func:`batchfit.find`, which restores the model, the optimizer and the RNG in memory, so no
+([`batchfit.find`][batchfit.find], which restores the model, the optimizer and the RNG in memory, so no
 checkpoint file is written as Lightning's ``BatchSizeFinder`` does), sets the safe batch where
 Lightning reads the batch size (``lightning_setattr``: the module, its ``hparams`` or the
 datamodule) and drops the loop's dataloaders as Lightning's tuner does, so that the fit loop
 rebuilds them and the run that follows really trains at that size. With ``target_batch`` it keeps
 the global batch instead, as micro-batch x gradient-accumulation steps x ranks
-(:func:`batchfit.plan`). ``noise_scale=True`` also measures the gradient noise scale from the run's
+([`batchfit.plan`][batchfit.plan]). ``noise_scale=True`` also measures the gradient noise scale from the run's
 train dataloader and logs it with the batch batchfit recommends (off by default: it costs passes).
 
 What the probe must not change, it does not: ``self.log`` / ``self.log_dict`` are muted while
@@ -17,7 +17,7 @@ it runs (Lightning would refuse a log call from ``on_fit_start``, and the probe'
 training metrics), torchmetrics states that ``training_step`` updates are put back, and drawing
 the batch runs under ``isolate_rng`` so the run's random stream is the one it would have been.
 
-Importing this module never needs Lightning; constructing :class:`BatchFit` without it raises an
+Importing this module never needs Lightning; constructing [`BatchFit`][batchfit.lightning.BatchFit] without it raises an
 ``ImportError`` that says what to install.
 """
 
@@ -26,9 +26,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
+
+from batchfit.probe.keywords import FindOptions, split_hooks
 
 try:
     from lightning.pytorch import Callback as _Callback
@@ -41,8 +42,10 @@ except ImportError as _error:  # the class below still exists; constructing it s
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     import torch
+    from typing_extensions import Unpack
 
     from batchfit.estimation import Plan
+    from batchfit.probe.keywords import FindKeywords
     from batchfit.report import Recommendation, Result
 
 __all__ = ["INSTALL_HINT", "BatchFit"]
@@ -52,10 +55,6 @@ INSTALL_HINT = "pip install 'batchfit[lightning]'"
 #: ``find()`` keywords the callback fills in from the trainer: the batch comes from the train
 #: dataloader, the step is the module's ``training_step``, the device is the strategy's.
 _FROM_TRAINER = ("sample", "make_batch", "step_fn", "loss_fn", "criterion", "mode", "device")
-#: ``find()`` keywords that are progress hooks rather than :class:`~batchfit.probe.options.Options` fields.
-_HOOKS = ("callback", "on_trial_start", "on_start")
-#: ``find()`` keywords of its front end (``batchfit.api``), checked by ``find()`` itself.
-_FRONT = ("progress",)
 #: Lightning's mixed-precision settings and the autocast batchfit runs its steps under.
 _AMP = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 
@@ -64,28 +63,25 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
     """Probe the largest batch that trains at the start of ``fit``, and train with its safe batch.
 
     Args:
-        memory_limit: as :func:`batchfit.find` (bytes, a size such as ``"24GiB"``, or a fraction of
-            the device); default: what the device can give.
-        headroom: the fraction of the budget the safe batch leaves free.
+        memory_limit: as [`batchfit.find`][batchfit.find] takes it; positionally too (`BatchFit("24GiB")`).
         batch_arg_name: the attribute the dataloaders read the batch size from, looked up where
             Lightning's own ``BatchSizeFinder`` looks: the module, ``module.hparams``, the
             datamodule and its ``hparams`` (every holder is set).
         target_batch: keep this global batch (over every rank and accumulation step): the batch size
             becomes the plan's micro-batch and ``trainer.accumulate_grad_batches`` its accumulation
             steps. ``None``: train with the safe batch, accumulation untouched.
-        noise_scale: also measure the gradient noise scale (past it, a larger batch buys few fewer
-            steps) from the train dataloader at the size set, into :attr:`result`, and log it to every
-            logger (``batchfit/noise_scale``, ``_low``, ``_high``, ``batchfit/recommended_batch``,
-            ``batchfit/recommended_global_batch``) with the recommendation's reason. It costs
-            ``noise_passes`` (default 128) forward/backward passes; the batch set is unchanged. Too
-            few batches for it (16 at the size set) is a warning, not a failed run.
-        **find_kwargs: any other :func:`batchfit.find` keyword (``max_batch``, ``multiple_of``,
-            ``rank_timeout``, ``callback``, ...). ``optimizer`` and ``amp`` default to the trainer's
-            (its first optimizer; ``"bf16-mixed"`` -> ``"bf16"``, ``"16-mixed"`` -> ``"fp16"``).
+        **find_kwargs: [`batchfit.find`][batchfit.find]'s other keywords
+            ([`FindOptions`][batchfit.probe.keywords.FindOptions] and the hooks). ``optimizer`` and
+            ``amp`` default to the trainer's (its first optimizer; ``"bf16-mixed"`` -> ``"bf16"``,
+            ``"16-mixed"`` -> ``"fp16"``). ``noise_scale=True`` measures the gradient noise scale from
+            the train dataloader at the size set, into `result`, and logs it to every logger
+            (``batchfit/noise_scale``, ``_low``, ``_high``, ``batchfit/recommended_batch``,
+            ``batchfit/recommended_global_batch``); too few batches for it is a warning, not a failed run.
 
-    After ``fit`` has started, :attr:`result` holds the probe's :class:`~batchfit.report.Result`,
-    :attr:`plan` the :class:`~batchfit.estimation.planning.Plan` when ``target_batch`` was given, and
-    :attr:`recommendation` the batch batchfit recommends (:meth:`~batchfit.report.Result.recommend`).
+    After ``fit`` has started, `result` holds the probe's [`Result`][batchfit.Result],
+    [`plan`][batchfit.plan] the [`Plan`][batchfit.Plan] when ``target_batch`` was given, and
+    [`recommendation`][batchfit.report.result.Result.recommendation] the batch batchfit recommends
+    ([`recommend`][batchfit.report.result.Result.recommend]).
 
     Raises:
         ImportError: Lightning is not installed.
@@ -95,11 +91,11 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
     def __init__(
         self,
         memory_limit: int | float | str | None = None,
-        headroom: float = 0.10,
+        /,
+        *,
         batch_arg_name: str = "batch_size",
         target_batch: int | None = None,
-        noise_scale: bool = False,
-        **find_kwargs: Any,
+        **find_kwargs: Unpack[FindKeywords],
     ) -> None:
         if _MISSING is not None:
             raise ImportError(
@@ -109,14 +105,19 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         if not isinstance(batch_arg_name, str) or not batch_arg_name.isidentifier():
             raise TypeError(f"batch_arg_name must be an attribute name, got {batch_arg_name!r}")
         if target_batch is not None:
-            from batchfit.probe import positive_int
+            from batchfit.units import positive_int
 
             positive_int("target_batch", target_batch)
         self.batch_arg_name = batch_arg_name
         self.target_batch = target_batch
-        given = {"memory_limit": memory_limit, "headroom": headroom, "noise_scale": noise_scale, **find_kwargs}
+        given: dict[str, Any] = dict(find_kwargs)
+        if memory_limit is not None:
+            if "memory_limit" in given:
+                raise TypeError("BatchFit() got memory_limit twice: positionally and as a keyword")
+            given["memory_limit"] = memory_limit
         self.find_kwargs = _checked_find_kwargs(given)
-        self.noise_scale = self.find_kwargs.pop("noise_scale")  # measured here, from the loader: not by find()
+        # Measured here, from the loader, not by find().
+        self.noise_scale: bool = self.find_kwargs.pop("noise_scale", False)
         #: The probe's answer, once ``fit`` has started.
         self.result: Result | None = None
         #: How ``target_batch`` is reached, when one was given.
@@ -182,7 +183,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         from batchfit.probe import Options, measure_noise
 
         kwargs = self._find_kwargs(trainer, pl_module)
-        options = Options(**{name: value for name, value in kwargs.items() if name not in (*_HOOKS, *_FRONT)})
+        options = Options(**split_hooks("BatchFit", kwargs, FindOptions)[1])
         loop = trainer.fit_loop
         with isolate_rng(), _logging_muted(pl_module), _metrics_kept(pl_module):
             _forget_train_loader(loop)
@@ -219,23 +220,14 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
 
 # checks ------------------------------------------------------------------------------------------
 def _checked_find_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The ``find()`` keywords, validated now (as :class:`~batchfit.probe.options.Options` does for
+    """The ``find()`` keywords, validated now (as [`Options`][batchfit.Options] does for
     ``find()``) so that a typo fails at construction, not after the trainer has set up."""
-    from batchfit.api import find
     from batchfit.probe import Options
 
-    known = set(inspect.signature(find).parameters) - {"model"}
     for name in kwargs:
         if name in _FROM_TRAINER:
             raise TypeError(f"BatchFit sets {name!r} itself from the trainer and the LightningModule; do not pass it")
-        if name not in known:
-            raise TypeError(f"BatchFit got an unexpected keyword argument {name!r} (not a batchfit.find() option)")
-    for name in _HOOKS:
-        if kwargs.get(name) is not None and not callable(kwargs[name]):
-            raise TypeError(f"{name} must be callable, got {type(kwargs[name]).__name__}")
-    if not isinstance(kwargs.get("progress", False), bool):
-        raise TypeError(f"progress must be True or False, got {kwargs['progress']!r}")
-    Options(**{name: value for name, value in kwargs.items() if name not in (*_HOOKS, *_FRONT)})
+    Options(**split_hooks("BatchFit", kwargs, FindOptions)[1])
     return kwargs
 
 

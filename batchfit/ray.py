@@ -3,19 +3,21 @@
 Under Ray Train's ``TorchTrainer`` every worker is a rank of a ``torch.distributed`` job that Ray
 set up (gloo on the CPU, NCCL on GPUs) before ``train_func`` runs, and
 ``ray.train.torch.prepare_model`` wraps the model in ``DistributedDataParallel``. That is the job
-:func:`batchfit.find` already probes as under ``torchrun``: every worker calls it, the workers meet
+[`batchfit.find`][batchfit.find] already probes as under ``torchrun``: every worker calls it, the workers meet
 after every phase of every step over a side gloo group, one worker's out-of-memory fails the
 trial on all of them, and every worker gets the same answer (``batchfit.distributed.ranks``).
-Nothing of Ray is needed for that; :func:`find` works as is inside ``train_func``.
+Nothing of Ray is needed for that; [`find`][batchfit.find] works as is inside ``train_func``.
 
 What Ray adds is the question a ``train_func`` really asks: the run's global batch comes from
 ``train_loop_config`` (the learning rate was tuned for it), the number of workers from the
 ``ScalingConfig``, and each worker needs its micro-batch and gradient-accumulation steps.
-:func:`worker_batch` probes, splits the global batch over ``ray.train.get_context()``'s world size
-(:meth:`batchfit.Result.recommend` with ``world_size``: exactly where a split allows, otherwise as
-near as one does, saying by how much) and returns a :class:`WorkerBatch`, whose
-:meth:`~WorkerBatch.metrics` go to ``ray.train.report``. Without a global batch it is the batch
-to train with that :meth:`~batchfit.Result.recommend` names (the throughput knee, the noise scale
+[`worker_batch`][batchfit.ray.worker_batch] probes, splits the global batch over
+``ray.train.get_context()``'s world size
+([`batchfit.Result.recommend`][batchfit.report.result.Result.recommend] with ``world_size``: exactly
+where a split allows, otherwise as near as one does, saying by how much) and returns a
+[`WorkerBatch`][batchfit.ray.WorkerBatch], whose [`metrics`][batchfit.ray.WorkerBatch.metrics] go to
+``ray.train.report``. Without a global batch it is the batch to train with that
+[`recommend`][batchfit.report.result.Result.recommend] names (the throughput knee, the noise scale
 when measured, or the safe batch).
 
 An elastic run (``ScalingConfig(num_workers=(min, max))``) restarts ``train_func`` with another
@@ -24,10 +26,10 @@ of the first probe (the cache's key leaves the world size out: a worker's sizes 
 device kind), runs no trial, and the same ``global_batch`` is split over the new workers.
 
 A non-OOM error in one worker's model fails every worker (the others raise
-:class:`~batchfit.errors.RankFailedError` naming it), so ``trainer.fit()`` fails with it rather
+[`RankFailedError`][batchfit.errors.RankFailedError] naming it), so ``trainer.fit()`` fails with it rather
 than hang; batchfit's errors survive the pickling Ray sends them through.
 
-Import-safe: this module imports neither ray nor torch at import time; :func:`worker_batch`
+Import-safe: this module imports neither ray nor torch at import time; [`worker_batch`][batchfit.ray.worker_batch]
 raises an ``ImportError`` naming ``pip install 'batchfit[ray]'`` when Ray Train is missing.
 """
 
@@ -37,11 +39,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from batchfit.api import find
+from batchfit.probe import Options
+from batchfit.probe.keywords import FindOptions, split_hooks
 from batchfit.report import Recommendation, Result
 from batchfit.units import check_positive_int
 
 if TYPE_CHECKING:
     from torch import nn
+    from typing_extensions import Unpack
+
+    from batchfit.probe.keywords import FindKeywords
 
 __all__ = ["INSTALL_HINT", "WorkerBatch", "worker_batch"]
 
@@ -53,15 +60,16 @@ class WorkerBatch:
     """What one Ray Train worker trains with: ``micro_batch`` x ``accumulation_steps`` on each of
     ``world_size`` workers, and the probe it comes from. Every worker holds the same record.
 
-    A record of its own rather than a bare :class:`~batchfit.report.Recommendation`: the world
+    A record of its own rather than a bare [`Recommendation`][batchfit.Recommendation]: the world
     size belongs to the Ray run (an elastic run restarts with another), not to the probe, and a
     log wants the split in one line and its numbers flat. Its numbers are the recommendation's,
     read through under the names a training loop uses.
 
     Attributes:
-        result: the probe's answer (:func:`batchfit.find`); batch sizes per worker.
+        result: the probe's answer ([`batchfit.find`][batchfit.find]); batch sizes per worker.
         recommendation: the batch to train with for these workers
-            (:meth:`batchfit.Result.recommend` with ``world_size``), its caveats included.
+            ([`batchfit.Result.recommend`][batchfit.report.result.Result.recommend] with
+            ``world_size``), its caveats included.
     """
 
     result: Result
@@ -149,40 +157,45 @@ def worker_batch(
     sample: Any = None,
     *,
     global_batch: int | None = None,
-    **find_keywords: Any,
+    **find_keywords: Unpack[FindKeywords],
 ) -> WorkerBatch:
     """Probe inside a Ray Train ``train_func`` and return this worker's batch for ``global_batch``.
 
     Call it on every worker, after ``ray.train.torch.prepare_model(model)`` and before the
-    training loop, with the same arguments (the workers probe together, as under ``torchrun``)::
+    training loop, with the same arguments (the workers probe together, as under ``torchrun``):
 
-        fit = batchfit.ray.worker_batch(model, sample, global_batch=config["global_batch"])
-        ray.train.report(fit.metrics())
+    ```python
+    fit = batchfit.ray.worker_batch(model, sample, global_batch=config["global_batch"])
+    ray.train.report(fit.metrics())
+    ```
 
     Args:
         model: the model as it trains (DDP-wrapped by ``prepare_model``: the probe defers DDP's
             gradient all-reduce until every worker's backward worked, so none waits in it).
-        sample: one batch, as :func:`batchfit.find` takes it.
-        global_batch: the samples per optimizer step over every worker and accumulation step
-            (what the learning rate was tuned for). Split into micro-batch x accumulation steps
-            within the safe batch (:meth:`batchfit.Result.recommend`): exactly where a split
-            allows, else the nearest global batch, ``remainder`` and the reason saying by how
-            much. ``None``: the batch to train with that the recommendation names (the knee, the
-            noise scale when measured, or the safe batch), no target.
-        **find_keywords: any :func:`batchfit.find` keyword, with the same name and meaning
-            (``memory_limit``, ``headroom``, ``max_batch``, ``rank_timeout``, ...).
+        sample: one batch, as [`batchfit.find`][batchfit.find] takes it.
+        global_batch: the samples per optimizer step over every worker and accumulation step (what
+            the learning rate was tuned for). Split into micro-batch x accumulation steps within the
+            safe batch ([`batchfit.Result.recommend`][batchfit.report.result.Result.recommend]):
+            exactly where a split allows, else the nearest global batch, ``remainder`` and the
+            reason saying by how much. ``None``: the batch to train with that the recommendation
+            names (the knee, the noise scale when measured, or the safe batch), no target.
+        **find_keywords: [`batchfit.find`][batchfit.find]'s keywords, with the same names and meanings
+            ([`FindOptions`][batchfit.probe.keywords.FindOptions] and the hooks).
 
     Raises:
         ImportError: Ray Train is not installed.
-        RuntimeError: not called inside a Ray Train training function (use :func:`batchfit.find`
-            and :meth:`batchfit.Result.recommend` there), or several workers without the torch
-            process group that ``TorchTrainer`` sets up (the workers could not agree).
+        RuntimeError: not called inside a Ray Train training function (use
+            [`batchfit.find`][batchfit.find] and
+            [`batchfit.Result.recommend`][batchfit.report.result.Result.recommend] there), or
+            several workers without the torch process group that ``TorchTrainer`` sets up (the
+            workers could not agree).
         TypeError, ValueError: a bad argument, named (before any probe).
-        Exception: whatever :func:`batchfit.find` raises (an error of any worker's model, on
+        Exception: whatever [`batchfit.find`][batchfit.find] raises (an error of any worker's model, on
             every worker).
     """
     if global_batch is not None:
         check_positive_int("global_batch", global_batch)
+    Options(**split_hooks("worker_batch", find_keywords, FindOptions)[1])  # a typo fails before Ray is asked
     world_size = _world_size()
     if world_size > 1 and find_keywords.get("distributed") is not False:
         _check_process_group(world_size)
@@ -200,9 +213,9 @@ def _world_size() -> int:
         context = ray.train.get_context()
     except RuntimeError as exc:
         raise RuntimeError(
-            "batchfit.ray.worker_batch runs inside a Ray Train training function (the train_func that "
-            "TorchTrainer.fit() runs on every worker), where it reads the number of workers; outside Ray Train, "
-            "use batchfit.find() and result.recommend(target_batch=..., world_size=...)"
+            "batchfit.ray.worker_batch runs inside a Ray Train training function; outside one, use "
+            "batchfit.find() and result.recommend(target_batch=..., world_size=...) "
+            "(see docs/how-to/many-nodes.md#ray-train)"
         ) from exc
     return int(context.get_world_size())
 
@@ -214,7 +227,7 @@ def _check_process_group(world_size: int) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            f"batchfit.ray.worker_batch on {world_size} Ray Train workers needs the torch process group that "
-            "ray.train.torch.TorchTrainer sets up before train_func runs, so that the workers probe together and "
-            "agree; none is initialised here (pass distributed=False to probe each worker alone)"
+            f"batchfit.ray.worker_batch on {world_size} workers needs the torch process group TorchTrainer sets "
+            "up, and none is initialised: run it in TorchTrainer's train_func, or pass distributed=False "
+            "(see docs/how-to/many-nodes.md#ray-train)"
         )

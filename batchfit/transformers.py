@@ -1,13 +1,14 @@
 """Size a Hugging Face ``Trainer``'s batch with batchfit before ``trainer.train()``.
 
-:func:`autosize` probes the trainer's own model with the trainer's own batch, loss and optimizer,
-then writes the safe batch where the ``Trainer`` reads it, so that the run that follows is the
-run that was measured. Hugging Face's ``auto_find_batch_size=True`` answers a different question
-(the first size, shrinking by 10% per OOM from ``per_device_train_batch_size``, that survives a
-real run); batchfit finds the boundary itself, keeps headroom below it, and verifies the result.
+[`autosize`][batchfit.transformers.autosize] probes the trainer's own model with the trainer's own
+batch, loss and optimizer, then writes the safe batch where the ``Trainer`` reads it, so that the
+run that follows is the run that was measured. Hugging Face's ``auto_find_batch_size=True`` answers
+a different question (the first size, shrinking by 10% per OOM from ``per_device_train_batch_size``,
+that survives a real run); batchfit finds the boundary itself, keeps headroom below it, and verifies
+the result.
 
 Import-safe: this module imports neither torch nor transformers at import time, so
-``import batchfit.transformers`` works where transformers is not installed; :func:`autosize`
+``import batchfit.transformers`` works where transformers is not installed; [`autosize`][batchfit.transformers.autosize]
 then raises an ``ImportError`` that names ``pip install 'batchfit[transformers]'``.
 """
 
@@ -23,12 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 from batchfit.api import plan
 from batchfit.estimation import Plan
+from batchfit.probe import Options
+from batchfit.probe.keywords import FindOptions, split_hooks
 from batchfit.report import Recommendation, Result
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
     from transformers import Trainer
+    from typing_extensions import Unpack
+
+    from batchfit.probe.keywords import FindKeywords
 
 __all__ = ["Autosized", "autosize", "data_parallel_size", "first_batch", "trainer_amp", "trainer_step_fn"]
 
@@ -37,10 +43,10 @@ INSTALL_HINT = "pip install 'batchfit[transformers]'"
 
 @dataclass(frozen=True)
 class Autosized:
-    """What :func:`autosize` measured and what it set on the trainer.
+    """What [`autosize`][batchfit.transformers.autosize] measured and what it set on the trainer.
 
-    A dataclass of its own rather than the bare :class:`~batchfit.report.Result`: the trainer's
-    new settings (and, with ``target_batch``, the :class:`~batchfit.estimation.planning.Plan` they come
+    A dataclass of its own rather than the bare [`Result`][batchfit.Result]: the trainer's
+    new settings (and, with ``target_batch``, the [`Plan`][batchfit.Plan] they come
     from) belong with the probe's answer, and ``Result`` is batchfit's device-agnostic record,
     which knows nothing of trainers.
 
@@ -51,11 +57,12 @@ class Autosized:
         batch_size: the ``per_device_train_batch_size`` now set on ``trainer.args``.
         accumulation_steps: the ``gradient_accumulation_steps`` now set on ``trainer.args``
             (unchanged without ``target_batch``).
-        previous_batch_size: ``per_device_train_batch_size`` before :func:`autosize`.
-        previous_accumulation_steps: ``gradient_accumulation_steps`` before :func:`autosize`.
+        previous_batch_size: ``per_device_train_batch_size`` before [`autosize`][batchfit.transformers.autosize].
+        previous_accumulation_steps: ``gradient_accumulation_steps`` before
+            [`autosize`][batchfit.transformers.autosize].
         data_parallel_size: the data-parallel replicas the global batch is spread over (ranks
             times GPUs under single-process ``DataParallel``).
-        recommendation: the batch batchfit recommends (:meth:`~batchfit.report.Result.recommend`,
+        recommendation: the batch batchfit recommends ([`recommend`][batchfit.report.result.Result.recommend],
             with ``target_batch`` when given; with the noise scale when measured): advice, not set.
     """
 
@@ -87,15 +94,7 @@ class Autosized:
         )
 
 
-def autosize(
-    trainer: Trainer,
-    *,
-    memory_limit: int | float | str | None = None,
-    headroom: float = 0.1,
-    target_batch: int | None = None,
-    noise_scale: bool = False,
-    **find_kwargs: Any,
-) -> Autosized:
+def autosize(trainer: Trainer, *, target_batch: int | None = None, **find_kwargs: Unpack[FindKeywords]) -> Autosized:
     """Probe ``trainer`` with batchfit and set the batch it trains with. Call before ``trainer.train()``.
 
     What is probed is what ``train()`` will run, as far as it exists before ``train()``:
@@ -107,7 +106,7 @@ def autosize(
       consumes random numbers (the sampler's seed); the random generators (torch CPU and CUDA,
       ``random``, numpy) are put back afterwards, so ``train()`` shuffles as it would have.
     * **the loss**: ``trainer.compute_loss`` under ``trainer.compute_loss_context_manager()``
-      (:func:`trainer_step_fn`), so a subclass's loss or a ``compute_loss_func`` is what is
+      (`trainer_step_fn`), so a subclass's loss or a ``compute_loss_func`` is what is
       measured.
     * **the optimizer**: ``trainer.optimizer`` when the trainer was given one, else the one
       ``trainer.create_optimizer()`` builds (its class, hyperparameters and param groups, weight
@@ -117,14 +116,14 @@ def autosize(
       number of steps the new batch gives (and, under FSDP, after wrapping the model), so the run
       is exactly the one it would have been had the batch been set by hand.
     * **mixed precision**: ``args.bf16`` -> ``amp="bf16"``, ``args.fp16`` -> ``amp="fp16"``
-      (:func:`trainer_amp`): before ``train()`` Accelerate has not wrapped the model's forward in
+      (`trainer_amp`): before ``train()`` Accelerate has not wrapped the model's forward in
       autocast yet, so batchfit does it.
 
     Then ``trainer.args.per_device_train_batch_size`` is set to the safe batch (and the
     ``Trainer``'s own ``_train_batch_size``, which its dataloader reads, as its
     ``auto_find_batch_size`` does). With ``target_batch`` the global batch (per-device batch x
     accumulation steps x data-parallel replicas) is kept at ``target_batch`` instead:
-    :func:`batchfit.plan` splits it into a micro-batch within the safe batch and accumulation
+    [`batchfit.plan`][batchfit.plan] splits it into a micro-batch within the safe batch and accumulation
     steps, and both are set. Without ``target_batch`` the accumulation steps are left alone, so
     the global batch changes with the per-device batch; the log says so.
 
@@ -136,7 +135,7 @@ def autosize(
     ``transformers.utils.logging.get_logger(__name__)``, a standard logger named
     ``batchfit.transformers`` (info; warnings where worth reading). It is not under the
     ``transformers`` logger, so ``transformers.logging.set_verbosity_*`` and ``args.log_level``
-    do not reach it: configure it with :mod:`logging`.
+    do not reach it: configure it with `logging`.
 
     Under ``torch.distributed`` (``torchrun``/``accelerate launch``, several ranks) every rank
     calls ``autosize``; batchfit's ``find()`` then probes all ranks together automatically (see the
@@ -147,24 +146,18 @@ def autosize(
 
     Args:
         trainer: a ``transformers.Trainer`` (or subclass) with a ``train_dataset``.
-        memory_limit: as :func:`batchfit.find`'s (bytes, ``"24GiB"``, a fraction); default: the
-            memory this process can reach on the model's device (half the available on the CPU, at most 1 GiB).
-        headroom: the fraction of the budget the safe batch leaves free.
         target_batch: a global batch to keep: set the micro-batch and the accumulation steps from
             ``batchfit.plan(result, target_batch=..., world_size=<data-parallel replicas>)``.
-        noise_scale: also measure the gradient noise scale from ``trainer.get_train_dataloader()``
-            at the batch size just set (random generators and the Accelerator's registry put back
-            after), into ``result.noise_scale``, and log it with ``trainer.log`` (its reporting
-            callbacks see ``batchfit/noise_scale``, ``_low``, ``_high``, ``batchfit/recommended_batch``;
-            ``train()`` starts a fresh log history) and the recommendation's reason. Off by default:
-            it costs ``noise_passes`` (a ``find()`` keyword, default 128) forward/backward passes.
-            Too few batches for it (16 at the size set) is a warning, not an error.
-        **find_kwargs: any other :func:`batchfit.find` keyword (``max_batch``, ``multiple_of``,
-            ``verify_steps``, ...). ``step_fn``, ``optimizer`` and ``amp`` given here replace the
-            trainer's.
+        **find_kwargs: [`batchfit.find`][batchfit.find]'s keywords
+            ([`FindOptions`][batchfit.probe.keywords.FindOptions] and the hooks). ``step_fn``,
+            ``optimizer`` and ``amp`` given here replace the trainer's. ``noise_scale=True`` measures
+            the gradient noise scale from ``trainer.get_train_dataloader()`` at the batch size just set
+            (random generators and the Accelerator's registry put back after), into
+            ``result.noise_scale``, and logs it with ``trainer.log`` (``batchfit/noise_scale``, ``_low``,
+            ``_high``, ``batchfit/recommended_batch``); too few batches for it is a warning, not an error.
 
     Returns:
-        An :class:`Autosized`: the probe's :class:`~batchfit.report.Result`, the plan, and the
+        An [`Autosized`][batchfit.transformers.Autosized]: the probe's [`Result`][batchfit.Result], the plan, and the
         batch size and accumulation steps now set.
 
     Raises:
@@ -177,18 +170,18 @@ def autosize(
     from batchfit.api import find
 
     logger = transformers.utils.logging.get_logger(__name__)
+    Options(**split_hooks("autosize", find_kwargs, FindOptions)[1])  # a typo fails now, not after set-up
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError(f"autosize() needs a transformers.Trainer, got {type(trainer).__name__}")
     if getattr(trainer, "is_deepspeed_enabled", False):
         raise ValueError(
-            "autosize() does not support DeepSpeed: the probe runs the model unsharded on one device, and "
-            "DeepSpeed's config holds its own batch size; set the batch there, or use auto_find_batch_size"
+            "autosize() does not support DeepSpeed, whose config holds its own batch size: set the batch there, "
+            "or use auto_find_batch_size"
         )
     args = trainer.args
     replicas = data_parallel_size(trainer)
     previous_batch, previous_steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    if not isinstance(noise_scale, bool):
-        raise TypeError(f"noise_scale must be True or False, got {noise_scale!r}")
+    noise_scale = find_kwargs.pop("noise_scale", False)  # measured here, at the size set: not by find()
     if target_batch is not None and target_batch % replicas:
         raise ValueError(
             f"target_batch {target_batch} is not divisible by the {replicas} data-parallel replicas: every replica "
@@ -208,8 +201,6 @@ def autosize(
         kwargs: dict[str, Any] = {
             "step_fn": trainer_step_fn(trainer),
             "amp": trainer_amp(args),
-            "memory_limit": memory_limit,
-            "headroom": headroom,
         }
         if "optimizer" not in find_kwargs:
             kwargs["optimizer"] = trainer.create_optimizer() if created else trainer.optimizer
@@ -333,7 +324,7 @@ def first_batch(trainer: Trainer) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _loader_kept(trainer: Trainer) -> Iterator[Any]:
-    """``trainer.get_train_dataloader()``, drawn from under :func:`_rng_kept`, then taken out of the
+    """``trainer.get_train_dataloader()``, drawn from under `_rng_kept`, then taken out of the
     Accelerator's list of prepared dataloaders again (``accelerator.prepare`` registers each one, and
     ``save_state`` walks that list)."""
     accelerator = getattr(trainer, "accelerator", None)
@@ -350,10 +341,9 @@ def _loader_kept(trainer: Trainer) -> Iterator[Any]:
 def _noise_of(trainer: Trainer, kwargs: dict[str, Any], micro_batch: int) -> Any:
     """The noise scale of the trainer's own train batches at ``micro_batch``, with the probe's
     step, optimizer and autocast (``kwargs``, ``find()``'s; what ``Options`` does not take is left out)."""
-    from batchfit.probe import Options, measure_noise
+    from batchfit.probe import measure_noise
 
-    known = {field.name for field in dataclasses.fields(Options)}
-    options = Options(**{name: value for name, value in kwargs.items() if name in known})
+    options = Options(**split_hooks("autosize", kwargs, FindOptions)[1])
     with _loader_kept(trainer) as loader:
         return measure_noise(trainer.model, loader, options, micro_batch=micro_batch)
 

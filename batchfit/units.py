@@ -50,13 +50,13 @@ def parse_memory_limit(limit: int | float | str, total_bytes: int | None, name: 
 
 
 def check_memory_limit(limit: int | float | str, name: str = "memory_limit") -> None:
-    """:func:`parse_memory_limit`'s checks that need no device: the syntax, the sign, the range of a
+    """`parse_memory_limit`'s checks that need no device: the syntax, the sign, the range of a
     fraction. What a fraction comes to is only known on the device."""
     _read_limit(limit, name)
 
 
 def _read_limit(limit: int | float | str, name: str) -> tuple[str, float, str]:
-    """``("bytes", n, shown)`` or ``("fraction", f, shown)``, checked; see :func:`parse_memory_limit`."""
+    """``("bytes", n, shown)`` or ``("fraction", f, shown)``, checked; see `parse_memory_limit`."""
     if isinstance(limit, bool):
         raise TypeError(f"{name} must be bytes, a size string or a fraction, not {limit!r}")
     if isinstance(limit, int):
@@ -132,7 +132,7 @@ def as_int(name: str, value: Any) -> int:
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    """``value`` as an int (:func:`as_int`) if it is >= ``minimum``; else an error that names ``name``."""
+    """``value`` as an int (`as_int`) if it is >= ``minimum``; else an error that names ``name``."""
     value = as_int(name, value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
@@ -141,7 +141,7 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> int:
 
 def check_positive_int(name: str, value: Any) -> None:
     """``TypeError`` unless ``value`` is a Python int (not a bool), ``ValueError`` unless it is >= 1; each
-    names ``name``. For values stored as given (a plan, a recommendation): :func:`positive_int` converts."""
+    names ``name``. For values stored as given (a plan, a recommendation): `positive_int` converts."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < 1:

@@ -37,7 +37,6 @@ import contextlib
 import datetime as _dt
 import gc
 import importlib.util
-import inspect
 import json
 import logging
 import os
@@ -57,8 +56,10 @@ import batchfit
 from batchfit import examples
 from batchfit import search as search_mod
 from batchfit.backends import LiveTensorMeter, Meter
-from batchfit.probe import batch_size_of, call_model, default_loss, own_loss, tile
-from batchfit.search import Interpolating
+from batchfit.probe import Options
+from batchfit.probe.batches import batch_size_of, tile
+from batchfit.probe.workload import call_model, default_loss, own_loss
+from batchfit.search.interpolate import Interpolating
 from batchfit.units import format_bytes, parse_memory_limit
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -450,7 +451,7 @@ def raised(exc: BaseException) -> str:
 
 
 def _to(sample: Any, device: torch.device) -> Any:
-    from batchfit.probe import to_device
+    from batchfit.probe.batches import to_device
 
     return to_device(sample, device)
 
@@ -623,7 +624,7 @@ def _accelerate_rows(case: Case, device: torch.device, steps: int, truth: int) -
 
 def _reference_strategy() -> str:
     """batchfit's default strategy: the row the wall-time ratio is taken against."""
-    default = inspect.signature(batchfit.find).parameters["strategy"].default
+    default = Options().strategy  # find()'s default: Options holds every option's
     return default if isinstance(default, str) else "binary"
 
 

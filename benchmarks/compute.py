@@ -58,7 +58,8 @@ import compare  # noqa: E402  (this directory, not a package)
 
 import batchfit  # noqa: E402
 from batchfit import examples  # noqa: E402
-from batchfit.probe import batch_size_of, call_model, default_loss, tile  # noqa: E402
+from batchfit.probe.batches import batch_size_of, tile  # noqa: E402
+from batchfit.probe.workload import call_model, default_loss  # noqa: E402
 from batchfit.units import format_bytes, parse_memory_limit  # noqa: E402
 
 #: Steps per trial for the peers: the fewest that show the optimizer state with a fresh optimizer.

@@ -60,7 +60,7 @@ def loss_of(output: Any) -> tuple[Any, Any]:
     """``(loss, output to keep)``: the model's own loss with nothing kept (the output is freed
     before backward, as ``loss = model(**batch).loss`` and ``find()`` free it), else the mean of its
     (first) output with the output kept through backward (as ``criterion(model(x), y)`` keeps it)."""
-    from batchfit.probe import default_loss, own_loss
+    from batchfit.probe.workload import default_loss, own_loss
 
     own = own_loss(output)
     return (own, None) if own is not None else (default_loss(output), output)

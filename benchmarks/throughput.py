@@ -41,8 +41,9 @@ import compute  # noqa: E402
 
 import batchfit  # noqa: E402
 from batchfit import examples  # noqa: E402
-from batchfit.probe import batch_size_of, call_model, default_loss, tile  # noqa: E402
-from batchfit.report import KNEE_FRACTION, best_timed  # noqa: E402
+from batchfit.probe.batches import batch_size_of, tile  # noqa: E402
+from batchfit.probe.workload import call_model, default_loss  # noqa: E402
+from batchfit.report.throughput import KNEE_FRACTION, best_timed  # noqa: E402
 from batchfit.units import format_bytes, parse_memory_limit  # noqa: E402
 
 QUICK = compute.ComputeCase("gpt_small", parse_memory_limit("256MiB", None))

@@ -116,7 +116,7 @@ def expected_steps(result: batchfit.Result, *, cold_after_release: bool) -> list
 def plain_workload(model: nn.Module, sample: torch.Tensor, device: torch.device, mode: str = "train") -> Any:
     """A :class:`batchfit.probe.Workload` of ``model`` on ``device`` with every default (AdamW, the
     default loss, no amp), for tests that drive ``run_trial`` directly."""
-    from batchfit.probe import Workload, optimizer_factory
+    from batchfit.probe.workload import Workload, optimizer_factory
 
     return Workload(
         model=model,

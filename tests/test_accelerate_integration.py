@@ -131,6 +131,7 @@ def accelerate_steps(start: int, fits: Callable[[int], bool]) -> list[tuple[int,
 
 
 # with probe: the exact boundary, one real run ---------------------------------------------------------
+@pytest.mark.slow
 def test_probe_finds_the_exact_boundary_and_trains_once(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
     headroom = 0.0  # the default: the real run is at the exact largest fit (a margin is tested below)
     train = find_executable_batch_size(starting_batch_size=8)(rig.with_probe())
@@ -150,6 +151,7 @@ def test_probe_finds_the_exact_boundary_and_trains_once(rig: Rig, caplog: pytest
     assert f"largest batch size that fits {largest}" in caplog.text and f"training at {chosen}" in caplog.text
 
 
+@pytest.mark.slow
 def test_probe_searches_down_from_a_start_above_the_boundary(rig: Rig) -> None:
     train = find_executable_batch_size(starting_batch_size=1024, headroom=0.0)(rig.with_probe())
     assert train() == (train.largest_fit, REAL_STEPS)  # no headroom: the real run is at the boundary
@@ -161,6 +163,7 @@ def test_probe_searches_down_from_a_start_above_the_boundary(rig: Rig) -> None:
     assert len(probes) <= 4 + (256 - 128 - 1).bit_length()
 
 
+@pytest.mark.slow
 def test_a_real_run_that_runs_out_of_memory_is_retried_lower(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
     """The probes saw less than the real run needs (here 1/8 more samples per batch, as longer
     real data would): the real call fails and is retried 10% lower, Accelerate's way."""
@@ -198,6 +201,7 @@ def test_multiple_of_finds_the_largest_multiple_that_fits(rig: Rig) -> None:
 
 
 # without probe: Accelerate's semantics, bisecting down -----------------------------------------------------
+@pytest.mark.slow
 def test_without_probe_the_first_success_is_returned_after_accelerates_steps(rig: Rig) -> None:
     train = find_executable_batch_size(starting_batch_size=1024)(rig.without_probe())
     result = train()
@@ -227,6 +231,7 @@ def test_a_non_oom_error_propagates_unchanged(rig: Rig) -> None:
     assert rig.calls == [(16, True), (32, True), (64, True), (128, True)]
 
 
+@pytest.mark.slow
 def test_nothing_fits_raises_a_runtime_error_caused_by_the_oom() -> None:
     with capped("200KiB") as tiny:  # weights, gradients and AdamW state alone do not fit
         train = find_executable_batch_size(starting_batch_size=8)(tiny.without_probe())
@@ -259,6 +264,7 @@ def test_reduce_batch_size_fn_must_shrink_and_zero_means_nothing_fits(rig: Rig) 
 
 
 # against Accelerate ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_accelerate_lands_at_or_below_the_exact_boundary(rig: Rig, record_property: Callable[..., None]) -> None:
     accelerate_utils = pytest.importorskip("accelerate.utils")
     start = 256  # above the boundary, as Accelerate needs: it never searches up

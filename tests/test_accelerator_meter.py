@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from batchfit.backends import AllocatorConfig
 from batchfit.backends.accelerator import AcceleratorBackend, AllocatorMeter
+from batchfit.backends.alloc_conf import AllocatorConfig
 
 GiB = 2**30
 TOTAL = 80 * GiB
@@ -124,7 +124,7 @@ def test_a_lower_fraction_the_user_set_is_kept_and_restored() -> None:
 
 
 # (9) expandable segments: the cap checks whole segments, a card maps only missing pages ----------
-EXPANDABLE_NOTE = "expandable segments: under batchfit's cap (a per-process memory fraction) torch checks"
+EXPANDABLE_NOTE = "expandable segments, under which the cap can fail a step within a page of the limit"
 ASYNC_NOTE = "the allocator is backend:cudaMallocAsync, whose memory fraction caps requested bytes"
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 import batchfit
-from batchfit.backends import AllocatorConfig, SimulatedCudaMeter
-from batchfit.backends.alloc_conf import ENV_VARIABLES, ROUNDUP_INTERVALS
+from batchfit.backends.alloc_conf import ENV_VARIABLES, ROUNDUP_INTERVALS, AllocatorConfig
+from batchfit.backends.simulated import SimulatedCudaMeter
 from batchfit.examples import gpt
 
 MIB = 2**20
@@ -160,6 +160,7 @@ def _at_the_answer(result: batchfit.Result) -> tuple[int, int]:
     return trial.peak_bytes, trial.reserved_peak_bytes
 
 
+@pytest.mark.slow
 def test_expandable_segments_bring_the_estimates_reserved_peak_to_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
     for variable in ENV_VARIABLES:
         monkeypatch.delenv(variable, raising=False)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from batchfit.backends import AllocatorConfig, CachingAllocatorModel, block_bytes_by_address
+from batchfit.backends.alloc_conf import AllocatorConfig
 from batchfit.backends.allocator_model import (
     LARGE_BUFFER,
     MIN_BLOCK,
@@ -12,9 +12,11 @@ from batchfit.backends.allocator_model import (
     ROUND_LARGE,
     SMALL_BUFFER,
     SMALL_SIZE,
+    CachingAllocatorModel,
     round_size,
     segment_size,
 )
+from batchfit.backends.allocator_snapshot import block_bytes_by_address
 
 MIB = 1024 * 1024
 

@@ -5,11 +5,14 @@ these tests hold the code to both, so neither the document nor the code can drif
 
 * nothing imports upward: a unit (a subpackage, or a top-level module) imports only units
   listed before it in the layer table;
-* no circles: no module imports itself through others (imports under ``if TYPE_CHECKING:``
-  excepted: they never run);
-* across units a subpackage is imported through its surface (its ``__init__``), and only names
-  that surface exports; inside a subpackage, siblings are imported directly, never through the
-  package's own surface; no ``_private`` name is imported from another module;
+* no circles: no module imports itself through others, inside a subpackage too (imports under
+  ``if TYPE_CHECKING:`` count: an annotation is a dependency, and a circle hidden from the
+  interpreter is still one for the reader);
+* a subpackage's surface (its ``__init__``) exports what other layers use, and nothing else: each
+  name it exports is imported through it by the facade or a unit of another layer, or shown in
+  the docs; any other name is imported from the module that defines it (never through a module
+  that imports it in turn); a name a surface exports comes through the surface; no ``_private``
+  name is imported from another module;
 * the foundation, the pure search and report, and the views never import torch, and neither do
   ``batchfit``, ``batchfit --help``, the pytest plugin, ``batchfit.Options`` or planning from a
   result (fresh interpreter);
@@ -63,6 +66,7 @@ class Import:
     names: tuple[str, ...]  # for `from target import names`; () for `import target`
     line: int
     type_only: bool  # under `if TYPE_CHECKING:`
+    local: bool = False  # inside a function (a lazy import)
 
 
 def _type_checking(node: ast.If) -> bool:
@@ -85,15 +89,19 @@ def imports() -> tuple[Import, ...]:
     import counts as much as a module-level one)."""
     found: list[Import] = []
     for importer, path in modules().items():
-        for node, type_only in _walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        functions = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for node, type_only in _walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            local = any(f.lineno < node.lineno <= (f.end_lineno or f.lineno) for f in functions)
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.split(".")[0] == "batchfit":
-                        found.append(Import(importer, alias.name, (), node.lineno, type_only))
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                if node.module.split(".")[0] == "batchfit":
-                    names = tuple(alias.name for alias in node.names)
-                    found.append(Import(importer, node.module, names, node.lineno, type_only))
+                        found.append(Import(importer, alias.name, (), node.lineno, type_only, local))
+            elif node.level == 0 and node.module and node.module.split(".")[0] == "batchfit":
+                names = tuple(alias.name for alias in node.names)
+                found.append(Import(importer, node.module, names, node.lineno, type_only, local))
     return tuple(found)
 
 
@@ -120,11 +128,36 @@ def surface(package: str) -> frozenset[str]:
     tree = ast.parse(modules()[package].read_text())
     names: set[str] = set()
     for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id == "__all__" and isinstance(node.value, ast.List):
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(target, ast.Name):
+            if target.id == "__all__" and isinstance(node.value, ast.List):
                 names |= {elt.value for elt in node.value.elts if isinstance(elt, ast.Constant)}
-            if node.targets[0].id == "_EXPORTS" and isinstance(node.value, ast.Dict):
+            if target.id == "_EXPORTS" and isinstance(node.value, ast.Dict):
                 names |= {key.value for key in node.value.keys if isinstance(key, ast.Constant)}
+    return frozenset(names)
+
+
+def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """A module's own statements, through ``if`` and ``try`` (not into functions or classes)."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If):
+            yield from _top_level(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            yield from _top_level(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
+
+
+@cache
+def defined(module: str) -> frozenset[str]:
+    """The names ``module`` defines itself (a ``def``, a ``class``, an assignment), not those it imports."""
+    names: set[str] = set()
+    for node in _top_level(ast.parse(modules()[module].read_text()).body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {n.id for target in node.targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
     return frozenset(names)
 
 
@@ -224,40 +257,139 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_module_imports_itself_through_others() -> None:
+def import_graph(*, lazy: bool, type_only: bool) -> dict[str, set[str]]:
+    """Module -> the modules it imports: at module level, plus a function's lazy imports
+    (``lazy``) or the imports under ``if TYPE_CHECKING:`` (``type_only``)."""
     graph: dict[str, set[str]] = {name: set() for name in modules()}
     for imp in imports():
-        if not imp.type_only:
-            graph[imp.importer] |= {t for t in imported_modules(imp) if t != imp.importer}
-    assert not _cycles(graph), f"import circles: {_cycles(graph)}"
+        if (imp.type_only and not type_only) or (imp.local and not lazy):
+            continue
+        graph[imp.importer] |= {t for t in imported_modules(imp) if t != imp.importer}
+    return graph
+
+
+@pytest.mark.parametrize("kind", ["run", "structure"])
+def test_no_module_imports_itself_through_others(kind: str) -> None:
+    """Inside a subpackage too. ``run``: the imports that run, a function's lazy ones included.
+    ``structure``: the module-level imports a type checker and a reader follow, ``if
+    TYPE_CHECKING:`` ones included (the guard hides a circle from the interpreter, not from them).
+    What neither graph holds is a method's lazy import of a module that names its class's type
+    (``Result.__str__`` renders through ``batchfit.report.text``): the one way back, taken late."""
+    graph = import_graph(lazy=kind == "run", type_only=kind == "structure")
+    assert not _cycles(graph), f"import circles ({kind}): {_cycles(graph)}"
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     """The rule above must be able to fail: two modules that import each other are a circle."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+    # A type-only import is an edge of the structure, a method's lazy import one of the run.
+    text, result = "batchfit.report.text", "batchfit.report.result"
+    assert result in import_graph(lazy=False, type_only=True)[text]
+    assert result not in import_graph(lazy=True, type_only=False)[text]
+    assert text in import_graph(lazy=True, type_only=False)[result]
+    assert text not in import_graph(lazy=False, type_only=True)[result]
 
 
-def test_subpackages_are_entered_through_their_surface() -> None:
+def test_defined_tells_a_definition_from_an_import() -> None:
+    """The rule below must be able to fail: a name a module imports is not one it defines."""
+    assert {"Result", "SCHEMA"} <= defined("batchfit.report.result")
+    assert not {"MemoryModel", "Trial", "annotations"} & defined("batchfit.report.result")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_names_come_from_a_surface_or_from_the_module_that_defines_them() -> None:
     wrong = []
     for imp in imports():
-        mine = unit_of(imp.importer)
-        theirs = unit_of(imp.target)
-        for name in imp.names:
-            private = name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
-            if private and f"{imp.target}.{name}" not in modules():
-                wrong.append(f"{imp.importer}:{imp.line} imports the private {imp.target}.{name}")
-        if theirs == mine:
-            if imp.target == mine and mine in packages() and mine != "batchfit":
-                wrong.append(f"{imp.importer}:{imp.line} imports its own package's surface {mine}")
+        mine, theirs = unit_of(imp.importer), unit_of(imp.target)
+        where = f"{imp.importer}:{imp.line}"
+        submodules = [name for name in imp.names if f"{imp.target}.{name}" in modules()]
+        names = [name for name in imp.names if name not in submodules]
+        wrong += [f"{where} imports the private {imp.target}.{name}" for name in names if _private(name)]
+        if imp.target in packages():  # a surface: batchfit's facade or a subpackage's
+            if imp.target == mine and mine != "batchfit" and names:  # a sibling module by name is fine
+                wrong.append(f"{where} imports its own package's surface {mine}")
+            elif imp.target != "batchfit":
+                hidden = [name for name in names if name not in surface(imp.target)]
+                if hidden:
+                    wrong.append(f"{where} imports {hidden} that {imp.target} does not export: from their module")
             continue
-        if theirs in packages() and imp.target != theirs:
-            wrong.append(f"{imp.importer}:{imp.line} reaches into {imp.target}: import from {theirs}")
-        elif theirs in packages():
-            hidden = [name for name in imp.names if name not in surface(theirs)]
-            if hidden:
-                wrong.append(f"{imp.importer}:{imp.line} imports {hidden} that {theirs} does not export")
+        borrowed = [name for name in names if name not in defined(imp.target) and not _private(name)]
+        if borrowed:
+            wrong.append(f"{where} imports {borrowed} from {imp.target}, which does not define them")
+        if theirs != mine and theirs in packages():
+            exported = [name for name in names if name in surface(theirs)]
+            if exported:
+                wrong.append(f"{where} imports {exported} past the surface: from {theirs} import them")
     assert not wrong, "\n".join(wrong)
+
+
+def _pages() -> str:
+    return "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
+
+
+@cache
+def public_names() -> frozenset[str]:
+    """``package.name`` for every name users are shown: the docs and README (``batchfit.x.Name``,
+    ``from batchfit.x import Name``), the names ``tests/test_public_api.py`` holds to, and the
+    entry points of ``pyproject.toml``."""
+    text = _pages()
+    found = {f"{m[0]}.{m[1]}" for m in re.findall(r"\b(batchfit\.\w+)\.([A-Za-z_]\w*)", text)}
+    for package, listed in re.findall(r"from (batchfit\.\w+) import ([\w, ]+)", text):
+        found |= {f"{package}.{name.strip()}" for name in listed.split(",")}
+    tree = ast.parse((ROOT / "tests" / "test_public_api.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "PUBLIC":
+            found |= {f"{package}.{name}" for package, names in ast.literal_eval(node.value).items() for name in names}
+    entry_points = re.findall(r'"(batchfit[\w.]*):(\w+)"', (ROOT / "pyproject.toml").read_text())
+    return frozenset(found | {f"{module}.{name}" for module, name in entry_points})
+
+
+def test_a_surface_exports_what_other_layers_use_and_nothing_else() -> None:
+    """Each name a subpackage exports is imported through it by the facade or by a unit of another
+    layer, or is shown to users; a helper its own layer borrows is imported from its module."""
+    layer = {unit: i for i, (_, units) in enumerate(layers()) for unit in units}
+    used: set[str] = set()
+    for imp in imports():
+        if imp.target in packages() and imp.target != "batchfit":
+            mine = unit_of(imp.importer)
+            if mine == "batchfit" or layer[mine] != layer[imp.target]:
+                used |= {f"{imp.target}.{name}" for name in imp.names}
+    exported = {f"{package}.{name}" for package in packages() - {"batchfit"} for name in surface(package)}
+    unused = sorted(exported - used - public_names())
+    assert not unused, f"exported but used by no other layer, the facade or the docs: {unused}"
+
+
+#: The names every subpackage surface exports, together (issue 33: 218 before, about 100 asked).
+SURFACE_BUDGET = 100
+
+
+def test_the_surfaces_stay_small() -> None:
+    exported = {package: len(surface(package)) for package in packages() - {"batchfit"}}
+    assert sum(exported.values()) <= SURFACE_BUDGET, f"{sum(exported.values())} names exported: {exported}"
+
+
+def test_a_lazy_surface_imports_for_type_checkers_what_it_exports() -> None:
+    """A lazy surface lists each name twice (under ``if TYPE_CHECKING:`` for type checkers, in
+    ``_EXPORTS`` for the interpreter): both lists must agree, module for module."""
+    for package in sorted(packages()):
+        tree = ast.parse(modules()[package].read_text())
+        assigned = [n for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)]
+        exports = [ast.literal_eval(n.value) for n in assigned if n.targets[0].id == "_EXPORTS"]  # type: ignore[attr-defined]
+        if not exports:
+            continue
+        typed = {
+            alias.asname or alias.name: node.module
+            for block in tree.body
+            if isinstance(block, ast.If) and _type_checking(block)
+            for node in block.body
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+        }
+        assert typed == exports[0], f"{package}: the TYPE_CHECKING imports and _EXPORTS differ"
 
 
 def test_every_exported_name_exists() -> None:

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from batchfit.backends import LiveTensorMeter
-from batchfit.probe import run_trial
+from batchfit.probe.trial import run_trial
 
 
 class _OutOfMemoryInBackward(torch.autograd.Function):

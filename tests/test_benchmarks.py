@@ -40,6 +40,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     return done.stdout, json.loads(written.read_text())
 
 
+@pytest.mark.slow
 def test_table_and_json_are_written(smoke: tuple[str, dict]) -> None:
     stdout, document = smoke
     assert "exhaustive scan" in stdout and "batchfit" in stdout and "knee" in stdout
@@ -51,6 +52,7 @@ def test_table_and_json_are_written(smoke: tuple[str, dict]) -> None:
     assert case["throughput"]["exhaustive"]["knee"] is not None
 
 
+@pytest.mark.slow
 def test_batchfit_strategies_find_the_exhaustive_truth(smoke: tuple[str, dict]) -> None:
     (case,) = smoke[1]["cases"]
     truth = case["truth"]
@@ -62,6 +64,7 @@ def test_batchfit_strategies_find_the_exhaustive_truth(smoke: tuple[str, dict]) 
         assert row["trials"] == len(row["sizes"]) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("module", "finder"), [("lightning", "Lightning"), ("accelerate", "Accelerate")])
 def test_peers_run_or_are_skipped_cleanly(smoke: tuple[str, dict], module: str, finder: str) -> None:
     stdout, document = smoke

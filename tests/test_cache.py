@@ -27,8 +27,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import batchfit
 from batchfit import Result, examples
 from batchfit.cli import main
-from batchfit.probe import CACHE_SCHEMA, Options, Prober, cache_key, check_entry, entry_document, probe_key
-from batchfit.probe.cache_files import ENTRY_CAP_BYTES
+from batchfit.probe import Options, Prober
+from batchfit.probe.cache_files import CACHE_SCHEMA, ENTRY_CAP_BYTES, check_entry, entry_document
+from batchfit.probe.keys import cache_key, probe_key
 from batchfit.probe.safe_batch import safe_cap
 from batchfit.units import format_bytes
 
@@ -526,6 +527,7 @@ print(json.dumps(said))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs and /dev/zero are POSIX")
 def test_a_fifo_or_a_device_at_an_entry_s_path_is_not_read(stored: tuple[str, str], tmp_path: Path) -> None:
     """A FIFO would block the read before any trial, ``/dev/zero`` and ``/dev/urandom`` would be
@@ -660,6 +662,7 @@ def _rank(rank: int, store: str, cache: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo over a file store")
 def test_ranks_take_rank_0s_decision_together_and_only_rank_0_writes(stored: tuple[str, str], tmp_path: Path) -> None:
     """Two ranks: an entry one process wrote is a hit on both (with the world-size note); a

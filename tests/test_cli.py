@@ -1,7 +1,11 @@
-"""`batchfit probe` and `batchfit devices`, run for real in a subprocess on CPU under small limits.
+"""`batchfit probe` and `batchfit devices`, run for real on CPU under small limits.
 
 Each run is a real probe: the built-in examples and a target file written here, under caps that
-keep boundaries at a few dozen samples so a run takes seconds. Nothing asserts times.
+keep boundaries at a few dozen samples so a run takes seconds. Nothing asserts times. What a
+command prints, writes and returns is checked through `main()` in this process (the code path of
+the console script, without a Python start per test); what only a process shows (its exit on a
+signal, a terminal, a closed pipe, `python -m batchfit` itself) runs in a subprocess, marked
+`slow`.
 """
 
 from __future__ import annotations
@@ -310,114 +314,152 @@ def holding(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def in_process(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """For a command run through `main()` here, what `cli_env` gives a child: one intra-op thread
+    (tiny steps on a busy machine; the results do not depend on it), colours left to the test."""
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_main(args: list[str]) -> int:
+    """`main(args)`'s exit code, argparse's own usage errors (a `SystemExit`) included."""
+    try:
+        return main(args)
+    except SystemExit as exit_:
+        assert isinstance(exit_.code, int)
+        return exit_.code
+
+
+@pytest.fixture
 def markers(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
     """(started, release) marker paths, and the environment that tells a holding target of them."""
     started, release = tmp_path / "started", tmp_path / "release"
     return started, release, {"BATCHFIT_TEST_STARTED": str(started), "BATCHFIT_TEST_RELEASE": str(release)}
 
 
-def test_probe_builtin_example_writes_json_that_round_trips(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("in_process")
+def test_probe_builtin_example_writes_json_that_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "result.json"
-    proc = run_cli(
-        "probe", "batchfit.examples:gpt", "--device", "cpu", "--memory-limit", "24MiB", "--verify-steps", "2",
-        "--json", str(out),
+    code = main(
+        ["probe", "batchfit.examples:gpt", "--device", "cpu", "--memory-limit", "24MiB", "--verify-steps", "2",
+         "--json", str(out)]
     )  # fmt: skip
+    stdout, stderr = capsys.readouterr()
 
-    assert proc.returncode == 0, proc.stderr
-    assert "\x1b" not in proc.stdout and "\x1b" not in proc.stderr
+    assert code == 0, stderr
+    assert "\x1b" not in stdout and "\x1b" not in stderr
     result = Result.from_json(out.read_text())
     assert Result.from_json(result.to_json()) == result
     assert result.device.type == "cpu" and result.budget_bytes == 24 * 2**20
     assert result.boundary_reached and result.trial(result.max_batch).fits
     # One plain line per trial, as each finished, then the summary with the same answers.
-    assert len(ROW.findall(proc.stdout)) == len(result.trials)
-    assert re.search(rf"^max batch\s+{result.max_batch}\b", proc.stdout, re.MULTILINE)
-    assert re.search(rf"^safe batch\s+{result.safe_batch}\b", proc.stdout, re.MULTILINE)
-    assert "weights" in proc.stdout and "optimizer state" in proc.stdout and "/sample" in proc.stdout
-    assert "running on CPU under a limit of 24.00 MiB" in proc.stdout
+    assert len(ROW.findall(stdout)) == len(result.trials)
+    assert re.search(rf"^max batch\s+{result.max_batch}\b", stdout, re.MULTILINE)
+    assert re.search(rf"^safe batch\s+{result.safe_batch}\b", stdout, re.MULTILINE)
+    assert "weights" in stdout and "optimizer state" in stdout and "/sample" in stdout
+    assert "running on CPU under a limit of 24.00 MiB" in stdout
     assert result.settings.strategy == "interpolate"
 
 
-def test_probe_strategy_option_reaches_find(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("in_process")
+def test_probe_strategy_option_reaches_find(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "result.json"
-    proc = run_cli(
-        "probe", "batchfit.examples:gpt", "--device", "cpu", "--memory-limit", "24MiB", "--verify-steps", "0",
-        "--strategy", "binary", "--json", str(out),
+    code = main(
+        ["probe", "batchfit.examples:gpt", "--device", "cpu", "--memory-limit", "24MiB", "--verify-steps", "0",
+         "--strategy", "binary", "--json", str(out)]
     )  # fmt: skip
 
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, capsys.readouterr().err
     result = Result.from_json(out.read_text())
     assert result.settings.strategy == "binary"
     sizes = [t.batch_size for t in result.search_trials]
     assert sizes[:3] == [2, 4, 8]  # plain doubling
-    assert run_cli("probe", "batchfit.examples:gpt", "--strategy", "guess").returncode == 2
+    assert run_main(["probe", "batchfit.examples:gpt", "--strategy", "guess"]) == 2
 
 
+@pytest.mark.usefixtures("in_process")
 @pytest.mark.parametrize("timed_steps", [0, 3])
-def test_probe_timed_steps_option_reaches_find(tmp_path: Path, timed_steps: int) -> None:
+def test_probe_timed_steps_option_reaches_find(
+    tmp_path: Path, timed_steps: int, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "result.json"
-    proc = run_cli(
-        "probe", "batchfit.examples:gpt", "--device", "cpu", "--memory-limit", "24MiB",
-        "--timed-steps", str(timed_steps), "--json", str(out),
+    code = main(
+        ["probe", "batchfit.examples:gpt", "--device", "cpu", "--memory-limit", "24MiB",
+         "--timed-steps", str(timed_steps), "--json", str(out)]
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, capsys.readouterr().err
     timed = [t for t in Result.from_json(out.read_text()).trials if t.kind == "time"]
     assert [t.steps for t in timed] == [1 + timed_steps] * len(timed)
     assert bool(timed) == bool(timed_steps)
-    assert run_cli("probe", "batchfit.examples:gpt", "--timed-steps", "-1").returncode == 2
+    assert run_main(["probe", "batchfit.examples:gpt", "--timed-steps", "-1"]) == 2
 
 
 @pytest.mark.skipif(not NO_GPU, reason="the CPU default applies only where there is no GPU")
-def test_probe_without_gpu_says_it_runs_on_cpu_under_the_cli_default(targets: Path) -> None:
-    proc = run_cli("probe", f"{targets}:wide", "--max-batch", "16", "--verify-steps", "0")
+@pytest.mark.usefixtures("in_process")
+def test_probe_without_gpu_says_it_runs_on_cpu_under_the_cli_default(
+    targets: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["probe", f"{targets}:wide", "--max-batch", "16", "--verify-steps", "0"])
+    stdout, stderr = capsys.readouterr()
 
-    assert proc.returncode == 0, proc.stderr
-    assert "no GPU: running on CPU under a limit of 256.00 MiB" in proc.stdout
+    assert code == 0, stderr
+    assert "no GPU: running on CPU under a limit of 256.00 MiB" in stdout
 
 
-def test_json_to_stdout_with_quiet_keeps_stdout_pure_json(targets: Path) -> None:
-    proc = run_cli(
-        "probe", f"{targets}:wide_dict", "--device", "cpu", "--memory-limit", "4MiB", "--json", "-", "--quiet"
+@pytest.mark.usefixtures("in_process")
+def test_json_to_stdout_with_quiet_keeps_stdout_pure_json(targets: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["probe", f"{targets}:wide_dict", "--device", "cpu", "--memory-limit", "4MiB", "--json", "-", "--quiet"]
     )
+    stdout, stderr = capsys.readouterr()
 
-    assert proc.returncode == 0, proc.stderr
-    result = Result.from_json(proc.stdout)
+    assert code == 0, stderr
+    result = Result.from_json(stdout)
     assert 8 < result.max_batch < 64 and result.boundary_reached
     # The human output moved to stderr, and --quiet made it one line with the answer.
-    assert proc.stderr.splitlines() == [
+    assert stderr.splitlines() == [
         f"max_batch={result.max_batch} safe_batch={result.safe_batch} "
         f"best_throughput_batch={result.best_throughput_batch} budget=4.00 MiB"
     ]
 
 
-def test_gate_passes_and_fails_with_exit_codes_0_and_3(targets: Path, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("in_process")
+def test_gate_passes_and_fails_with_exit_codes_0_and_3(
+    targets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "gate.json"
-    failed = run_cli(
-        "probe", f"{targets}:wide", "--device", "cpu", "--memory-limit", "4MiB", "--require-batch", "512",
-        "--json", str(out),
+    failed = main(
+        ["probe", f"{targets}:wide", "--device", "cpu", "--memory-limit", "4MiB", "--require-batch", "512",
+         "--json", str(out)]
     )  # fmt: skip
+    failed_out, failed_err = capsys.readouterr()
 
-    assert failed.returncode == 3, failed.stderr
+    assert failed == 3, failed_err
     report = GateReport.from_json(out.read_text())
     assert GateReport.from_json(report.to_json()) == report
     assert not report.fits and report.trial.batch_size == 512 and report.trial.kind == "gate"
     assert report.search is not None and report.largest_fit == report.search.max_batch
     assert 8 < report.largest_fit < 512
     assert all(t.batch_size < 512 for t in report.search.trials)
-    assert "FAIL: batch 512 does not fit" in failed.stdout
-    assert re.search(rf"^largest fit\s+{report.largest_fit}$", failed.stdout, re.MULTILINE)
+    assert "FAIL: batch 512 does not fit" in failed_out
+    assert re.search(rf"^largest fit\s+{report.largest_fit}$", failed_out, re.MULTILINE)
 
     # The largest batch the failed gate reported passes the same gate, in one trial.
-    passed = run_cli(
-        "probe", f"{targets}:wide", "--device", "cpu", "--memory-limit", "4MiB",
-        "--require-batch", str(report.largest_fit), "--json", "-",
+    passed = main(
+        ["probe", f"{targets}:wide", "--device", "cpu", "--memory-limit", "4MiB",
+         "--require-batch", str(report.largest_fit), "--json", "-"]
     )  # fmt: skip
-    assert passed.returncode == 0, passed.stderr
-    ok = GateReport.from_json(passed.stdout)
+    passed_out, passed_err = capsys.readouterr()
+    assert passed == 0, passed_err
+    ok = GateReport.from_json(passed_out)
     assert ok.fits and ok.search is None and ok.largest_fit is None
     assert ok.trial.peak_bytes is not None and ok.trial.peak_bytes <= ok.budget_bytes
-    assert f"PASS: batch {report.largest_fit} fits" in passed.stderr
-    assert len(ROW.findall(passed.stderr)) == 1
+    assert f"PASS: batch {report.largest_fit} fits" in passed_err
+    assert len(ROW.findall(passed_err)) == 1
 
 
 def test_nothing_fits_exits_3_with_one_line(targets: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -428,8 +470,8 @@ def test_nothing_fits_exits_3_with_one_line(targets: Path, capsys: pytest.Captur
     assert re.search(r"batch size \d+ does not fit", err) and "64.00 KiB" in err
 
 
-# (target, exit code, message); the first five run in a subprocess, the rest through main() in
-# this process (same code path, without paying for a Python start each).
+# (target, exit code, message), each through main() in this process (the console script's code
+# path, without paying for a Python start each).
 BAD_TARGETS = [
     ("nope:thing", 2, "cannot import 'nope': no module named 'nope'"),
     ("batchfit.examples:gtp", 2, "has no attribute 'gtp' (did you mean 'gpt'?)"),
@@ -457,15 +499,8 @@ def _check_one_line(stderr: str, message: str) -> None:
     assert "Traceback" not in stderr
 
 
-@pytest.mark.parametrize(("target", "code", "message"), BAD_TARGETS[:5])
-def test_bad_target_gives_one_clear_line(targets: Path, target: str, code: int, message: str) -> None:
-    proc = run_cli("probe", target.format(targets=targets), "--device", "cpu", "--memory-limit", "8MiB")
-
-    assert proc.returncode == code, proc.stderr
-    _check_one_line(proc.stderr, message)
-
-
-@pytest.mark.parametrize(("target", "code", "message"), BAD_TARGETS[5:])
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize(("target", "code", "message"), BAD_TARGETS)
 def test_bad_target_in_process(
     targets: Path, target: str, code: int, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -516,6 +551,7 @@ def test_usage_errors_in_process(args: list[str], capsys: pytest.CaptureFixture[
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a real process: its signals, its terminal, its pipes
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
 @pytest.mark.parametrize("no_color", [False, True])
 def test_terminal_gets_the_live_view_and_no_color_drops_colours(targets: Path, no_color: bool) -> None:
@@ -581,6 +617,7 @@ def test_unwritable_json_path_fails_before_the_target_is_loaded(
     assert not loaded.exists()  # refused before the target ran, not after a whole probe
 
 
+@pytest.mark.slow  # a real process: its signals, its terminal, its pipes
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX pipes and signals")
 def test_stdout_closed_by_its_reader_ends_quietly(holding: Path, markers: tuple[Path, Path, dict[str, str]]) -> None:
     """`batchfit probe ... | head -1`: the reader takes one line and leaves; the probe stops at its
@@ -600,6 +637,7 @@ def test_stdout_closed_by_its_reader_ends_quietly(holding: Path, markers: tuple[
     assert err == ""  # nothing: no "Traceback", no "BrokenPipeError", no "Exception ignored"
 
 
+@pytest.mark.slow  # a real process: its signals, its terminal, its pipes
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_ctrl_c_while_the_target_loads_says_only_interrupted(
     tmp_path: Path, markers: tuple[Path, Path, dict[str, str]]
@@ -619,6 +657,7 @@ def test_ctrl_c_while_the_target_loads_says_only_interrupted(
     assert err.strip() == "batchfit: error: interrupted"  # no probe ran: nothing was restored
 
 
+@pytest.mark.slow  # a real process: its signals, its terminal, its pipes
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 @pytest.mark.parametrize(
     ("signum", "code", "message"),
@@ -646,6 +685,7 @@ def test_signal_during_a_probe_unwinds_and_restores(
     assert "max batch" not in out  # stopped, not finished
 
 
+@pytest.mark.slow  # a real process: its signals, its terminal, its pipes
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_second_sigterm_stops_a_probe_stuck_in_the_users_code(
     holding: Path, markers: tuple[Path, Path, dict[str, str]]
@@ -681,8 +721,14 @@ def test_second_sigterm_stops_a_probe_stuck_in_the_users_code(
     ],
     ids=["forward", "factory", "file", "module"],
 )
+@pytest.mark.usefixtures("in_process")
 def test_sys_exit_in_the_target_is_an_error_in_the_target(
-    holding: Path, tmp_path: Path, target: str, message: str
+    holding: Path,
+    tmp_path: Path,
+    target: str,
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A target's sys.exit(n) (a forgotten ``if __name__ == "__main__"``, argparse at import) is
     not batchfit's answer: exit 1 and one line naming where, never exit n in silence."""
@@ -690,16 +736,16 @@ def test_sys_exit_in_the_target_is_an_error_in_the_target(
     exits_file.write_text("import sys\nsys.exit(3)\n")
     (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit('no arguments given')\n")
     names = {"holding": holding, "exits_file": exits_file, "exits_file_repr": repr(str(exits_file))}
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    monkeypatch.syspath_prepend(str(tmp_path))
 
-    proc = run_cli(
-        "probe", target.format(**names), "--device", "cpu", "--max-batch", "8", "--verify-steps", "0", extra_env=env
-    )
+    code = main(["probe", target.format(**names), "--device", "cpu", "--max-batch", "8", "--verify-steps", "0"])
 
-    assert proc.returncode == 1, proc.stderr
-    _check_one_line(proc.stderr, message.format(**names))
+    err = capsys.readouterr().err
+    assert code == 1, err
+    _check_one_line(err, message.format(**names))
 
 
+@pytest.mark.slow  # a real process: its signals, its terminal, its pipes
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
 def test_sigterm_in_a_terminal_gives_the_cursor_back(holding: Path, markers: tuple[Path, Path, dict[str, str]]) -> None:
     """The live view hides the cursor while it runs; SIGTERM unwinds through the same
@@ -758,6 +804,7 @@ def test_devices_exits_0() -> None:
         assert "no NVIDIA GPU" in report["unavailable"] or "cannot list GPUs" in report["unavailable"]
 
 
+@pytest.mark.slow  # a real `python -m batchfit` process
 @pytest.mark.cuda
 def test_probe_on_cuda_with_a_limit(tmp_path: Path) -> None:
     out = tmp_path / "cuda.json"
@@ -769,6 +816,7 @@ def test_probe_on_cuda_with_a_limit(tmp_path: Path) -> None:
     assert result.budget_bytes == 2**30
 
 
+@pytest.mark.slow
 def test_one_target_file_serves_probe_estimate_and_frontier(
     targets: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -74,7 +74,8 @@ def test_rank_timeout_reaches_the_probe(monkeypatch: pytest.MonkeyPatch, capsys:
 
     monkeypatch.setattr(batchfit.probe, "find_with", spy)
 
-    code = main(["probe", "batchfit.examples:mlp", *FAST, "--rank-timeout", "12.5"])
+    # --timed-steps 0: the flag is what is checked, not the timing after the search (seconds on a CPU).
+    code = main(["probe", "batchfit.examples:mlp", *FAST, "--timed-steps", "0", "--rank-timeout", "12.5"])
 
     assert code == 0, capsys.readouterr().err
     assert seen == [12.5]
@@ -130,6 +131,7 @@ def test_json_file_is_written_whole_and_nothing_else(tmp_path: Path, capsys: pyt
     assert Result.from_json(out.read_text()).max_batch >= 1
 
 
+@pytest.mark.slow  # a real process, under a limit on the files it may write
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE as Linux applies it")
 def test_a_failed_json_write_leaves_the_previous_file_whole(tmp_path: Path) -> None:
     """A write that fails part-way (here: the process may not write files over 1 KiB, so the
@@ -158,16 +160,26 @@ def test_a_failed_json_write_leaves_the_previous_file_whole(tmp_path: Path) -> N
     ["raise KeyboardInterrupt\n", "def build():\n    raise KeyboardInterrupt\n"],
     ids=["at-import", "in-factory"],
 )
-def test_ctrl_c_while_the_target_loads_exits_130_without_a_traceback(tmp_path: Path, source: str) -> None:
+def test_ctrl_c_while_the_target_loads_exits_130_without_a_traceback(
+    tmp_path: Path, source: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In this process: main() is what turns the KeyboardInterrupt into the line and the code (a
+    # real SIGINT while a target loads: tests/test_cli.py, in a subprocess).
     (tmp_path / "interrupted_target.py").write_text(source + "\n\ndef build():\n    raise KeyboardInterrupt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
 
-    proc = run_cli("probe", "interrupted_target:build", *FAST, pythonpath=tmp_path)
+    try:
+        code = main(["probe", "interrupted_target:build", *FAST])
+    except KeyboardInterrupt:  # left to escape, it would stop the whole test run
+        pytest.fail("the KeyboardInterrupt escaped main()")
 
-    assert proc.returncode == 130, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == "batchfit: error: interrupted"
+    err = capsys.readouterr().err
+    assert code == 130, err
+    assert "Traceback" not in err
+    assert err.strip() == "batchfit: error: interrupted"
 
 
+@pytest.mark.slow  # a real `python -m batchfit`: Ctrl-C before main() runs
 def test_ctrl_c_while_batchfit_itself_imports_exits_130_without_a_traceback(tmp_path: Path) -> None:
     """Ctrl-C before ``main()`` runs: while ``python -m batchfit`` imports the command line. A
     module the command line imports (argparse, first on the path here) stands for the one that
@@ -255,14 +267,14 @@ FRONTIER_OUTPUT_OPTIONS = {"help", "target", "json", "plot", "quiet", "traceback
 
 def test_every_frontier_option_is_a_keyword_of_frontier() -> None:
     import argparse
-    import inspect
 
     import batchfit
     from batchfit.cli.parser import build_parser
+    from batchfit.probe.options import parameters_of
 
     (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     dests = {action.dest for action in commands.choices["frontier"]._actions} - FRONTIER_OUTPUT_OPTIONS
-    keywords = set(inspect.signature(batchfit.frontier).parameters)
+    keywords = set(parameters_of(batchfit.frontier))
     renamed = {"no_longest": "longest_at_batch_1"}
     assert {renamed.get(dest, dest) for dest in dests} <= keywords
 
@@ -298,6 +310,7 @@ def test_frontier_options_reach_frontier(
     assert code == 0, capsys.readouterr().err
     callbacks = {"on_point", "callback", "on_trial_start", "on_start"}
     assert callbacks <= set(seen)
+    assert seen.pop("amp", None) is None  # not given: left to Options' default, or passed as None
     assert {k: v for k, v in seen.items() if k not in callbacks} == {
         "seq_lens": (32, 16),
         "longest_at_batch_1": True,
@@ -306,7 +319,6 @@ def test_frontier_options_reach_frontier(
         "memory_limit": "4MiB",
         "reserve": "1KiB",
         "headroom": 0.2,
-        "amp": None,
         "mode": "train",
         "max_batch": 64,
         "init_batch": 2,
@@ -327,6 +339,7 @@ def test_the_docs_give_finds_cpu_default_with_its_cap() -> None:
 
     assert (DEFAULT_CPU_FRACTION, DEFAULT_CPU_LIMIT) == (0.5, 2**30)  # what the pages below say
     pages = ["README.md", "docs/reference/cli.md", "docs/reference/python-api.md", "docs/getting-started.md"]
+    pages.append("batchfit/probe/keywords.py")  # memory_limit's one documentation, which the reference renders
     said = 0
     for page in pages:
         for paragraph in (REPO / page).read_text().split("\n\n"):

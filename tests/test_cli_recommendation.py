@@ -1,26 +1,22 @@
 """``batchfit probe`` ends with the batch to train with; ``--noise-scale`` measures the noise scale first.
 
 Real probes on CPU of a tiny regression model whose target hands out a ``DataLoader`` (real
-batches, what the noise scale is measured from), in-process through ``main()`` where the lines
-and exit codes are what is checked, in a subprocess for the command as users run it.
+batches, what the noise scale is measured from), in-process through ``main()``: the lines, the
+JSON and the exit codes are what is checked (``tests/test_cli.py`` runs the command in a process).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from batchfit import Result
 from batchfit.cli import main
-
-REPO = Path(__file__).resolve().parents[1]
 
 TARGETS = textwrap.dedent(
     '''
@@ -171,30 +167,35 @@ def test_noise_options_reach_the_probe(
         return real(model, sample, options, **kwargs)
 
     monkeypatch.setattr(batchfit.probe, "find_with", spy)
-    assert main(["probe", f"{targets}:loader", *SMALL, "--noise-scale", "--noise-passes", "16"]) == 0
-    assert main(["probe", f"{targets}:loader", *SMALL]) == 0
+    # --timed-steps 0: the flags are what is checked, not the timing after the search (seconds on a CPU).
+    untimed = [*SMALL, "--timed-steps", "0"]
+    assert main(["probe", f"{targets}:loader", *untimed, "--noise-scale", "--noise-passes", "16"]) == 0
+    assert main(["probe", f"{targets}:loader", *untimed]) == 0
     capsys.readouterr()
     assert seen == [(True, 16), (False, 128)]
 
 
 # Needs find_with to measure the noise scale when Options(noise_scale=True) asks (batchfit.probe.noise).
-def test_the_command_measures_the_noise_scale_and_recommends_with_it(targets: Path, tmp_path: Path) -> None:
+def test_the_command_measures_the_noise_scale_and_recommends_with_it(
+    targets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "result.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR", "NO_COLOR")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "batchfit", "probe", f"{targets}:loader", *SMALL, "--noise-scale",
-         "--noise-passes", "32", "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    for name in ("COLUMNS", "FORCE_COLOR", "NO_COLOR"):  # as a plain shell runs the command
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps on a busy machine
+    try:
+        code = main(["probe", f"{targets}:loader", *SMALL, "--noise-scale", "--noise-passes", "32", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    stdout, err = capsys.readouterr()
+    assert code == 0, err
     result = Result.from_json(out.read_text())
     noise = result.noise_scale
     assert noise is not None and noise.passes <= 32
     rec = result.recommendation
     assert rec.noise_low == noise.low and rec.noise_scale == noise.b_simple
-    tail = _tail(proc.stdout)
+    tail = _tail(stdout)
     assert tail[0].startswith("noise scale      ")
     assert f"from batches {noise.small_batch} and {noise.big_batch}" in tail[0]
     assert tail[1:] == rec.lines()

@@ -22,11 +22,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import batchfit
 from batchfit import examples
+from batchfit.probe.options import parameters_of
 
 MiB = 2**20
 
 
 # 1. An optimizer object: the estimate counts its state as find() does ------------------------------
+@pytest.mark.slow
 def test_an_optimizer_object_gives_the_estimate_its_state_as_find_measures_it() -> None:
     """Item 1: the fresh optimizer of an estimate was built on the template's own parameters,
     which a fake trace never gives a gradient: "optimizer state 0 B" and too large an answer."""
@@ -45,6 +47,7 @@ def test_an_optimizer_object_gives_the_estimate_its_state_as_find_measures_it() 
     assert not optimizer.state  # the user's optimizer was never stepped
 
 
+@pytest.mark.slow
 def test_what_if_with_an_optimizer_object_agrees_with_its_adamw_row() -> None:
     """Item 1: the baseline (the user's AdamW object) and the ``optimizer=adamw`` row are the same
     optimizer, so the same answer."""
@@ -87,6 +90,7 @@ def _estimate_with_a_sigint_at(model: nn.Module, sample: Any, nth: int) -> tuple
     return ran, ended
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     signal.getsignal(signal.SIGINT) is not signal.default_int_handler, reason="needs Python's default SIGINT handler"
 )
@@ -132,6 +136,7 @@ class _Bag(nn.Module):
         return self.head(self.embedding(ids).mean(1))
 
 
+@pytest.mark.slow
 def test_a_sparse_gradient_is_counted_as_its_indices_and_values() -> None:
     """Item 3, on a real sparse embedding: its gradient (values + indices of every token) was
     invisible, so the probe answered about twice the batch that fits (488 where the dense twin,
@@ -250,6 +255,7 @@ def test_a_tensor_the_meter_cannot_measure_stops_the_probe_by_name() -> None:
 
 
 # 5. Convolution scratch memory: said where it applies -----------------------------------------------
+@pytest.mark.slow
 def test_a_model_that_runs_convolutions_is_told_its_cpu_max_may_be_high() -> None:
     """Item 5: CPU convolution kernels allocate scratch memory inside the operation (resnet18: 67
     where the allocator's boundary is 66). The answer says so for a CNN, in find() and in the
@@ -272,6 +278,7 @@ def _loader(**kwargs: Any) -> DataLoader:
     return DataLoader(data, batch_size=8, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_a_dataloader_sample_leaves_torchs_generator_as_it_was(shuffle: bool) -> None:
     """Item 4: the loader's iterator draws a seed from torch's generator even without shuffling,
@@ -286,6 +293,7 @@ def test_a_dataloader_sample_leaves_torchs_generator_as_it_was(shuffle: bool) ->
     assert torch.equal(torch.get_rng_state(), before)
 
 
+@pytest.mark.slow
 def test_a_dataloader_with_its_own_generators_gets_them_back() -> None:
     """Item 4: a loader (and its sampler) with a generator of their own draw from it: restored too."""
     model, _ = examples.mlp()
@@ -307,8 +315,8 @@ NOT_FOR_AN_ESTIMATE = {
 
 
 def test_estimate_takes_finds_keywords_with_finds_defaults() -> None:
-    find = inspect.signature(batchfit.find).parameters
-    estimate = inspect.signature(batchfit.estimate).parameters
+    find = parameters_of(batchfit.find)
+    estimate = parameters_of(batchfit.estimate)
     missing = sorted(set(find) - set(estimate) - NOT_FOR_AN_ESTIMATE)
     assert not missing, f"estimate() lacks find()'s {missing}"
     for name in set(find) & set(estimate):
@@ -329,17 +337,18 @@ FRONTIER_SETS_PER_LENGTH |= {"cache"}
 def test_frontier_takes_finds_keywords_with_finds_defaults() -> None:
     """Issue 21: ``frontier()`` is ``find()`` at each length, so it takes the same keywords, with
     the same defaults, and the estimate's length axis takes the frontier's own."""
-    find = inspect.signature(batchfit.find).parameters
-    frontier = inspect.signature(batchfit.frontier).parameters
+    find = parameters_of(batchfit.find)
+    frontier = parameters_of(batchfit.frontier)
     missing = sorted(set(find) - set(frontier) - FRONTIER_SETS_PER_LENGTH)
     assert not missing, f"frontier() lacks find()'s {missing}"
     for name in set(find) & set(frontier):
         assert frontier[name].default == find[name].default, name
-    estimate = inspect.signature(batchfit.estimate).parameters
+    estimate = parameters_of(batchfit.estimate)
     for name in ("seq_lens", "longest_at_batch_1", "max_seq_len"):
         assert estimate[name].default == frontier[name].default or name == "seq_lens", name
 
 
+@pytest.mark.slow
 def test_criterion_and_a_dataloader_work_in_estimate_as_in_find() -> None:
     """Item 6: ``criterion=`` was a TypeError in estimate() and what_if(), and estimate() refused a
     DataLoader that find() accepts. On the CPU the estimate is find()'s measurement."""
@@ -505,6 +514,7 @@ def test_a_bad_target_is_refused_before_any_trial_runs() -> None:
     assert trials == []
 
 
+@pytest.mark.slow
 def test_a_huge_target_costs_no_more_than_the_safe_batch() -> None:
     """Item 9: ``plan(result, target_batch=2**61 - 1)`` ran trial division to the square root of the
     target (about 1.5e9 steps: minutes). Counted in lines of the planner run, not in seconds: the
@@ -534,6 +544,7 @@ def test_a_huge_target_costs_no_more_than_the_safe_batch() -> None:
 
 
 # 11. Reports that mean what they say --------------------------------------------------------------------
+@pytest.mark.slow
 def test_what_ifs_per_sample_bytes_are_the_summarys_memory_equation() -> None:
     """Item 11: the what-if column was a slope near the top of the trials, not the equation the
     summary of the same estimate shows (3.88 vs 5.63 MiB on one model; on this MLP, whose optimizer
@@ -552,6 +563,7 @@ def test_what_ifs_per_sample_bytes_are_the_summarys_memory_equation() -> None:
     assert "fixed" in str(table)
 
 
+@pytest.mark.slow
 def test_a_cuda_equation_is_not_fitted_to_neighbouring_sizes_at_the_boundary() -> None:
     """Item 11: under CUDA's segments (reserved bytes move in 2-20 MiB steps) the equation was the
     line through the search's last sizes, 1372..1379 of GPT under bf16: -3.31 GiB fixed and
@@ -589,6 +601,7 @@ def _hugging_face(kind: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return transformers.GPT2LMHeadModel(config), {"input_ids": ids}
 
 
+@pytest.mark.slow
 def test_the_no_labels_note_calls_the_answer_too_large_only_where_it_is() -> None:
     """Item 11: the note said "too large" for a classifier whose answer does not change with labels."""
     classifier, sample = _hugging_face("classifier")
@@ -627,7 +640,7 @@ def test_the_lightning_callback_takes_every_keyword_of_find_it_does_not_fill_in(
     ``Options``, which refused ``progress=`` although ``find()`` takes it."""
     lightning = pytest.importorskip("batchfit.lightning")
     pytest.importorskip("lightning")
-    find = inspect.signature(batchfit.find).parameters
+    find = parameters_of(batchfit.find)
     for name, parameter in find.items():
         if name in ("model", "sample", *lightning._FROM_TRAINER) or parameter.default is inspect.Parameter.empty:
             continue

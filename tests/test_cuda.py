@@ -30,7 +30,7 @@ from torch import nn
 import batchfit
 from batchfit import examples
 from batchfit.errors import LimitError, NoOptimizerStepError
-from batchfit.probe import default_loss
+from batchfit.probe.workload import default_loss
 from batchfit.report import DeviceInfo, MemoryModel, Result, Trial
 from batchfit.testing import check_fits
 

@@ -92,6 +92,7 @@ def test_a_capped_trial_fails_above_the_cap_and_the_budget_comes_back() -> None:
 
 
 # 5. The layout carried by the optimizer kept between trials -------------------------------------------
+@pytest.mark.slow
 def test_the_largest_batch_is_the_one_a_fresh_process_trains_at() -> None:
     """GPT-2-small bf16 under 24 GiB in the allocator model: with the AdamW state kept from the
     first (small) trial, batch 22 fitted; a fresh process carves the state out of its own first

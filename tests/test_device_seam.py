@@ -19,9 +19,13 @@ from torch import nn
 
 import batchfit
 from batchfit import examples
-from batchfit.backends import LiveTensorMeter, available_host_bytes, backend_for
+from batchfit.backends import LiveTensorMeter, backend_for
+from batchfit.backends.cpu import available_host_bytes
 from batchfit.errors import DeviceFailedError, NoOptimizerStepError
-from batchfit.probe import Options, default_loss, run_trial
+from batchfit.probe import Options
+from batchfit.probe.options import parameters_of
+from batchfit.probe.trial import run_trial
+from batchfit.probe.workload import default_loss
 from batchfit.report import Settings
 
 PACKAGE = Path(batchfit.__file__).parent
@@ -33,6 +37,7 @@ def _overflowing_loss(output: Any, batch: Any) -> torch.Tensor:
     return default_loss(output) * 1e4
 
 
+@pytest.mark.slow
 def test_fp16_trials_count_only_steps_whose_optimizer_really_stepped() -> None:
     model, sample = examples.mlp()
     before = state_of(model)
@@ -181,7 +186,7 @@ def test_limit_and_option_errors_name_the_argument(kwargs: dict[str, Any], error
 def test_find_options_and_settings_share_their_defaults() -> None:
     defaults = {
         name: param.default
-        for name, param in inspect.signature(batchfit.find).parameters.items()
+        for name, param in parameters_of(batchfit.find).items()
         if param.default is not inspect.Parameter.empty
     }
     options = Options()

@@ -144,7 +144,8 @@ def _probed(result: batchfit.Result) -> list[batchfit.Trial]:
     return [t for t in result.trials if t.kind != "time"]
 
 
-@pytest.mark.parametrize("name", list(EXACT))
+# Seconds each: the MLP stays in the fast set, the rest run with the slow tests.
+@pytest.mark.parametrize("name", [n if n == "mlp" else pytest.param(n, marks=pytest.mark.slow) for n in EXACT])
 def test_cpu_estimate_equals_find_byte_for_byte(name: str) -> None:
     found, estimated = _find_and_estimate(name)
     assert found.boundary_reached and found.max_batch > 4, f"{name}: pick a memory size with a real boundary"
@@ -157,6 +158,7 @@ def test_cpu_estimate_equals_find_byte_for_byte(name: str) -> None:
     assert estimated.memory == found.memory
 
 
+@pytest.mark.slow
 def test_a_model_left_in_eval_mode_is_estimated_as_it_trains() -> None:
     """find() trains with train() on (dropout and all); so does the estimate, and the flags come back."""
     model, sample = examples.gpt()
@@ -169,6 +171,7 @@ def test_a_model_left_in_eval_mode_is_estimated_as_it_trains() -> None:
     ]
 
 
+@pytest.mark.slow
 def test_bert_estimate_is_within_one_percent_of_find() -> None:
     # With an all-ones attention mask the real step drops the mask after looking at its values;
     # the fake trace cannot look and keeps it (a bool batch x 128 x 128: 16 KiB a sample), so the
@@ -271,6 +274,7 @@ def test_a_meta_model_estimates_as_its_real_twin() -> None:
     assert meta.head.weight is meta.token.weight
 
 
+@pytest.mark.slow
 def test_a_large_meta_model_is_estimated_without_its_weights() -> None:
     with torch.device("meta"):
         model = examples.GPT(vocab_size=32000, seq_len=256, d_model=1024, n_layers=8, n_heads=16)
@@ -291,6 +295,7 @@ def test_a_large_meta_model_is_estimated_without_its_weights() -> None:
 
 
 # 5. Data-dependent models fall back to real steps, and say so -------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(DATA_DEPENDENT))
 def test_a_data_dependent_model_under_the_fallback_cap_gets_finds_own_answer(kind: str) -> None:
     cls, error = DATA_DEPENDENT[kind]
@@ -306,6 +311,7 @@ def test_a_data_dependent_model_under_the_fallback_cap_gets_finds_own_answer(kin
     assert all(t.step_time_s is None for t in result.trials) and result.throughput is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(DATA_DEPENDENT))
 def test_a_data_dependent_model_above_the_cap_is_extrapolated_from_real_steps(
     kind: str, monkeypatch: pytest.MonkeyPatch
@@ -360,6 +366,7 @@ def _check_reserved_trials(result: batchfit.Result) -> None:
     assert any("cuBLAS" in line for line in result.assumptions)
 
 
+@pytest.mark.slow
 def test_a_cuda_estimate_counts_reserved_bytes_beside_the_context() -> None:
     model, sample = examples.gpt()
     result = batchfit.estimate(model, sample, memory_limit="1280MiB", device="cuda")
@@ -373,6 +380,7 @@ def test_a_cuda_estimate_counts_reserved_bytes_beside_the_context() -> None:
     _check_reserved_trials(result)
 
 
+@pytest.mark.slow
 def test_a_cuda_estimate_fits_no_more_than_the_cpu_one() -> None:
     model, sample = examples.gpt()
     cuda = batchfit.estimate(model, sample, memory_limit="256MiB", device="cuda", reserve=0)
@@ -409,6 +417,7 @@ def _first_step(optimizer: str, device: str = "cuda") -> tuple[tuple[str, ...], 
     return result.assumptions, dict(trial.phase_peaks)["step"], dict(trial.phase_reserved_peaks)["step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["default", "object", "factory"])
 def test_a_cuda_estimate_steps_an_optimizer_that_leaves_foreach_to_torch_as_cuda_does(optimizer: str) -> None:
     """On CUDA torch resolves foreach=None to the foreach implementation, whose step keeps AdamW's
@@ -426,6 +435,7 @@ def test_a_cuda_estimate_steps_an_optimizer_that_leaves_foreach_to_torch_as_cuda
     assert any(line.startswith("foreach optimizer as on CUDA: AdamW") for line in assumed)
 
 
+@pytest.mark.slow
 def test_an_optimizer_that_chose_foreach_or_a_cpu_estimate_assumes_nothing_about_it() -> None:
     for chosen, device in [("loop", "cuda"), ("foreach", "cuda"), ("default", "cpu")]:
         assumed, _, _ = _first_step(chosen, device)
@@ -434,6 +444,7 @@ def test_an_optimizer_that_chose_foreach_or_a_cpu_estimate_assumes_nothing_about
     assert _first_step("default", "cpu")[1] < _first_step("foreach", "cpu")[1]
 
 
+@pytest.mark.slow
 def test_a_rocm_estimate_holds_hipblas_workspaces_on_a_cuda_device() -> None:
     """ROCm is torch's cuda device with hipBLAS (128 MiB on MI300/MI350) and hipBLASLt (76 MiB)
     workspaces per handle in place of cuBLAS's 32 MiB and cuBLASLt's 1 MiB."""

@@ -20,7 +20,8 @@ CASES = {
 STEPS = 2
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The exhaustive scans of the CNN and the GPT take tens of seconds: the MLP's stays in the fast set.
+@pytest.mark.parametrize("name", [n if n == "mlp" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(CASES)])
 def test_find_returns_the_exhaustive_boundary(name: str) -> None:
     factory, kwargs, cap = CASES[name]
     model, sample = factory(**kwargs)
@@ -244,6 +245,7 @@ class HungryLater(torch.nn.Module):
         return out
 
 
+@pytest.mark.slow
 def test_when_no_safe_batch_verifies_only_a_size_that_ran_is_returned_and_said_loudly() -> None:
     model = HungryLater()
 
@@ -304,6 +306,7 @@ def _mobile_block(cin: int, cout: int, stride: int) -> torch.nn.Module:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_out_of_memory_in_backward_under_autocast_leaves_nothing_behind() -> None:
     """An OOM raised inside backward under CPU autocast can leave the failed graph alive until the
     next backward (pytorch #82218); the trial runs a tiny backward after such an OOM, and any
@@ -320,6 +323,7 @@ def test_out_of_memory_in_backward_under_autocast_leaves_nothing_behind() -> Non
     assert result.safe_verified
 
 
+@pytest.mark.slow
 def test_a_kept_optimizer_gives_the_peak_a_fresh_one_shows_in_its_second_step() -> None:
     """The search keeps the optimizer between trials and runs one step: its peak must be the
     steady peak that a fresh optimizer only reaches in step 2 (step 1 allocates the state)."""

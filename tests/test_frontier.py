@@ -51,6 +51,7 @@ def eager() -> tuple[torch.nn.Module, Frontier]:
     return model, batchfit.frontier(model, make_batch, seq_lens=[32, 64, 128], memory_limit=LIMIT)
 
 
+@pytest.mark.slow
 def test_each_point_is_the_exact_answer_of_find_at_that_length(eager):
     model, frontier = eager
     assert [p.seq_len for p in frontier.points] == [32, 64, 128]
@@ -163,6 +164,7 @@ def test_bad_input_is_refused_before_any_trial(kwargs, error, words):
     assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_estimate_with_a_length_axis_gives_the_same_frontier_from_fake_tensors(eager):
     model, measured = eager
     before = weights(model)
@@ -228,6 +230,7 @@ def test_a_make_batch_that_stops_short_on_the_length_axis_is_named():
         batchfit.frontier(model, truncated, seq_lens=[64], memory_limit="4MiB", verify_steps=0)
 
 
+@pytest.mark.slow
 def test_an_estimate_takes_a_make_batch_of_meta_tensors():
     """An estimate runs no step: meta tensors are what it traces, so only a real frontier refuses them."""
     model = gpt2("sdpa", positions=256)

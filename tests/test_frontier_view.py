@@ -23,16 +23,11 @@ import torch
 import batchfit
 from batchfit.cli import main
 from batchfit.examples import GPT
-from batchfit.report import (
-    Frontier,
-    FrontierPoint,
-    PlotUnavailableError,
-    Surface,
-    compact_rate,
-    render_frontier,
-    save_frontier_plot,
-)
-from batchfit.view import FrontierProgress, FrontierView, chart_text, frontier_chart
+from batchfit.report import Frontier, FrontierPoint, Surface
+from batchfit.report.frontier_plot import PlotUnavailableError, save_frontier_plot
+from batchfit.report.frontier_text import compact_rate, render_frontier
+from batchfit.view.frontier_chart import chart_text, frontier_chart
+from batchfit.view.frontier_view import FrontierProgress, FrontierView
 
 LENGTHS = (16, 32, 64)
 VOCAB = 64
@@ -162,7 +157,7 @@ def test_the_chart_shows_every_length_and_batch_within_its_width(frontier: Front
 
 
 def test_the_chart_labels_each_point_with_its_tokens_per_second(frontier: Frontier) -> None:
-    from batchfit.report import compact_rate
+    from batchfit.report.frontier_text import compact_rate
 
     chart = chart_text(frontier, 100)
 
@@ -462,6 +457,7 @@ def target(tmp_path: Path) -> str:
     return f"{path}:build"
 
 
+@pytest.mark.slow
 def test_frontier_command_prints_writes_json_and_plots(
     target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -559,6 +555,7 @@ def test_bad_output_options_fail_before_the_target_loads(
     assert not loaded.exists()
 
 
+@pytest.mark.slow
 def test_estimate_with_seq_lens_prints_and_writes_the_estimated_frontier(
     target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -22,6 +22,7 @@ import faults  # noqa: E402  (benchmarks/ is not a package)
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix", reason="POSIX signals")
 
 
+@pytest.mark.slow
 def test_real_sigints_at_many_points_of_a_probe_all_surface_with_the_state_restored() -> None:
     """One SIGINT per child process, at offsets spread over a whole probe (the same harness as
     ``benchmarks/faults.py``). Before the fix about one in five was swallowed inside the CPU
@@ -182,6 +183,7 @@ def _exit_with_a_second_sigint_at(nth: int) -> tuple[int, object, bool]:
     return seen, handler, restored
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     signal.getsignal(signal.SIGINT) is not signal.default_int_handler, reason="needs Python's default SIGINT handler"
 )

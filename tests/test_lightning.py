@@ -143,6 +143,7 @@ def infos(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return messages
 
 
+@pytest.mark.slow
 def test_trains_at_the_safe_batch_that_find_reports(infos: list[str]) -> None:
     model = Classifier()
     twin = copy.deepcopy(model)
@@ -341,6 +342,7 @@ def test_noise_scale_off_runs_no_extra_pass_and_logs_nothing(infos: list[str]) -
     assert callback.recommendation == callback.result.recommendation  # still there, as advice
 
 
+@pytest.mark.slow
 def test_noise_scale_on_measures_from_the_train_dataloader_and_logs_it(infos: list[str]) -> None:
     model, callback, logger = _counted_fit(noise_scale=True, noise_passes=16)
     result, recommendation = callback.result, callback.recommendation
@@ -395,6 +397,7 @@ def ddp_job(out: Path) -> None:
     fit.fit(Classifier())
 
 
+@pytest.mark.distributed
 def test_ddp_spawn_ranks_probe_together_and_keep_the_global_batch(tmp_path: Path) -> None:
     job = subprocess.Popen(
         [sys.executable, __file__, str(tmp_path)],

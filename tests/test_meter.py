@@ -15,7 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 import batchfit
 from batchfit import examples
 from batchfit.backends import LiveTensorMeter
-from batchfit.probe import call_model, default_loss, tile
+from batchfit.probe.batches import tile
+from batchfit.probe.workload import call_model, default_loss
 
 
 def _training_step(model: torch.nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -149,6 +149,7 @@ def probe_nodes(tmp_path_factory: pytest.TempPathFactory) -> list[Node]:
     return two_nodes(tmp_path_factory.mktemp("probe"), PROBE)
 
 
+@pytest.mark.distributed
 def test_two_nodes_end_and_only_global_rank_0_writes_and_prints(probe_nodes: list[Node]) -> None:
     assert [node.returncode for node in probe_nodes] == [0, 0], [node.stderr[-3000:] for node in probe_nodes]
     leader, follower = leader_and_follower(probe_nodes, "out.json")
@@ -159,6 +160,7 @@ def test_two_nodes_end_and_only_global_rank_0_writes_and_prints(probe_nodes: lis
     assert (follower.stdout, follower.stderr) == ("", "")  # no output, no file, no warning
 
 
+@pytest.mark.distributed
 def test_two_nodes_answer_as_one_node_with_two_processes_and_as_one_process(
     probe_nodes: list[Node], alone: batchfit.Result, tmp_path: Path
 ) -> None:
@@ -170,6 +172,7 @@ def test_two_nodes_answer_as_one_node_with_two_processes_and_as_one_process(
     assert answers == [(2, alone.max_batch, alone.safe_batch)] * 2
 
 
+@pytest.mark.distributed
 def test_find_from_a_script_gives_every_rank_the_same_answer_and_only_rank_0_shows_progress(
     tmp_path: Path, alone: batchfit.Result
 ) -> None:
@@ -189,6 +192,7 @@ def test_find_from_a_script_gives_every_rank_the_same_answer_and_only_rank_0_sho
     assert (follower.stdout, follower.stderr) == ("", "")
 
 
+@pytest.mark.distributed
 def test_an_error_on_node_1_ends_both_nodes_and_node_0_names_the_rank_and_the_error(tmp_path: Path) -> None:
     (tmp_path / "failing.py").write_text(FAILING)
     target = str(tmp_path / "failing.py") + ":build"
@@ -203,6 +207,7 @@ def test_an_error_on_node_1_ends_both_nodes_and_node_0_names_the_rank_and_the_er
     assert failing.stdout == ""
 
 
+@pytest.mark.distributed
 def test_elastic_nnodes_1_to_2_with_one_node_probes_alone(tmp_path: Path, alone: batchfit.Result) -> None:
     """``--nnodes 1:2``: once one node joined, the rendezvous waits ``last_call_timeout`` for more,
     then runs with what it has; a job of one rank probes as one process does."""
@@ -226,6 +231,7 @@ def test_a_process_without_a_group_leads() -> None:
     assert leads(None) and leads(False) and leads(True)  # alone (True fails later, in find(), naming the group)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("gone", [0, 1])
 def test_env_launch_with_a_rank_that_never_joins_ends_within_the_rank_timeout(tmp_path: Path, gone: int) -> None:
     """Launched as ``srun`` or a plain pod does it (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``,

@@ -163,6 +163,7 @@ def test_the_linear_regression_s_noise_scale_is_measured_within_a_quarter(sigma:
     assert noise.samples == 512 * 16 and noise.source == "micro-batches" and noise.notes == ()
 
 
+@pytest.mark.slow
 def test_over_seeds_both_estimates_are_unbiased_and_the_naive_norm_is_not() -> None:
     """The mean over independent seeds of each estimate lies within 4 standard errors (measured
     from the seeds themselves) of the analytic value: for an unbiased estimator a miss that large
@@ -231,6 +232,7 @@ def _tiny_gpt2() -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+@pytest.mark.slow
 def test_a_tiny_gpt2_s_noise_scale_is_positive_and_grows_as_it_trains() -> None:
     model = _tiny_gpt2()
     ids = _text_ids()
@@ -427,6 +429,7 @@ def test_data_too_short_is_named() -> None:
 RANKS_TIMEOUT_S = 120
 
 
+@pytest.mark.distributed
 def test_two_ranks_measure_one_noise_scale_from_local_and_all_reduced_gradients(tmp_path: Path) -> None:
     """Each rank's gradient (before DDP's all-reduce) is the small batch, the all-reduced one the
     big: both ranks get the same record, near the analytic value, and their model back; a real DDP

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from batchfit.backends import DevicesReport, Gpu, GpuProcess, MigDevice, nvml_device_by_uuid, query_devices
+from batchfit.backends import DevicesReport, Gpu, MigDevice, query_devices
+from batchfit.backends.gpus import GpuProcess
+from batchfit.backends.nvml import nvml_device_by_uuid
 from batchfit.cli import main
 from batchfit.cli.devices import devices_lines
 

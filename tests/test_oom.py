@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchfit.backends import is_device_failure, is_oom, is_sticky_device_error, requested_bytes
+from batchfit.backends import is_device_failure, is_oom, is_sticky_device_error
+from batchfit.backends.base import requested_bytes
 
 
 def _coded(code: int, text: str) -> BaseException:

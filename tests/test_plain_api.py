@@ -30,6 +30,7 @@ def test_inputs_and_targets_without_a_criterion_get_a_hint() -> None:
     assert any("criterion=" in note for note in getattr(raised.value, "__notes__", []))
 
 
+@pytest.mark.slow
 def test_criterion_runs_the_step_a_training_loop_runs() -> None:
     """``out = model(x); loss = criterion(out, y)``: the output lives until the step ends, as in a
     training loop, so it holds the logits a step_fn (which drops them) does not: a little more."""
@@ -52,6 +53,7 @@ def test_criterion_needs_pairs_and_is_one_way_to_say_the_loss() -> None:
         batchfit.find(model, (x, y), criterion=nn.CrossEntropyLoss(), loss_fn=lambda o, b: o.sum())
 
 
+@pytest.mark.slow
 def test_a_dataloader_is_a_sample_source_and_says_so() -> None:
     model, x, y = _classifier()
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
@@ -67,6 +69,7 @@ def test_a_dataloader_is_a_sample_source_and_says_so() -> None:
         batchfit.find(model, DataLoader(TensorDataset(x[:0], y[:0]), batch_size=4), criterion=nn.CrossEntropyLoss())
 
 
+@pytest.mark.slow
 def test_a_hugging_face_model_without_labels_is_flagged() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64)
@@ -105,7 +108,7 @@ def test_str_of_a_result_marks_failure_bounds_and_formats_times() -> None:
 
 
 def test_the_live_view_reads_whole_at_80_columns(monkeypatch: pytest.MonkeyPatch) -> None:
-    from batchfit.view import LiveView
+    from batchfit.view.live import LiveView
 
     monkeypatch.setenv("COLUMNS", "80")
     stream = io.StringIO()
@@ -123,6 +126,7 @@ def test_the_live_view_reads_whole_at_80_columns(monkeypatch: pytest.MonkeyPatch
     assert "…" not in text and "..." not in text
 
 
+@pytest.mark.slow
 def test_the_first_screen_is_batchfits_own_even_without_numpy() -> None:
     code = (
         "import sys; sys.modules['numpy'] = None\n"  # as on a fresh install without NumPy

@@ -293,7 +293,7 @@ def _records_length() -> bool:
 
 
 def test_tokens_to_batch_rounds_up_to_whole_sequences_per_rank() -> None:
-    from batchfit.estimation import tokens_to_batch
+    from batchfit.estimation.planning import tokens_to_batch
 
     assert tokens_to_batch(524_288, 2048, 8) == 256
     assert tokens_to_batch(3 * 2048, 2048) == 3

@@ -47,6 +47,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return records
 
 
+@pytest.mark.distributed
 def test_different_limits_agree_on_the_smaller_single_process_answer(ranks: list[dict[str, Any]]) -> None:
     together = [r["limits"]["together"] for r in ranks]
     alone = [r["limits"]["alone"] for r in ranks]
@@ -63,6 +64,7 @@ def test_different_limits_agree_on_the_smaller_single_process_answer(ranks: list
     assert failed and all(batch <= alone[0]["max_batch"] for batch in failed)
 
 
+@pytest.mark.distributed
 def test_every_rank_gets_its_model_and_optimizer_back_and_ddp_trains_after(ranks: list[dict[str, Any]]) -> None:
     for scenario in ("limits", "phase_forward", "phase_backward", "phase_step", "error", "interrupt"):
         for rank, record in enumerate(ranks):
@@ -73,6 +75,7 @@ def test_every_rank_gets_its_model_and_optimizer_back_and_ddp_trains_after(ranks
         assert ranks[0][scenario]["checksum_after_step"] == ranks[1][scenario]["checksum_after_step"], scenario
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("phase", ["forward", "backward", "step"])
 def test_an_oom_on_one_rank_fails_the_trial_on_both(ranks: list[dict[str, Any]], phase: str) -> None:
     peaks = ranks[1]["phase_peaks"]
@@ -84,6 +87,7 @@ def test_an_oom_on_one_rank_fails_the_trial_on_both(ranks: list[dict[str, Any]],
         assert trial["message"].startswith("rank 1: OutOfMemoryError")
 
 
+@pytest.mark.distributed
 def test_an_error_on_rank_1_raises_on_both_naming_it(ranks: list[dict[str, Any]]) -> None:
     seen0, seen1 = ranks[0]["error"]["raised"], ranks[1]["error"]["raised"]
     assert seen1["type"] == "ValueError" and seen1["message"] == "boom at batch 8"
@@ -93,6 +97,7 @@ def test_an_error_on_rank_1_raises_on_both_naming_it(ranks: list[dict[str, Any]]
     assert "ValueError: boom at batch 8" in seen0["message"]
 
 
+@pytest.mark.distributed
 def test_ctrl_c_on_one_rank_stops_both(ranks: list[dict[str, Any]]) -> None:
     for rank in (0, 1):
         record = ranks[rank]["interrupt"]
@@ -101,6 +106,7 @@ def test_ctrl_c_on_one_rank_stops_both(ranks: list[dict[str, Any]]) -> None:
     assert len(ranks[0]["interrupt"]["trials"]) == 1
 
 
+@pytest.mark.distributed
 def test_a_rank_that_never_calls_find_is_an_error_within_the_timeout(ranks: list[dict[str, Any]]) -> None:
     absent = ranks[0]["absent"]
     assert absent["raised"]["type"] == "RanksTimeoutError"
@@ -108,6 +114,7 @@ def test_a_rank_that_never_calls_find_is_an_error_within_the_timeout(ranks: list
     assert absent["seconds"] < 30  # the 3 s timeout, not gloo's 30 minutes
 
 
+@pytest.mark.distributed
 def test_gradient_as_bucket_view_says_the_answer_is_conservative(ranks: list[dict[str, Any]]) -> None:
     for rank in (0, 1):
         record = ranks[rank]["bucket_view"]
@@ -115,12 +122,14 @@ def test_gradient_as_bucket_view_says_the_answer_is_conservative(ranks: list[dic
         assert any("gradient_as_bucket_view=True" in note for note in record["notes"])
 
 
+@pytest.mark.distributed
 def test_ranks_that_search_differently_are_refused(ranks: list[dict[str, Any]]) -> None:
     for rank in (0, 1):
         raised = ranks[rank]["settings"]["raised"]
         assert raised["type"] == "ValueError" and "max_batch=" in raised["message"]
 
 
+@pytest.mark.distributed
 def test_models_with_collectives_inside_forward_are_refused_not_hung(ranks: list[dict[str, Any]]) -> None:
     for rank in (0, 1):
         raised = ranks[rank]["sync_batchnorm"]["raised"]
@@ -130,6 +139,7 @@ def test_models_with_collectives_inside_forward_are_refused_not_hung(ranks: list
         assert "--nproc-per-trial" in raised["message"]  # where to go instead
 
 
+@pytest.mark.distributed
 def test_torchrun_probe_writes_one_json_with_the_single_process_answer(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -149,6 +159,7 @@ def test_torchrun_probe_writes_one_json_with_the_single_process_answer(tmp_path:
     assert document["max_batch"] == alone.max_batch
 
 
+@pytest.mark.distributed
 def test_ctrl_c_on_torchrun_ends_every_rank_restored(tmp_path: Path) -> None:
     """torchrun forwards SIGINT to every rank: each restores its model and exits 130."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -169,6 +180,7 @@ def test_ctrl_c_on_torchrun_ends_every_rank_restored(tmp_path: Path) -> None:
     assert stderr.count("batchfit: error: interrupted (the model and optimizer were restored)") == 2, stderr[-3000:]
 
 
+@pytest.mark.distributed
 def test_fsdp_runs_a_job_per_trial_and_a_rank_that_ooms_alone_ends_it(tmp_path: Path) -> None:
     """FSDP2 with rank 1 out of memory in forward while rank 0 walks into the next all-gather:
     the driver decides on rank 1's verdict and kills the job (no hang, well inside the timeout);
@@ -246,6 +258,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.distributed
 def test_nccls_out_of_memory_in_a_collective_fails_the_trial_not_the_probe(tmp_path: Path) -> None:
     """NCCL out of device memory for its buffers (runtime API, or its calloc's own warning) is rank
     1's out-of-memory: a failed trial on both ranks (PeerOutOfMemory on rank 0), the search goes
@@ -393,6 +406,7 @@ except Exception as exc:
 """
 
 
+@pytest.mark.distributed
 def test_a_rank_killed_mid_probe_is_named_as_gone_not_as_a_timeout(tmp_path: Path) -> None:
     """gloo tells the survivor at once that its peer's connection closed: the error says that rank
     1 went away, where and when, not that the ranks ran out of their 60 s."""

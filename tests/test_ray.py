@@ -293,6 +293,7 @@ def trained(cluster: None, alone: batchfit.Result, tmp_path_factory: pytest.Temp
     return {"config": config, "records": _records(out)}
 
 
+@pytest.mark.distributed
 def test_every_worker_gets_the_single_process_answer(trained: dict[str, Any], alone: batchfit.Result) -> None:
     first, second = (record["fit"] for record in trained["records"])
     assert first == second  # the same probe, trials and split on both workers
@@ -303,6 +304,7 @@ def test_every_worker_gets_the_single_process_answer(trained: dict[str, Any], al
     assert (first["max_batch"], first["safe_batch"]) == (alone.max_batch, alone.safe_batch)
 
 
+@pytest.mark.distributed
 def test_the_global_batch_is_split_exactly_and_trained_with(trained: dict[str, Any]) -> None:
     asked = trained["config"]["global_batch"]
     metrics = trained["records"][0]["fit"]["metrics"]
@@ -321,6 +323,7 @@ def test_the_global_batch_is_split_exactly_and_trained_with(trained: dict[str, A
     assert trained["records"][0]["training"]["checksum"] == trained["records"][1]["training"]["checksum"]  # DDP
 
 
+@pytest.mark.distributed
 def test_the_same_probe_again_comes_from_the_cache_on_every_worker(trained: dict[str, Any]) -> None:
     for record in trained["records"]:
         assert not record["fit"]["from_cache"]  # the first call probed and wrote the entry
@@ -328,6 +331,7 @@ def test_the_same_probe_again_comes_from_the_cache_on_every_worker(trained: dict
         assert record["cached_calls"] == 0  # three more calls, not one trial on any worker
 
 
+@pytest.mark.distributed
 def test_without_a_global_batch_every_worker_trains_at_the_recommended_batch(trained: dict[str, Any]) -> None:
     for record in trained["records"]:
         plain = record["plain"]
@@ -339,6 +343,7 @@ def test_without_a_global_batch_every_worker_trains_at_the_recommended_batch(tra
         assert "no global batch asked: decided by" in plain["summary"]
 
 
+@pytest.mark.distributed
 def test_a_share_that_splits_poorly_is_exact_and_says_what_a_larger_micro_batch_would_change(
     trained: dict[str, Any],
 ) -> None:
@@ -350,6 +355,7 @@ def test_a_share_that_splits_poorly_is_exact_and_says_what_a_larger_micro_batch_
         assert any(caveat.startswith("the exact split runs small micro-batches") for caveat in prime["caveats"])
 
 
+@pytest.mark.distributed
 def test_a_global_batch_the_workers_cannot_share_says_by_how_much_it_changed(trained: dict[str, Any]) -> None:
     asked = trained["config"]["indivisible_batch"]
     first, second = (record["indivisible"] for record in trained["records"])
@@ -362,6 +368,7 @@ def test_a_global_batch_the_workers_cannot_share_says_by_how_much_it_changed(tra
     assert f"({abs(first['remainder'])} {fewer} than the {asked} asked)" in first["summary"]
 
 
+@pytest.mark.distributed
 def test_the_two_worker_result_re_plans_for_one_and_four_keeping_the_global_batch(trained: dict[str, Any]) -> None:
     measured = batchfit.Result.from_json((Path(trained["config"]["out"]) / "result.json").read_text())
     assert measured.world_size == WORKERS
@@ -398,6 +405,7 @@ def probe_elastic(config: dict[str, Any]) -> None:
     Path(config["out"], f"rank{rank}.json").write_text(json.dumps(record))
 
 
+@pytest.mark.distributed
 def test_an_elastic_restart_on_four_workers_keeps_the_global_batch_without_a_probe(
     cluster: None, trained: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -417,6 +425,7 @@ def test_an_elastic_restart_on_four_workers_keeps_the_global_batch_without_a_pro
     assert len({record["training"]["checksum"] for record in records}) == 1  # DDP kept the four in step
 
 
+@pytest.mark.distributed
 def test_an_error_in_one_workers_model_fails_the_run_with_it(cluster: None, tmp_path: Path) -> None:
     with pytest.raises(TrainingFailedError) as raised:
         fit(probe_failing_model, {"out": str(tmp_path)}, tmp_path / "storage")
@@ -436,6 +445,7 @@ def test_an_error_in_one_workers_model_fails_the_run_with_it(cluster: None, tmp_
         assert (failures[0].rank, failures[0].batch_size, failures[0].phase) == (1, batch, "forward")
 
 
+@pytest.mark.distributed
 def test_a_worker_killed_mid_probe_fails_the_run_naming_it_and_leaves_nothing_running(
     cluster: None, tmp_path: Path
 ) -> None:

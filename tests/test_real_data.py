@@ -23,8 +23,9 @@ from torch.utils.data import DataLoader, Dataset
 
 import batchfit
 from batchfit import examples
-from batchfit.probe import position_limit, worst_batch
+from batchfit.probe import position_limit
 from batchfit.probe.batches import batch_size_of
+from batchfit.probe.real_data import worst_batch
 
 transformers = pytest.importorskip("transformers")
 
@@ -322,6 +323,7 @@ def build():
 """
 
 
+@pytest.mark.slow
 def test_the_command_line_takes_seq_len_and_scan_batches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from batchfit import cli
 

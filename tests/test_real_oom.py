@@ -42,6 +42,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh process under RLIMIT_AS: the cap must not touch this one
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux")
 def test_finder_recovers_from_real_allocator_failures(tmp_path: Path) -> None:
     env = dict(os.environ)

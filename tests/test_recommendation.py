@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import batchfit
-from batchfit.report import KNEE_FRACTION, NoiseScale, Recommendation, Result, Throughput, recommend
-from batchfit.report.recommendation import DECIDERS
-from batchfit.report.recommendation_rules import split_global
+from batchfit.report import NoiseScale, Recommendation, Result, Throughput, recommend
+from batchfit.report.recommendation_rules import DECIDERS, split_global
+from batchfit.report.throughput import KNEE_FRACTION
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 
 import batchfit
 from batchfit import examples
-from batchfit.report import DEVICE_TYPES, ON_LINE, PHASES, SCHEMA, DeviceInfo, MemoryModel, Throughput, Trial
+from batchfit.report import DeviceInfo, MemoryModel, Throughput, Trial
+from batchfit.report.memory import ON_LINE
+from batchfit.report.records import DEVICE_TYPES, PHASES
+from batchfit.report.result import SCHEMA
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from batchfit.errors import NothingFitsError
-from batchfit.search import STRATEGIES, Interpolating, make_strategy
 from batchfit.search import core as S
+from batchfit.search import make_strategy
+from batchfit.search.interpolate import Interpolating
+from batchfit.search.strategies import STRATEGIES
 
 STRATEGY_NAMES = ("binary", "interpolate")
 

@@ -53,6 +53,7 @@ def test_assert_fits_passes_with_one_trial() -> None:
     assert report.budget_bytes == 4 * 2**20
 
 
+@pytest.mark.slow
 def test_assert_fits_fails_with_peak_limit_and_largest_fit() -> None:
     model, sample = wide()
     before = state_of(model)

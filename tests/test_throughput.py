@@ -15,8 +15,8 @@ import torch
 import batchfit
 from batchfit import examples
 from batchfit.probe.timing import KNEE_BRACKET, MIN_TIMING_S, next_knee_size, time_warm, timing_deadline
-from batchfit.report import KNEE_FRACTION, Throughput, Trial
-from batchfit.report.throughput import is_warm, warm_rates
+from batchfit.report import Throughput, Trial
+from batchfit.report.throughput import KNEE_FRACTION, is_warm, warm_rates
 from batchfit.search import Grid
 
 
@@ -201,6 +201,7 @@ def _check_warm_alike(result: batchfit.Result, timed_steps: int) -> None:
     assert restored.throughput == throughput
 
 
+@pytest.mark.slow
 def test_built_in_gpt_times_the_max_and_the_safe_batch_warm_alike() -> None:
     model, sample = examples.gpt()
     result = batchfit.find(model, sample, memory_limit="48MiB")

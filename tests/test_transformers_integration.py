@@ -131,6 +131,7 @@ def by_hand(tmp_path: Path) -> batchfit.Result:
     )
 
 
+@pytest.mark.slow
 def test_autosize_sets_the_safe_batch_and_train_runs_at_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     expected = by_hand(tmp_path)
     assert 10 <= expected.safe_batch < 100, expected  # the boundary is in the tens
@@ -170,6 +171,7 @@ def test_autosize_sets_the_safe_batch_and_train_runs_at_it(tmp_path: Path, caplo
     assert trainer.optimizer is not None and len(trainer.optimizer.param_groups) == 2
 
 
+@pytest.mark.slow
 def test_target_batch_keeps_the_global_batch(tmp_path: Path) -> None:
     # 200 samples: two optimizer steps of 100 in one epoch, so every micro-batch is a full one.
     trainer = make_trainer(tmp_path, samples=200)
@@ -319,6 +321,7 @@ def _counted_autosize(
     return trainer, sized, logs, trainer.calls - at_last_trial[0]
 
 
+@pytest.mark.slow
 def test_noise_scale_off_runs_no_extra_pass_and_logs_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="batchfit.transformers")
     trainer, sized, logs, extra = _counted_autosize(tmp_path, noise_scale=False)
@@ -329,6 +332,7 @@ def test_noise_scale_off_runs_no_extra_pass_and_logs_nothing(tmp_path: Path, cap
         bft.autosize(trainer, noise_scale="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_noise_scale_on_measures_from_the_train_dataloader_and_logs_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -347,6 +351,7 @@ def test_noise_scale_on_measures_from_the_train_dataloader_and_logs_it(
     assert trainer.seen == [sized.batch_size] * 2
 
 
+@pytest.mark.slow
 def test_too_few_batches_for_the_noise_scale_warn_and_autosize_goes_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -11,13 +11,14 @@ import torch
 
 import batchfit
 from batchfit import cli, examples
-from batchfit.estimation import checkpointing, parse_option
+from batchfit.estimation.whatif import checkpointing, parse_option
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_what_if_levers_move_the_answer_the_way_they_should_and_leave_the_model_alone() -> None:
     model, sample = examples.gpt()
     before, slots = _state(model), [id(p) for p in model.parameters()]
@@ -52,6 +53,7 @@ def test_checkpointing_without_repeated_blocks_says_why() -> None:
     assert row.max_batch is None and "no repeated blocks" in (row.note or "")
 
 
+@pytest.mark.slow
 def test_hugging_face_checkpointing_uses_the_models_own_switch_and_switches_it_back() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
@@ -64,6 +66,7 @@ def test_hugging_face_checkpointing_uses_the_models_own_switch_and_switches_it_b
     assert not model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing") else True
 
 
+@pytest.mark.slow
 def test_the_checkpointing_wrapper_recomputes_for_real() -> None:
     """Outside an estimate too: real steps under the wrapper need less memory at the same size."""
     model, sample = examples.gpt()
@@ -86,6 +89,7 @@ def test_options_must_be_a_list() -> None:
 
 
 # The command line ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_estimate_command_prints_the_estimate_the_plan_and_the_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -128,6 +132,7 @@ def test_probe_prints_the_plan_for_a_target_batch(capsys: pytest.CaptureFixture[
 
 
 # torch.compile ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_model_compiled_with_dynamic_false_gets_a_warning_and_the_same_answer() -> None:
     model, sample = examples.mlp()
     eager = batchfit.find(copy.deepcopy(model), sample, memory_limit="16MiB")

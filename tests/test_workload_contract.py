@@ -98,7 +98,7 @@ def _plain_loop_trains(model: nn.Module, sample: dict[str, torch.Tensor], batch_
     opt.step()`` (``keep_output``: ``out = model(**batch); out.loss.backward(); ...``, the output
     alive until the step ends), under the CPU meter's limit; whether they ran."""
     from batchfit.backends import LiveTensorMeter
-    from batchfit.probe import tile
+    from batchfit.probe.batches import tile
 
     model = copy.deepcopy(model)
     held = [*model.parameters(), *model.buffers(), *sample.values()]

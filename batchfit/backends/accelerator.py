@@ -8,7 +8,7 @@ runner synchronises around the timed steps, nowhere else).
 The limit is the per-process memory fraction, which the allocator checks against its *reserved*
 segments when it reserves a new one, and only then: a block already in its cache is handed out
 without a check. So the cache is emptied before the fraction is applied, and a probe refuses to
-start when this process still holds more than the limit (:class:`~batchfit.errors.LimitError`).
+start when this process still holds more than the limit ([`LimitError`][batchfit.LimitError]).
 Under expandable segments the check is of the whole segment a request would need, though only the
 pages missing are mapped: stricter than a device of the limit's size, which the result's notes say.
 The budget therefore counts reserved bytes, and so do the search's aim and the safe batch.
@@ -164,12 +164,12 @@ class AllocatorMeter(Meter):
         self.total_bytes = backend.limit_total_bytes(device)
         self.budget_bytes = budget_bytes
         self._limit = limit_bytes
-        #: The cap in force (the limit, or a lower one from :meth:`capped`), ``None`` without one.
+        #: The cap in force (the limit, or a lower one from `capped`), ``None`` without one.
         self._cap: int | None = None
-        #: ``backend:cudaMallocAsync`` caps the bytes requested, not the pool it reserves (see :meth:`phase`).
+        #: ``backend:cudaMallocAsync`` caps the bytes requested, not the pool it reserves (see `phase`).
         settings = backend.allocator_settings()
         self._caps_requested = settings.backend == "cudaMallocAsync"
-        #: Expandable segments: a cap checks whole segments, a device only the pages mapped (:meth:`_note_cap`).
+        #: Expandable segments: a cap checks whole segments, a device only the pages mapped (`_note_cap`).
         self._expandable = settings.expandable_segments and not self._caps_requested
         self._notes: list[str] = []
         self._async_failure: tuple[int, int] | None = None
@@ -188,9 +188,9 @@ class AllocatorMeter(Meter):
         if reserved > limit:
             raise LimitError(
                 f"this process already holds {format_bytes(reserved)} on {device} "
-                f"({format_bytes(self.allocated_bytes())} in live tensors) after emptying the cache, more than "
-                f"the memory limit of {format_bytes(limit)}: the limit could not be enforced. Free those "
-                "tensors (or probe in a fresh process), or raise memory_limit."
+                f"({format_bytes(self.allocated_bytes())} in live tensors), more than the memory limit of "
+                f"{format_bytes(limit)}: free those tensors, probe in a fresh process or raise memory_limit "
+                "(see docs/concepts/measuring.md#cuda)"
             )
         previous = backend.get_fraction(device)
         ours = min(1.0, limit / self.total_bytes) if self.total_bytes else 1.0
@@ -198,9 +198,8 @@ class AllocatorMeter(Meter):
             # torch has no call that switches a fraction off again: restoring 1.0 leaves it on,
             # and with it the garbage_collection_threshold that only acts under a fraction.
             self._notes.append(
-                "the memory limit set a per-process memory fraction, and torch cannot unset one: the "
-                "garbage_collection_threshold in the allocator's configuration stays active in this process "
-                "from now on (probe in a process of its own to avoid that)"
+                "the allocator's garbage_collection_threshold stays active in this process after the probe "
+                "(see docs/concepts/measuring.md#allocator-settings)"
             )
         # Never raise a lower fraction the user set; with none set (or no getter) 1.0 is restored.
         backend.set_fraction(ours if previous is None else min(previous, ours), device)
@@ -214,7 +213,7 @@ class AllocatorMeter(Meter):
 
     @contextlib.contextmanager
     def capped(self, cap_bytes: int | None) -> Iterator[None]:
-        """Lower the allocator's cap to ``cap_bytes`` for the code inside (see :meth:`Meter.capped`).
+        """Lower the allocator's cap to ``cap_bytes`` for the code inside (see `Meter.capped`).
 
         The cache is emptied first: a cached block is handed out without a check against the cap.
         """
@@ -283,9 +282,8 @@ class AllocatorMeter(Meter):
             self._async_failure = (allocated, reserved)
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory (cudaMallocAsync pool): the {name} phase reserved {format_bytes(reserved)}, "
-                f"more than the limit of {format_bytes(self._cap)} ({format_bytes(allocated)} requested); the "
-                "memory fraction caps only requested bytes under this backend, so batchfit fails the step as a "
-                "device of the limit's size would"
+                f"more than the limit of {format_bytes(self._cap)} ({format_bytes(allocated)} requested) "
+                "(see docs/concepts/measuring.md#allocator-settings)"
             )
 
     def failure_bytes(self, message: str) -> tuple[int | None, int | None]:
@@ -313,7 +311,7 @@ class AllocatorMeter(Meter):
         """Say what a cap changes under these allocator settings, once one is in force. Kept in the
         notes, not read from the cap: a result's notes are read after the probe, when the cap is gone.
 
-        Under ``backend:cudaMallocAsync`` the fraction caps requested bytes (:meth:`phase` fails a
+        Under ``backend:cudaMallocAsync`` the fraction caps requested bytes (`phase` fails a
         step whose pool is over). Under expandable segments torch checks the whole segment a request
         would reserve without them against the fraction, before it maps only the pages missing beyond
         the free block at the segment's end (``allocator_model.segment_size``): a capped step within a
@@ -322,16 +320,14 @@ class AllocatorMeter(Meter):
         notes: list[str] = []
         if self._expandable:
             notes.append(
-                "the allocator has expandable segments: under batchfit's cap (a per-process memory fraction) torch "
-                "checks a new reservation as the whole segment it would reserve without them, while a device of the "
-                "cap's size maps only the pages the segment lacks, so a step within a page of the cap may have "
-                "failed here that such a device would run: the answer is on the safe side"
+                "the allocator has expandable segments, under which the cap can fail a step within a page of the "
+                "limit that a device of that size would run: the answer is on the safe side "
+                "(see docs/concepts/measuring.md#allocator-settings)"
             )
         if self._caps_requested:
             notes.append(
-                "the allocator is backend:cudaMallocAsync, whose memory fraction caps requested bytes, not the "
-                "pool it reserves: batchfit failed every step whose pool went over the limit at the end of its "
-                "phase, so the answer holds for a device of the limit's size"
+                "the allocator is backend:cudaMallocAsync, whose memory fraction caps requested bytes: steps whose "
+                "pool went over the limit failed (see docs/concepts/measuring.md#allocator-settings)"
             )
         self._notes.extend(note for note in notes if note not in self._notes)
 

@@ -5,11 +5,11 @@ settings. ``expandable_segments:True`` keeps reserved memory within a page of al
 per pool, where the default can reserve gigabytes more on an LLM step; ``roundup_power2_divisions``
 rounds requests up; ``max_split_size_mb`` stops big cached blocks from being split. A probe on a
 GPU meets the settings of its process; an estimate must model the same ones, and a result must say
-which were in force. :class:`AllocatorConfig` is that one reading, for both.
+which were in force. `AllocatorConfig` is that one reading, for both.
 
 What torch reads (torch 2.13: ``c10/core/AllocatorConfig.cpp`` and ``c10/cuda/CUDAAllocatorConfig.h``):
 
-* the first of :data:`ENV_VARIABLES` that is *set* (an empty value counts, and then means the
+* the first of `ENV_VARIABLES` that is *set* (an empty value counts, and then means the
   defaults), and only that one: ``PYTORCH_CUDA_ALLOC_CONF`` wins over ``PYTORCH_ALLOC_CONF``
   (an earlier layout of that file read ``PYTORCH_ALLOC_CONF`` first);
 * comma-separated ``key:value`` entries, a list value in brackets (``[256:1,>:4]``); whitespace is
@@ -18,7 +18,7 @@ What torch reads (torch 2.13: ``c10/core/AllocatorConfig.cpp`` and ``c10/cuda/CU
 
 Malformed values raise ``ValueError`` naming the variable and the entry, where torch raises at
 CUDA initialisation. One difference, on purpose: a key torch 2.13 does not know is kept in
-:attr:`AllocatorConfig.unrecognized` instead of refused (torch's CUDA build refuses it, "Unrecognized
+`AllocatorConfig.unrecognized` instead of refused (torch's CUDA build refuses it, "Unrecognized
 key ... in CUDA allocator config"), because a newer torch may know keys this list does not, and a
 probe must not fail on a setting its own torch accepted.
 
@@ -86,14 +86,14 @@ class AllocatorConfig:
         backend: ``"native"`` (the caching allocator) or ``"cudaMallocAsync"`` (the CUDA driver's
             stream-ordered pool, which ignores every other setting here; ``hipMallocAsync`` reads as it).
         expandable_segments: one segment per pool that grows by mapping pages (2 MiB in the small
-            pool, :attr:`large_segment_bytes` in the large one) instead of a new segment per miss.
-        roundup_power2_divisions: per size interval (:data:`ROUNDUP_INTERVALS` of them, from 1 MiB),
+            pool, `large_segment_bytes` in the large one) instead of a new segment per miss.
+        roundup_power2_divisions: per size interval (`ROUNDUP_INTERVALS` of them, from 1 MiB),
             how many steps to round a request to between two powers of two (0 or 1: plain 512-byte
             rounding). An ``int`` is that number for every interval (torch's old form).
         max_split_size_bytes: cached blocks of this size or more are never split (``None``: no limit).
         max_non_split_rounding_bytes: how much bigger than a request of at least
             ``max_split_size_bytes`` a cached block may be and still serve it (``None``: the
-            default, :attr:`large_segment_bytes`).
+            default, `large_segment_bytes`).
         large_segment_bytes: ``large_segment_size_mb``: the segment for requests of 1 to 10 MiB.
         garbage_collection_threshold: under a memory fraction, the share of it past which cached
             whole large segments that went unused longest are given back before a new one is taken.
@@ -146,7 +146,7 @@ class AllocatorConfig:
     # reading ----------------------------------------------------------------------------------------
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> AllocatorConfig:
-        """The settings a torch process started with ``environ`` uses (the first of :data:`ENV_VARIABLES` set)."""
+        """The settings a torch process started with ``environ`` uses (the first of `ENV_VARIABLES` set)."""
         for variable in ENV_VARIABLES:
             if variable in environ:
                 return cls.parse(environ[variable], variable)
@@ -206,7 +206,7 @@ class AllocatorConfig:
     # using --------------------------------------------------------------------------------------------
     @property
     def divisions_by_interval(self) -> tuple[int, ...]:
-        """``roundup_power2_divisions`` as its :data:`ROUNDUP_INTERVALS` values."""
+        """``roundup_power2_divisions`` as its `ROUNDUP_INTERVALS` values."""
         divisions = self.roundup_power2_divisions
         assert isinstance(divisions, tuple)  # __post_init__ made it one
         return divisions

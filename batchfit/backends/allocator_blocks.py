@@ -1,6 +1,6 @@
 """The caching allocator model's memory: segments, their blocks, each pool's free blocks, and what cuts and joins them.
 
-Why a room of its own: :mod:`batchfit.backends.allocator_model` decides *when* the allocator takes
+Why a room of its own: `batchfit.backends.allocator_model` decides *when* the allocator takes
 or gives back memory and keeps the statistics; this module is the memory it decides on, kept as
 ``c10/cuda/CUDACachingAllocator.cpp`` keeps it: a ``Block`` linked to its neighbours in its segment;
 per pool the free blocks ordered by ``(size, address)`` (``BlockComparatorSize``, so the first fit
@@ -275,7 +275,7 @@ def allocate_expandable(pool: Pool, size: int, page: int, next_address: int) -> 
 
 
 def pages_to_map(pool: Pool, size: int, page: int) -> int:
-    """The bytes :func:`allocate_expandable` would map for ``size`` bytes now; no state changes."""
+    """The bytes `allocate_expandable` would map for ``size`` bytes now; no state changes."""
     block = expandable_candidate(pool, size)
     if block is None:
         return _round_up(size, page)

@@ -37,7 +37,7 @@ The model follows ``c10/cuda/CUDACachingAllocator.cpp`` (the native allocator):
   blocks (``release_available_cached_blocks``, only with ``max_split_size_mb``), then every cached
   whole segment or unmapped page (``release_cached_blocks``), and tries again. A request still refused
   is an out-of-memory error in PyTorch; the model serves it anyway, so that a trace can go on, and
-  keeps it for :meth:`CachingAllocatorModel.pop_failure`.
+  keeps it for `CachingAllocatorModel.pop_failure`.
 * Freed blocks coalesce with free neighbours of the same segment and stay cached; only ``empty_cache()``
   (or the limit) gives memory back.
 * ``allocated_bytes`` counts allocated *block* sizes, like PyTorch's ``allocated_bytes`` stat behind
@@ -274,7 +274,7 @@ class CachingAllocatorModel:
 
     def snapshot(self) -> list[SnapshotSegment]:
         """The segments and their blocks in ``torch.cuda.memory_snapshot()``'s format, by address
-        (:func:`~batchfit.backends.allocator_snapshot.snapshot_of`)."""
+        (`snapshot_of`)."""
         cached = [b for pool in (self._small, self._large) for b in pool.blocks()]
         return snapshot_of(cached + [b for b in self._live.values() if b is not None])
 

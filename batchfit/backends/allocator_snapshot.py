@@ -6,13 +6,13 @@ Why: the allocator hands a tensor a *block*, which can be bigger than the tensor
 serve a request up to 20 MiB smaller. ``torch.cuda.memory_allocated()`` counts those blocks. A meter
 that counts the tensors it knows of in 512-byte rounding instead comes up short of that statistic,
 and the difference reads as memory leaked (on GPT-2-small, about 12 MiB of AdamW state sits in such
-remainders). :func:`block_bytes_by_address` gives each live block's size by its address, which is
+remainders). `block_bytes_by_address` gives each live block's size by its address, which is
 a storage's ``data_ptr()``, so a meter counts what the allocator counts.
 
 The format is torch's (``torch/csrc/cuda/Module.cpp``, ``_cuda_memorySnapshot``, and the
 ``DeviceCachingAllocator::snapshot`` behind it): a list of segments by address, each with its
 blocks in address order, an expandable segment as one entry per mapped range;
-:class:`SnapshotSegment` and :class:`SnapshotBlock` name the keys. :func:`snapshot_of` writes it
+`SnapshotSegment` and `SnapshotBlock` name the keys. `snapshot_of` writes it
 for the allocator model (``CachingAllocatorModel.snapshot()``), so what reads a GPU's snapshot can
 be tested on the model's.
 

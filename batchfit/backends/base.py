@@ -2,14 +2,14 @@
 
 A probe asks a device for seven things, and nothing else in batchfit knows which device it is:
 
-* validate a requested device (:meth:`Backend.validate`) and describe it (:meth:`Backend.describe`);
-* how much memory this process can reach there (:meth:`Backend.reachable_bytes`), and what a
-  ``memory_limit`` fraction is a fraction of (:meth:`Backend.limit_total_bytes`);
-* one-time allocations to make before a baseline is taken (:meth:`Backend.warm_up`: cuBLAS
+* validate a requested device (`Backend.validate`) and describe it (`Backend.describe`);
+* how much memory this process can reach there (`Backend.reachable_bytes`), and what a
+  ``memory_limit`` fraction is a fraction of (`Backend.limit_total_bytes`);
+* one-time allocations to make before a baseline is taken (`Backend.warm_up`: cuBLAS
   workspaces on CUDA);
-* a :class:`Meter` that measures a trial's peak per phase and enforces the limit;
-* cached memory to give back (:meth:`Backend.empty_cache`) and queued work to wait for
-  (:meth:`Backend.synchronize`);
+* a `Meter` that measures a trial's peak per phase and enforces the limit;
+* cached memory to give back (`Backend.empty_cache`) and queued work to wait for
+  (`Backend.synchronize`);
 * the device's random number generator state, so that it is restored exactly;
 * for a ``torchrun`` job: the process group backend, binding a rank to its device, and DDP's
   ``device_ids``.
@@ -20,7 +20,7 @@ Two units of memory exist. *Allocated* bytes are what live tensors hold. *Reserv
 what an allocator holds from the device (allocated plus its cache): on CUDA a memory limit caps
 reserved bytes, so the search aims, and the safe batch keeps its headroom, in reserved bytes
 there. On the CPU the live-tensor meter's limit counts live tensors, so both units are the same.
-:attr:`Meter.counts` says which unit the budget counts.
+`Meter.counts` says which unit the budget counts.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from batchfit.report import DeviceInfo, Unit
 class Meter:
     """Peak memory of a trial per phase, and the memory limit, for one probe on one device.
 
-    The trial runner calls :meth:`begin_trial`, then runs the steps inside :meth:`tracking`,
-    each phase inside :meth:`phase`; it reads :meth:`phase_peaks` (allocated bytes) and
-    :meth:`phase_reserved_peaks` (reserved bytes) afterwards.
+    The trial runner calls `begin_trial`, then runs the steps inside `tracking`,
+    each phase inside `phase`; it reads `phase_peaks` (allocated bytes) and
+    `phase_reserved_peaks` (reserved bytes) afterwards.
     """
 
     device: torch.device
@@ -106,7 +106,7 @@ class Meter:
         return []
 
     def held_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
-        """What ``tensors`` add to :meth:`allocated_bytes` (each storage once)."""
+        """What ``tensors`` add to `allocated_bytes` (each storage once)."""
         storages = {s._cdata: s for t in tensors for s in data_storages(t)}
         return sum(self._storage_bytes(storage) for storage in storages.values())
 
@@ -228,7 +228,7 @@ class Backend:
         return None
 
     def set_rng_state(self, device: torch.device, state: Any) -> None:
-        """Restore what :meth:`get_rng_state` returned."""
+        """Restore what `get_rng_state` returned."""
 
 
 def data_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -239,7 +239,7 @@ def data_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     CSC/BSC: ``ccol_indices``, ``row_indices``, ``values``). A wrapper subclass (a jagged nested
     tensor) holds inner tensors, named by its ``__tensor_flatten__``: their storages, not the
     wrapper's (which aliases one of them, so counting both counted it twice). Anything else
-    (MKL-DNN) raises :class:`~batchfit.errors.UncountableMemoryError`: memory a meter cannot see
+    (MKL-DNN) raises `UncountableMemoryError`: memory a meter cannot see
     must stop a probe, never be taken as free.
     """
     if is_traceable_wrapper_subclass(tensor):

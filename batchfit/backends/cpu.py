@@ -1,6 +1,6 @@
 """The CPU backend: exact live-tensor accounting, and a memory limit that raises a real OOM.
 
-The CPU has no allocator statistics. :class:`LiveTensorMeter` is a ``TorchDispatchMode`` that sees
+The CPU has no allocator statistics. `LiveTensorMeter` is a ``TorchDispatchMode`` that sees
 every operation; each output whose storage is new (not one of the op's inputs', not already
 counted) adds ``storage.nbytes()`` to the live total, and a ``weakref.finalize`` on the storage
 subtracts it when the storage dies: the exact live-tensor peak of a step, gradients and optimizer
@@ -9,18 +9,18 @@ state included. With a limit, the operation that takes live memory over it raise
 ("DefaultCPUAllocator: can't allocate memory") for other libraries' OOM detection.
 
 It also counts a sparse tensor's indices and values and a wrapper subclass's inner tensors (a
-jagged nested tensor's values and offsets), each storage once (:func:`~batchfit.backends.base.data_storages`);
+jagged nested tensor's values and offsets), each storage once (`data_storages`);
 a storage resized in place (``resize_``, ``untyped_storage().resize_()``: at its next operation and
 each phase's end); a storage made outside an operation (``torch.UntypedStorage``, a storage's
 ``clone()``) once an operation uses it; tensors made on Python threads started during a step (each
 gets its own observer: dispatch modes are per thread). A tensor with no storage to measure
-(``to_mkldnn()``) stops the probe with :class:`~batchfit.errors.UncountableMemoryError`.
+(``to_mkldnn()``) stops the probe with `UncountableMemoryError`.
 
 It does not see scratch memory a kernel allocates and frees inside itself (CPU convolutions: the
-result says so, see :data:`SCRATCH_OPERATORS`), allocator overheads, threads already running when
+result says so, see `SCRATCH_OPERATORS`), allocator overheads, threads already running when
 the step began, or a storage that grows and shrinks back between two operations. So the CPU limit
 is one on live *tensor* bytes, well defined and repeatable, not the resident size, and it takes at
-most :data:`SAFE_CPU_FRACTION` of the host memory available at the start. Allocated and reserved
+most `SAFE_CPU_FRACTION` of the host memory available at the start. Allocated and reserved
 bytes are the same number here.
 """
 
@@ -122,7 +122,7 @@ class LiveTensorMeter(Meter):
         """``baseline_bytes``: bytes live before the probe that the meter is told of;
         ``tensors``: tensors live before the probe (weights, buffers, the sample), whose
         storages are tracked like the probe's own, so that growing one in place is seen;
-        ``notes``: what the result should say about the limit (:meth:`CpuBackend.make_meter`)."""
+        ``notes``: what the result should say about the limit (`CpuBackend.make_meter`)."""
         super().__init__()
         self._said = list(notes)
         self.device = torch.device("cpu")
@@ -245,7 +245,7 @@ class LiveTensorMeter(Meter):
                 finalizer.detach()
             self._finalizers.clear()
 
-    #: What :meth:`notes` says when a scratch-allocating operator ran ({ops}: their names).
+    #: What `notes` says when a scratch-allocating operator ran ({ops}: their names).
     scratch_note = (
         "the steps ran {ops}: CPU kernels allocate scratch memory inside such an operation and free it before it "
         "returns, which the live-tensor meter does not see, so on the CPU the max batch may be a little high "
@@ -335,7 +335,7 @@ _SET_STORAGE = frozenset({_ATEN.set_.source_Storage, _ATEN.set_.source_Storage_s
 
 
 class _DispatchObserver(TorchDispatchMode):
-    """Hands every dispatched operation's outputs to a :class:`LiveTensorMeter`.
+    """Hands every dispatched operation's outputs to a `LiveTensorMeter`.
 
     ``main``: on the probing thread the observer enforces the limit and is where a deferred
     Ctrl-C surfaces; on a thread started during a step it only counts (the probing thread fails
@@ -383,7 +383,7 @@ class _DispatchObserver(TorchDispatchMode):
 
 
 class _ThreadWatch:
-    """``threading.setprofile`` hook while a step runs: a thread started then gets its own :class:`_DispatchObserver`
+    """``threading.setprofile`` hook while a step runs: a thread started then gets its own `_DispatchObserver`
     (dispatch modes are per thread) at its first Python call, and the profile function it would have had back."""
 
     def __init__(self, meter: LiveTensorMeter, previous: Any) -> None:
@@ -400,7 +400,7 @@ class _ThreadWatch:
 
 
 def _storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
-    """A CPU tensor's data storages (:func:`~batchfit.backends.base.data_storages`); none elsewhere."""
+    """A CPU tensor's data storages (`data_storages`); none elsewhere."""
     if tensor.device.type != "cpu":
         return []
     return data_storages(tensor)

@@ -4,7 +4,7 @@ CUDA's own: NVML names, the allocator configuration, and the one-time cuBLAS wor
 cuBLAS and cuBLASLt take a workspace from the caching allocator on the first matmul of each
 thread and stream (32 MiB per handle on sm90, about 8 MiB elsewhere; autograd's backward runs
 on a thread of its own) and keep it for the life of the process. Counted inside the first
-trial they would look like a leak, and they would shift that trial's peak; :meth:`warm_up`
+trial they would look like a leak, and they would shift that trial's peak; `warm_up`
 makes them before anything is measured. Training pays them too, so they stay in the budget.
 """
 

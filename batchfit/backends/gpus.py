@@ -4,7 +4,7 @@ Each GPU's name, total/used/free memory, utilisation, MIG instances, the process
 on it, and the index torch would give it. Memory that other processes hold is invisible to torch's
 allocator but not to the probe's budget, so this is the first thing to look at when a probe finds
 less than expected. It only reads, and returns data; printing is the CLI's job. It never raises
-for a missing library or driver or a failing NVML call (see :mod:`batchfit.backends.nvml`).
+for a missing library or driver or a failing NVML call (see `batchfit.backends.nvml`).
 
 No torch import at import time: on a machine where NVML lists no GPU, torch is never imported.
 """

@@ -1,11 +1,11 @@
 """What batchfit asks NVML (the NVIDIA driver's management library), and how it asks.
 
-* :func:`nvml_device_by_uuid`, for describing a torch CUDA device: NVML's name and NVML's total
+* `nvml_device_by_uuid`, for describing a torch CUDA device: NVML's name and NVML's total
   memory (which, unlike CUDA's ``totalGlobalMem``, includes what the driver reserves), matched by
   UUID because NVML's order (PCI bus) and CUDA's (fastest first, then ``CUDA_VISIBLE_DEVICES``)
   need not agree;
-* the helpers every NVML question shares (:func:`optional`, :func:`shutdown`, ...); the report
-  behind ``batchfit devices`` is :mod:`batchfit.backends.gpus`.
+* the helpers every NVML question shares (`optional`, `shutdown`, ...); the report
+  behind ``batchfit devices`` is `batchfit.backends.gpus`.
 
 Nothing here raises for a missing ``nvidia-ml-py``, a missing or unloaded driver, or an NVML call
 that fails (any ``pynvml.NVMLError``): no GPU is an answer, not an error, and one GPU NVML cannot

@@ -12,7 +12,7 @@ only if it is still over is it an out-of-memory. The allocator's settings are th
 
 The fixed costs the caching allocator holds beside the model are allocated when the meter is made:
 the cuBLAS and cuBLASLt workspaces of the forward thread and of autograd's backward thread
-(:data:`CUBLAS_HANDLES` x :data:`CUBLAS_WORKSPACE_BYTES`, sm90 sizes). What lives outside the
+(`CUBLAS_HANDLES` x `CUBLAS_WORKSPACE_BYTES`, sm90 sizes). What lives outside the
 allocator (the CUDA context, NCCL) is the caller's ``reserve``.
 """
 
@@ -41,7 +41,7 @@ class SimulatedCudaMeter(LiveTensorMeter):
     """The live-tensor meter's trace, counted as the CUDA caching allocator would (module docs).
 
     ``config``: the allocator's settings; ``None`` reads them from the environment as torch does
-    (:meth:`AllocatorConfig.from_environ`), so an estimate honours the ``PYTORCH_CUDA_ALLOC_CONF`` a
+    (`AllocatorConfig.from_environ`), so an estimate honours the ``PYTORCH_CUDA_ALLOC_CONF`` a
     training run of this process would. ``backend:cudaMallocAsync`` is refused with a
     ``ValueError``: the model is of the native caching allocator, and how much the CUDA driver's pool
     reserves is the driver's to decide, so an estimate under it would be a guess presented as a model.
@@ -61,9 +61,9 @@ class SimulatedCudaMeter(LiveTensorMeter):
         if self.config.backend != "native":
             source = self.config.variable or "the allocator configuration"
             raise ValueError(
-                f"{source} sets backend:{self.config.backend}: a CUDA estimate models PyTorch's native caching "
-                f"allocator only (the CUDA driver decides what its pool reserves); unset backend:"
-                f"{self.config.backend} for the estimate, or measure on the GPU with batchfit.find"
+                f"{source} sets backend:{self.config.backend}, and a CUDA estimate models the native caching "
+                "allocator only: unset it for the estimate, or measure on the GPU with batchfit.find "
+                "(see docs/concepts/measuring.md#allocator-settings)"
             )
         self.allocator = CachingAllocatorModel(self.config)
         self._handles: dict[int, int] = {}
@@ -138,7 +138,7 @@ class SimulatedCudaMeter(LiveTensorMeter):
 
     @contextlib.contextmanager
     def capped(self, cap_bytes: int | None) -> Iterator[None]:
-        """The allocator meter's :meth:`capped`: the cache is emptied first (a cached block is handed
+        """The allocator meter's `capped`: the cache is emptied first (a cached block is handed
         out without a check against the cap), then the model's limit is the lower cap."""
         if cap_bytes is not None and (self.budget_bytes is None or cap_bytes < self.budget_bytes):
             with self._lock:
@@ -201,7 +201,7 @@ class EstimateTarget:
     device, with other libraries): the type a result records, and what decides how torch's
     optimizers step. ``workspaces``: the blocks the BLAS handles hold in the allocator, in place of
     the meter's cuBLAS ones (``None``: those). ``variants``: targets of the same device type with
-    another stack, reached by their own name through :func:`estimate_target`. ``context_note``:
+    another stack, reached by their own name through `estimate_target`. ``context_note``:
     what the default outside-the-allocator bytes stand for, said when they are used."""
 
     name: str

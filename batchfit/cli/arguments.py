@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchfit.cli.parser import CLI_CPU_MEMORY_LIMIT
 from batchfit.cli.values import as_keyword
+from batchfit.probe.keywords import FindOptions, keywords_of
 from batchfit.units import format_bytes, parse_memory_limit
 from batchfit.version import __version__
 
@@ -58,24 +59,19 @@ def shown_limit(limit: str) -> str:
 
 
 def find_kwargs(args: argparse.Namespace, target: Target | None, device: str, limit: str | None) -> dict[str, Any]:
-    """``batchfit.probe.options.Options`` keywords: the target's extras and the command line's options."""
-    kwargs: dict[str, Any] = {
-        **(target.extras if target is not None else {}),
-        "device": device,
-        "memory_limit": limit,
-        "reserve": args.reserve,
-        "amp": args.amp,
-        "mode": args.mode,
-        "multiple_of": args.multiple_of,
-        "steps_per_trial": args.steps_per_trial,
-        "headroom": args.headroom,
+    """`batchfit.find`'s keywords for `batchfit probe`: the target's extras, the command line's
+    options, and the device and limit the probe resolved."""
+    extras = target.extras if target is not None else {}
+    return {**extras, **option_keywords(args, FindOptions), "device": device, "memory_limit": limit}
+
+
+def option_keywords(args: argparse.Namespace, group: type) -> dict[str, Any]:
+    """Every option of `group` (a `TypedDict` of `batchfit.probe.keywords`) the command line gave:
+    a flag is the option's name with dashes (`--init-batch` is `init_batch`), so a new option
+    reaches every command that declares its flag without being listed here; unset flags are left
+    to [`Options`][batchfit.Options]' defaults."""
+    return {
+        name: as_keyword(getattr(args, name))
+        for name in keywords_of(group)
+        if getattr(args, name, None) is not None
     }
-    if getattr(args, "noise_scale", False):
-        kwargs["noise_scale"] = True
-    for name in ("max_batch", "init_batch", "verify_steps", "timed_steps", "strategy", "seq_len", "scan_batches"):
-        if getattr(args, name, None) is not None:
-            kwargs[name] = as_keyword(getattr(args, name))
-    for name in ("time_budget", "rank_timeout", "noise_passes", "cache"):
-        if getattr(args, name, None) is not None:
-            kwargs[name] = getattr(args, name)
-    return kwargs

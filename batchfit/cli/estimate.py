@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from batchfit.cli.arguments import option_keywords
 from batchfit.cli.output import (
     EXIT_DOES_NOT_FIT,
     EXIT_ERROR,
@@ -21,8 +22,8 @@ from batchfit.cli.output import (
     report_exception,
     write_json,
 )
-from batchfit.cli.values import as_keyword
 from batchfit.errors import first_line
+from batchfit.probe.keywords import EstimateOptions
 from batchfit.version import __version__
 
 
@@ -30,7 +31,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     from batchfit.backends import DEFAULT_ESTIMATE_TARGET, default_device, estimate_target
     from batchfit.estimation import OPTIONS, estimate, split_memory, what_if
     from batchfit.units import format_bytes
-    from batchfit.view import make_view
+    from batchfit.view.progress import make_view
 
     for option in args.what_if or ():
         if option not in OPTIONS:
@@ -53,9 +54,9 @@ def estimate_command(args: argparse.Namespace) -> int:
     total, kept_aside = split_memory(device, memory, args.reserve, "--memory-limit")
     if total <= kept_aside and args.reserve is None:
         raise UsageError(
-            f"--memory-limit {memory} leaves nothing after the {format_bytes(kept_aside)} that a CUDA GPU keeps "
-            "outside the allocator for its context (assumed; --reserve sets it): give the memory of a GPU, such "
-            "as --memory-limit 24GiB, or estimate for a CPU with --device cpu"
+            f"--memory-limit {memory} leaves nothing after the {format_bytes(kept_aside)} a CUDA GPU keeps "
+            "outside the allocator: give a GPU's memory (--memory-limit 24GiB), set --reserve, or use --device cpu "
+            "(see docs/concepts/measuring.md#cuda)"
         )
     if total <= kept_aside:
         raise UsageError(
@@ -68,17 +69,11 @@ def estimate_command(args: argparse.Namespace) -> int:
         return target
     kwargs: dict[str, Any] = {
         **target.extras,  # optimizer, loss_fn, step_fn, make_batch, criterion: the same keys as the probe's
+        **option_keywords(args, EstimateOptions),
         "memory_limit": memory,
         "device": args.device,
         "reserve": args.reserve,
-        "amp": args.amp,
-        "mode": args.mode,
-        "headroom": args.headroom,
-        "multiple_of": args.multiple_of,
     }
-    for name in ("max_batch", "seq_len", "scan_batches"):
-        if getattr(args, name) is not None:
-            kwargs[name] = as_keyword(getattr(args, name))
     print(
         f"batchfit {__version__}: estimating {args.target} ({args.mode}) for {args.device}{device_note} with {memory}: "
         "fake tensors, no device and no memory used",
@@ -144,10 +139,11 @@ def _check_length_axis(args: argparse.Namespace) -> None:
 
 
 def _estimate_frontier(args: argparse.Namespace, target: Any, kwargs: dict[str, Any], human: Any) -> int:
-    """``--seq-lens``: :func:`batchfit.estimate`'s frontier, shown and written as ``batchfit frontier``'s."""
+    """``--seq-lens``: [`batchfit.estimate`][batchfit.estimate]'s frontier, shown and written as ``batchfit
+    frontier``'s."""
     from batchfit.cli.frontier import write_frontier
     from batchfit.estimation import estimate
-    from batchfit.view import FrontierView
+    from batchfit.view.frontier_view import FrontierView
 
     if kwargs.get("make_batch") is None:  # a sample beside make_batch was left out when it loaded
         raise UsageError(

@@ -1,7 +1,7 @@
 """``batchfit frontier TARGET --seq-lens 128,256,512``: the largest batch at each sequence length.
 
 The target gives a model and ``make_batch(batch_size, seq_len)`` (a mapping with ``model`` and
-``make_batch``; a ``sample`` is not needed). The command runs :func:`batchfit.frontier` with the
+``make_batch``; a ``sample`` is not needed). The command runs [`batchfit.frontier`][batchfit.frontier] with the
 probe's options, shows a row per finished length (``batchfit.view``), then the frontier's table and
 its chart; ``--json`` writes the frontier's document, ``--plot`` an image of it (the ``plot`` extra).
 
@@ -19,10 +19,11 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from batchfit.cli.arguments import shown_limit
+from batchfit.cli.arguments import option_keywords, shown_limit
 from batchfit.cli.output import EXIT_OK, UsageError, check_json_path, load, write_json
 from batchfit.cli.parser import CLI_CPU_MEMORY_LIMIT
 from batchfit.cli.probe import Calls, probe_failed, run_shown
+from batchfit.probe.keywords import FrontierOptions
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
 
 #: The image formats ``--plot`` writes (matplotlib's own, without Pillow).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
-#: Options of ``batchfit frontier`` passed to :func:`batchfit.frontier` under the same name when given.
-OPTIONAL_KEYWORDS = ("max_batch", "init_batch", "verify_steps", "strategy", "time_budget", "max_seq_len")
 
 
 def frontier_command(args: argparse.Namespace) -> int:
@@ -45,7 +44,7 @@ def frontier_command(args: argparse.Namespace) -> int:
         return loaded
     make_batch, kwargs = frontier_kwargs(args, loaded, device, limit)
     from batchfit.api import frontier
-    from batchfit.view import FrontierView
+    from batchfit.view.frontier_view import FrontierView
 
     human = sys.stderr if args.json == "-" else sys.stdout
     view = FrontierView(human, quiet=args.quiet)
@@ -90,7 +89,7 @@ def frontier_kwargs(
     args: argparse.Namespace, target: Target, device: str, limit: str | None
 ) -> tuple[Any, dict[str, Any]]:
     """The target's ``make_batch`` (checked: it takes ``(batch_size, seq_len)``) and
-    :func:`batchfit.frontier`'s keywords: the target's extras and the command line's options."""
+    [`batchfit.frontier`][batchfit.frontier]'s keywords: the target's extras and the command line's options."""
     extras = dict(target.extras)
     make_batch = extras.pop("make_batch", None)
     if make_batch is None:
@@ -108,20 +107,14 @@ def frontier_kwargs(
         pass
     kwargs: dict[str, Any] = {
         **extras,
+        **option_keywords(args, FrontierOptions),
         "seq_lens": args.seq_lens,
         "longest_at_batch_1": not args.no_longest,
         "device": device,
         "memory_limit": limit,
-        "reserve": args.reserve,
-        "amp": args.amp,
-        "mode": args.mode,
-        "headroom": args.headroom,
-        "multiple_of": args.multiple_of,
-        "steps_per_trial": args.steps_per_trial,
     }
-    for name in OPTIONAL_KEYWORDS:
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
+    if args.max_seq_len is not None:
+        kwargs["max_seq_len"] = args.max_seq_len
     return make_batch, kwargs
 
 
@@ -130,7 +123,7 @@ def check_plot_path(path: str | None) -> None:
     extra), or a path that cannot be written (as ``--json``'s)."""
     if path is None:
         return
-    from batchfit.report import require_matplotlib
+    from batchfit.report.frontier_plot import require_matplotlib
 
     try:
         require_matplotlib()
@@ -159,7 +152,7 @@ def write_frontier(frontier: Any, json_path: str | None, plot_path: str | None, 
 
 def write_plot(frontier: Any, path: str) -> None:
     """Draw ``--plot``; a write that fails after the run is exit 2, the frontier's text already shown."""
-    from batchfit.report import save_frontier_plot
+    from batchfit.report.frontier_plot import save_frontier_plot
 
     try:
         save_frontier_plot(frontier, path)

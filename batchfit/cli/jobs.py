@@ -13,11 +13,10 @@ from batchfit.errors import first_line
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
-    from batchfit.cli.probe import Calls
     from batchfit.distributed import Launch
 
 
-def run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], calls: Calls) -> Any:
+def run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], callbacks: dict[str, Any]) -> Any:
     import time
 
     import torch
@@ -43,7 +42,7 @@ def run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], calls: Calls) -> 
     }
     log = Path(args.trial_log) if args.trial_log else None
     prober = JobPerTrial(worker, args.nproc_per_trial, options, log=log, timeout_s=args.trial_timeout, key=key)
-    return search_with(prober, options, time.monotonic(), **calls.kwargs())
+    return search_with(prober, options, time.monotonic(), **callbacks)
 
 
 def rank_timeout(args: argparse.Namespace) -> float:

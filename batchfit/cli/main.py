@@ -20,7 +20,7 @@ Exit codes are the interface a CI pipeline reads, so they are fixed and document
   so ``set -o pipefail`` sees that the probe did not finish; no JSON file is written.
 * 143: terminated by SIGTERM during a probe (128 + 15). It unwinds as Ctrl-C does: the live
   view is taken down (a terminal gets its cursor back) and the model is restored. A second
-  SIGTERM stops a probe stuck in the user's code at once (see :class:`_SigtermUnwinds`).
+  SIGTERM stops a probe stuck in the user's code at once (see `_SigtermUnwinds`).
   Outside a probe (the target loading) SIGTERM keeps its default action.
 
 A target that calls ``sys.exit(n)`` (at import, in its factory, in the model) does not end

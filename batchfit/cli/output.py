@@ -306,7 +306,7 @@ class HeldOutput:
     place, as Python's default filter shows them; filters that ignore or raise act as before), and
     log records on their way to the terminal (a handler writing to stdout or stderr, the last-resort
     handler included) from loggers other than batchfit's. Records bound for files pass as before.
-    A context manager; :meth:`show` then writes each message once, with how often it came.
+    A context manager; `show` then writes each message once, with how often it came.
     """
 
     def __init__(self) -> None:

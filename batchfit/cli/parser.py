@@ -6,20 +6,17 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
+from batchfit.cli.flags import add_option_flags
 from batchfit.cli.output import EXIT_USAGE
 from batchfit.cli.values import (
-    count,
-    finite_seconds,
-    fraction,
     int_at_least,
     memory_limit,
     positive_int,
-    reserve,
-    scan_batches,
     seconds,
     seq_lens,
     size,
 )
+from batchfit.probe.keywords import EstimateOptions, FindOptions, FrontierOptions
 from batchfit.version import __version__
 
 #: Without ``--memory-limit``, a CPU probe from the command line caps live tensor bytes at this.
@@ -86,76 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"the available memory); on a GPU it caps what the allocator reserves; default: what the process can reach "
         f"on the GPU, or {CLI_CPU_MEMORY_LIMIT} of live tensors on CPU",
     )
-    probe.add_argument(
-        "--reserve",
-        type=reserve,
-        metavar="SIZE|auto",
-        help="memory taken off --memory-limit for what a GPU of that size loses outside the allocator (CUDA "
-        "context, handles): --memory-limit 24GB --reserve 600MiB stands for a 24 GB card; 'auto' measures what "
-        "the device uses outside this process's allocator now",
-    )
-    probe.add_argument(
-        "--headroom",
-        type=fraction,
-        default=0.10,
-        help="fraction of the budget the safe batch leaves free (default 0.10)",
-    )
-    probe.add_argument("--amp", choices=("bf16", "fp16"), help="run under autocast")
-    probe.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
-    probe.add_argument("--max-batch", type=positive_int, metavar="N", help="largest batch size to try (default 32768)")
-    probe.add_argument(
-        "--init-batch",
-        type=positive_int,
-        metavar="N",
-        help="first batch size to try (default 2, or --multiple-of when larger)",
-    )
-    probe.add_argument(
-        "--multiple-of", type=positive_int, default=1, metavar="N", help="only try multiples of N (default 1)"
-    )
-    probe.add_argument(
-        "--steps-per-trial",
-        type=positive_int,
-        metavar="N",
-        help="steps per search trial (default: 2 in the first, then 1: the optimizer state is kept between trials)",
-    )
-    probe.add_argument(
-        "--verify-steps",
-        type=count,
-        metavar="N",
-        help="steps that verify the safe batch with a fresh optimizer, as a real run starts (default 3; 0 skips)",
-    )
-    probe.add_argument("--time-budget", type=seconds, metavar="SECONDS", help="start no new search trial after this")
-    probe.add_argument(
-        "--timed-steps", type=count, metavar="N", help="warm steps timed per size after the search (default 2)"
-    )
-    probe.add_argument(
-        "--strategy",
-        choices=("interpolate", "binary"),
-        help="search strategy: aim at the budget from measured memory (default), or plain bisection",
-    )
-    probe.add_argument(
-        "--seq-len",
-        type=positive_int,
-        metavar="N",
-        help="size on sequence length N: the sample's (or its DataLoader's worst batch's) rows cut to it or "
-        "extended by repeating their own tokens; a make_batch is called as make_batch(batch_size, N)",
-    )
-    probe.add_argument(
-        "--scan-batches",
-        type=scan_batches,
-        metavar="N|all",
-        help="with a DataLoader as the sample: read N batches, spread across the epoch, for the worst one "
-        "(default 64; all: every batch)",
-    )
-    probe.add_argument(
-        "--noise-scale",
-        action="store_true",
-        help="also measure the gradient noise scale from the target's real batches (its sample a DataLoader or an "
-        "iterable of batches) at the safe batch, for the recommended batch; costs --noise-passes backward passes",
-    )
-    probe.add_argument("--noise-passes", type=int_at_least(4), metavar="N", help="with --noise-scale (default 128)")
+    add_option_flags(probe, FindOptions, own=("device", "memory_limit"))
     probe.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' for stdout)")
-    probe.add_argument("--cache", metavar="DIR", help="the same probe's answer from DIR, or probe and keep it there")
     probe.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
     probe.add_argument(
         "--nproc-per-trial",
@@ -177,14 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         metavar="SECONDS",
         help="with --nproc-per-trial: kill a job that gives no answer within this (default 600)",
-    )
-    probe.add_argument(
-        "--rank-timeout",
-        type=finite_seconds,
-        metavar="SECONDS",
-        help="with several ranks (torchrun, srun, --nproc-per-trial): how long a rank waits for the others to join "
-        "the process group and at each meeting point before the probe fails, so a stuck or dead rank ends it "
-        "(default 300)",
     )
     # A rank's side of a --nproc-per-trial job (started by batchfit under torchrun, not by users).
     probe.add_argument("--trial-batch", type=positive_int, help=argparse.SUPPRESS)
@@ -244,11 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory outside the allocator, taken off --memory-limit (default on cuda and rocm: 1GiB, the top "
         "of the CUDA context's 0.5-1 GiB)",
     )
-    estimate.add_argument("--amp", choices=("bf16", "fp16"), help="under autocast")
-    estimate.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
-    estimate.add_argument("--headroom", type=fraction, default=0.10, help="fraction the safe batch leaves free")
-    estimate.add_argument("--max-batch", type=positive_int, metavar="N", help="largest batch size to try")
-    estimate.add_argument("--multiple-of", type=positive_int, default=1, metavar="N", help="only multiples of N")
+    add_option_flags(estimate, EstimateOptions)
     estimate.add_argument(
         "--what-if",
         action="append",
@@ -260,20 +177,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-batch", type=positive_int, metavar="N", help="also print the plan for global batch N"
     )
     _token_target(estimate)
-    estimate.add_argument(
-        "--seq-len",
-        type=positive_int,
-        metavar="N",
-        help="size on sequence length N: the sample's (or its DataLoader's worst batch's) rows cut to it or "
-        "extended by repeating their own tokens; a make_batch is called as make_batch(batch_size, N)",
-    )
-    estimate.add_argument(
-        "--scan-batches",
-        type=scan_batches,
-        metavar="N|all",
-        help="with a DataLoader as the sample: read N batches, spread across the epoch, for the worst one "
-        "(default 64; all: every batch)",
-    )
     estimate.add_argument(
         "--seq-lens",
         type=seq_lens,
@@ -346,27 +249,7 @@ def _frontier_parser(commands: Any) -> None:
         help=f"memory budget, as the probe's (default: what the process can reach on the GPU, or "
         f"{CLI_CPU_MEMORY_LIMIT} of live tensors on CPU)",
     )
-    frontier.add_argument(
-        "--reserve", type=reserve, metavar="SIZE|auto", help="memory taken off --memory-limit, as the probe's"
-    )
-    frontier.add_argument(
-        "--headroom", type=fraction, default=0.10, help="fraction of the budget the safe batch leaves free (0.10)"
-    )
-    frontier.add_argument("--amp", choices=("bf16", "fp16"), help="run under autocast")
-    frontier.add_argument("--mode", choices=("train", "inference"), default="train", help="default: train")
-    frontier.add_argument("--max-batch", type=positive_int, metavar="N", help="largest batch size to try")
-    frontier.add_argument("--init-batch", type=positive_int, metavar="N", help="first batch size to try")
-    frontier.add_argument("--multiple-of", type=positive_int, default=1, metavar="N", help="only multiples of N")
-    frontier.add_argument("--steps-per-trial", type=positive_int, metavar="N", help="steps per search trial")
-    frontier.add_argument(
-        "--verify-steps", type=count, metavar="N", help="steps that verify each safe batch (default 3; 0 skips)"
-    )
-    frontier.add_argument(
-        "--time-budget", type=seconds, metavar="SECONDS", help="start no new search trial after this, in all"
-    )
-    frontier.add_argument(
-        "--strategy", choices=("interpolate", "binary"), help="search strategy, as the probe's (default interpolate)"
-    )
+    add_option_flags(frontier, FrontierOptions, own=("device", "memory_limit"))
     frontier.add_argument("--json", metavar="PATH", help="write the frontier as JSON to PATH ('-' for stdout)")
     frontier.add_argument(
         "--plot",

@@ -39,7 +39,7 @@ from batchfit.errors import first_line
 if TYPE_CHECKING:
     from batchfit.cli.targets import Target
     from batchfit.distributed import Launch
-    from batchfit.view import View
+    from batchfit.view.plain import View
 
 # probe --------------------------------------------------------------------------------------------
 
@@ -78,7 +78,7 @@ def probe_command(args: argparse.Namespace) -> int:
 def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool] | None = None) -> int:
     """One probe: of this process, or of this rank of a ``torchrun`` job (``launch``; ``owned``
     gets whether this process started the process group)."""
-    from batchfit.view import make_view
+    from batchfit.view.progress import make_view
 
     if args.require_batch is not None:
         conflicting = [
@@ -157,7 +157,8 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
         view.summary(outcome)
         code = EXIT_OK
         if leader:
-            from batchfit.view import columns, fit_lines
+            from batchfit.view.plain import fit_lines
+            from batchfit.view.progress import columns
 
             targets = {"target_tokens": args.target_tokens, "seq_len": args.seq_len, "world_size": args.world_size}
             lines: list[str] = []
@@ -179,7 +180,7 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
 def run_shown(view: Any, run: Callable[[], Any]) -> tuple[Any, BaseException | None]:
     """``run()``'s answer, or what ended it (Ctrl-C and SIGTERM too), with the live ``view``
     taken down either way (on a terminal this gives the cursor back). A SIGTERM delivered as the
-    Ctrl-C that unwound the run, or that came as it returned, is a :class:`Terminated`."""
+    Ctrl-C that unwound the run, or that came as it returned, is a `Terminated`."""
     answer: Any = None
     failure: BaseException | None = None
     with SigtermUnwinds() as sigterm:
@@ -200,7 +201,7 @@ def run_probe(args: argparse.Namespace, target: Target | None, kwargs: dict[str,
     """The gate (``--require-batch``) or the full search; its ``GateReport`` or ``Result``.
     Without a target (``--nproc-per-trial``), a job per trial (``batchfit.probe.jobs``)."""
     if target is None:
-        return run_jobs(args, kwargs, calls)
+        return run_jobs(args, kwargs, calls.kwargs())
     if args.require_batch is not None:
         from batchfit.testing import check_fits
 
@@ -240,7 +241,7 @@ def probe_failed(exc: BaseException, calls: Calls, show_traceback: bool, leader:
     if isinstance(exc, RankFailedError) and not leader:
         return EXIT_ERROR
     from batchfit.cli.targets import exit_call
-    from batchfit.view import OutputClosedError
+    from batchfit.view.plain import OutputClosedError
 
     if isinstance(exc, Terminated):
         if exc.forced:

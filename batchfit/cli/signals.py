@@ -21,14 +21,14 @@ class Terminated(KeyboardInterrupt):
 class SigtermUnwinds:
     """While a probe runs, SIGTERM is delivered as a Ctrl-C instead of killing the process where
     it stands, so the probe unwinds as on Ctrl-C: the model restored, the live view stopped (a
-    terminal gets its cursor back); :attr:`received` then turns exit 130 into 143. Around the
+    terminal gets its cursor back); `received` then turns exit 130 into 143. Around the
     probe only: outside it SIGTERM keeps its default. Off the main thread (``main()`` called from
     a thread) no handler can be set and nothing changes.
 
     Delivered as a Ctrl-C means: handed to the SIGINT handler in place. During a probe that is
     ``batchfit.interrupts``' guard, which defers it to the probe's next safe point (never inside
     a meter finalizer, where it would be lost, nor half-way through the restore); where Python's
-    own handler is in place, :class:`Terminated` is raised at once, as Python raises Ctrl-C.
+    own handler is in place, `Terminated` is raised at once, as Python raises Ctrl-C.
     A probe stuck in the user's code where no safe point comes (a forward waiting on a queue,
     with no tensor operation) would then never stop, as it would not on Ctrl-C; so a second
     SIGTERM raises at once, wherever the probe stands (the restore may be cut short: the message

@@ -2,21 +2,21 @@
 
 A target names a factory (called with no arguments) or an object that gives the model and a
 sample: a ``(model, sample)`` pair, or a mapping with ``model`` and ``sample`` that may also
-carry ``optimizer``, ``loss_fn``, ``make_batch`` and ``step_fn`` (the :func:`batchfit.find`
+carry ``optimizer``, ``loss_fn``, ``make_batch`` and ``step_fn`` (the [`batchfit.find`][batchfit.find]
 keywords of the same names).
 
 One file serves every command: a mapping may hold both a ``sample`` and a
 ``make_batch(batch_size, seq_len)``. A command that sizes one batch shape (``probe``, ``estimate``,
 a trial of ``--nproc-per-trial``) uses the sample and leaves ``make_batch`` out; one that sizes
 several lengths (``frontier``, ``estimate --seq-lens``: ``lengths=True``) uses ``make_batch`` and
-leaves the sample out. :attr:`Target.unused` says which key was left out.
+leaves the sample out. `Target.unused` says which key was left out.
 
 Two kinds of failure are kept apart because the CLI answers them with different exit codes:
 
-* :class:`TargetError`: the target itself is wrong (no such module or attribute, a factory that
+* `TargetError`: the target itself is wrong (no such module or attribute, a factory that
   needs arguments, a value of the wrong shape). The user fixes the command line or the
   factory's return value. One line explains it.
-* :class:`TargetCallError`: the user's own code raised while importing the module or running
+* `TargetCallError`: the user's own code raised while importing the module or running
   the factory, or called ``sys.exit()`` there (a script's ``if __name__`` guard forgotten, an
   argument parser run at import). That is a bug in their code, not in how they called batchfit;
   the original exception is kept (``__cause__``) so its traceback can be shown.

@@ -78,12 +78,12 @@ EVERY_BATCH = "all"
 
 
 def scan_batches(value: str) -> int | str:
-    """``--scan-batches``: a positive count, or ``all`` (:data:`EVERY_BATCH`)."""
+    """``--scan-batches``: a positive count, or ``all`` (`EVERY_BATCH`)."""
     return EVERY_BATCH if value.strip().lower() == EVERY_BATCH else positive_int(value)
 
 
 def as_keyword(value: Any) -> Any:
-    """A parsed option as the Python API takes it: ``all`` (:data:`EVERY_BATCH`) is ``None``."""
+    """A parsed option as the Python API takes it: ``all`` (`EVERY_BATCH`) is ``None``."""
     return None if value == EVERY_BATCH else value
 
 

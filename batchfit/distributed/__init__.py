@@ -1,18 +1,18 @@
 """The processes a probe runs on: this one alone, or every rank of a ``torch.distributed`` job.
 
-* :mod:`~batchfit.distributed.solo`: :class:`Solo`, this process alone, and the interface every
+* `solo`: `Solo`, this process alone, and the interface every
   set of ranks implements (the probe only ever talks to that interface);
-* :mod:`~batchfit.distributed.ranks`: :class:`Group`, every rank of the default process group,
+* `ranks`: `Group`, every rank of the default process group,
   meeting after every phase of every step so that one rank's out-of-memory fails the trial on all
-  of them and none hangs (its module docs say why and how); :func:`ranks_for` picks one;
-* :mod:`~batchfit.distributed.launch`: ``batchfit probe`` under ``torchrun`` (joining the group,
+  of them and none hangs (its module docs say why and how); `ranks_for` picks one;
+* `launch`: ``batchfit probe`` under ``torchrun`` (joining the group,
   binding a rank to its device, wrapping the model in DDP).
 
-Sharded models (FSDP) are probed a job per trial instead: :mod:`batchfit.probe.jobs`.
+Sharded models (FSDP) are probed a job per trial instead: `batchfit.probe.jobs`.
 """
 
 from batchfit.distributed.launch import Launch, from_environment
-from batchfit.distributed.ranks import Group, combine_trials, leads, ranks_for
+from batchfit.distributed.ranks import combine_trials, leads, ranks_for
 from batchfit.distributed.solo import PeerOutOfMemory, Solo
 
-__all__ = ["Group", "Launch", "PeerOutOfMemory", "Solo", "combine_trials", "from_environment", "leads", "ranks_for"]
+__all__ = ["Launch", "PeerOutOfMemory", "Solo", "combine_trials", "from_environment", "leads", "ranks_for"]

@@ -9,7 +9,7 @@ prints and writes ``--json``; the others stay silent unless they fail themselves
 
 Any launcher that sets the same variables and ``MASTER_ADDR``/``MASTER_PORT`` works too (``srun``
 with one task per GPU, a pod per rank). No agent watches such a job, so joining the group is
-bounded by the rank timeout (:meth:`Launch.start`): a rank that died before joining ends the
+bounded by the rank timeout (`Launch.start`): a rank that died before joining ends the
 others with an error saying so, not after gloo's default 30 minutes.
 """
 
@@ -44,7 +44,7 @@ class Launch:
     def start(self, device: str, timeout_s: float) -> tuple[str, bool]:
         """Take this rank's device and join the default process group (unless the target
         already did); the group's backend and whether this process started the group (and so
-        ends it, :meth:`finish`).
+        ends it, `finish`).
 
         ``timeout_s`` (the rank timeout) bounds the joining: the store's rendezvous (rank 0
         waiting for every rank to connect, the others for rank 0's store) and the group's
@@ -117,7 +117,7 @@ LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RA
 
 def from_environment(environ: Mapping[str, str] | None = None) -> Launch | None:
     """The job this process is a rank of (``RANK`` and ``WORLD_SIZE``, the local rank from
-    :data:`LOCAL_RANK_VARIABLES`), ``None`` outside one (or a job of one: a single rank probes
+    `LOCAL_RANK_VARIABLES`), ``None`` outside one (or a job of one: a single rank probes
     alone, as ``batchfit probe`` without ``torchrun`` does). ``ValueError`` for a job whose rank
     has no local rank: each rank probing alone would be a wrong answer, not a slow one."""
     env = os.environ if environ is None else environ

@@ -1,4 +1,4 @@
-"""Every rank of a ``torch.distributed`` job probing together: :class:`Group`, and :func:`ranks_for`.
+"""Every rank of a ``torch.distributed`` job probing together: `Group`, and `ranks_for`.
 
 A probe over several ranks must end with one answer everywhere and must never hang. Both follow
 from one rule: **the ranks meet after every phase of every step** (batch, forward, backward,
@@ -6,17 +6,17 @@ optimizer step), over a side gloo group of their own with an explicit timeout, a
 its phase went: fine, out of memory, another error, or interrupted (Ctrl-C). The worst outcome
 wins on every rank at once:
 
-* an out-of-memory on any rank fails the trial on every rank (:class:`PeerOutOfMemory` where the
+* an out-of-memory on any rank fails the trial on every rank (`PeerOutOfMemory` where the
   rank itself was fine), so every rank feeds the same verdict to the same search and takes the
   same next step. NCCL running out of device memory for its own buffers in a collective of the
   data group (``DistBackendError`` "... Cuda failure 'out of memory'") is this rank's out-of-memory
   too, by the same rule as any other (``batchfit.backends.is_oom``), not another error;
-* another error on any rank makes every other rank raise :class:`~batchfit.errors.RankFailedError`
+* another error on any rank makes every other rank raise [`RankFailedError`][batchfit.errors.RankFailedError]
   naming that rank, the batch size, the phase and the original message;
 * a Ctrl-C on any rank raises ``KeyboardInterrupt`` on every rank (the probe's interrupt guard
   defers it to the next meeting, see ``batchfit.interrupts``), and every rank restores its model;
 * a rank that dies (killed, crashed) closes its connections: the others raise
-  :class:`~batchfit.errors.RanksTimeoutError` at once, saying it went away, where and when.
+  [`RanksTimeoutError`][batchfit.errors.RanksTimeoutError] at once, saying it went away, where and when.
 
 Why a side gloo group: right after an out-of-memory the device may have nothing left, a gloo
 collective runs on CPU tensors; NCCL has no bitwise reductions (pytorch #41362) and its
@@ -25,17 +25,17 @@ runs out of memory while its peers wait inside a collective of the *data* group 
 hang (Composer's PRs #2117, #3016, #3510). So no data collective may start unless every rank got
 to it. DDP's gradient all-reduce runs inside backward; a probe step therefore runs DDP under
 ``no_sync()`` and all-reduces the gradients itself at the start of the optimizer step, once the
-ranks agreed that backward worked everywhere (:meth:`Group.sync_gradients`). DDP's gradient
+ranks agreed that backward worked everywhere (`Group.sync_gradients`). DDP's gradient
 buckets are allocated when the model is wrapped, so the deferred step holds the memory a synced
 one does (``benchmarks/ranks.py`` measures the difference). The only other collective in a DDP
 step, the buffer broadcast at the start of forward, runs after the batch phase was agreed.
 
 What is *not* made safe in-process: collectives inside the model's own forward or backward
 (FSDP, ``SyncBatchNorm``, tensor parallelism). A rank that fails before such a collective leaves
-its peers waiting in it; :func:`ranks_for` refuses those models with a clear error rather than
+its peers waiting in it; `ranks_for` refuses those models with a clear error rather than
 risk the hang. Sharded models are probed a job per trial instead (``batchfit.probe.jobs``).
 
-Combined across ranks (:meth:`Group.combine`): a trial fits only where it fits on every rank; its
+Combined across ranks (`Group.combine`): a trial fits only where it fits on every rank; its
 peaks are the maximum over ranks, its step time the slowest rank's, its samples/s that of the
 whole group (``world_size * batch / slowest step``); the budget is the smallest rank's.
 """
@@ -390,17 +390,16 @@ def ranks_for(distributed: bool | None, rank_timeout: float, model: nn.Module, i
         found = next((cls.__name__ for cls in type(module).__mro__ if cls.__name__ in _COLLECTIVE_MODULES), None)
         if found is not None:
             raise NotImplementedError(
-                f"batchfit cannot probe a model with {found} across ranks yet: it runs collectives inside forward "
-                "and backward, so a rank that runs out of memory there would leave the others waiting in them "
-                f"(a hang, not an answer). Instead, {_COLLECTIVE_MODULES[found]}, or probe one rank alone with "
-                "distributed=False"
+                f"batchfit cannot probe a model with {found} across ranks in-process: "
+                f"{_COLLECTIVE_MODULES[found]}, or probe one rank alone with distributed=False "
+                "(see docs/how-to/many-gpus.md#sharded-models-a-fresh-job-per-trial)"
             )
     return Group(rank_timeout, interrupts)
 
 
 def leads(distributed: bool | None) -> bool:
     """Whether this process speaks for the probe (shows its progress): rank 0 of the group
-    :func:`ranks_for` would pick for ``distributed``, or this process when it probes alone. Under
+    `ranks_for` would pick for ``distributed``, or this process when it probes alone. Under
     ``torchrun --nnodes N --nproc-per-node G`` that is one process of the N x G, on one node."""
     import torch.distributed as dist
 

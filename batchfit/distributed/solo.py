@@ -1,5 +1,5 @@
-"""This process alone: :class:`Solo`, the interface every set of ranks implements, and what a rank
-can say at a meeting. :class:`~batchfit.distributed.ranks.Group` implements it for every rank of a
+"""This process alone: `Solo`, the interface every set of ranks implements, and what a rank
+can say at a meeting. `Group` implements it for every rank of a
 ``torch.distributed`` job.
 """
 
@@ -30,7 +30,7 @@ class PeerOutOfMemory(Exception):
 
 
 class Solo:
-    """This process alone: every meeting is a no-op. The interface :class:`Group` implements."""
+    """This process alone: every meeting is a no-op. The interface `Group` implements."""
 
     world_size = 1
     rank = 0
@@ -72,7 +72,7 @@ class Solo:
         yield
 
     def sync_gradients(self, model: nn.Module) -> None:
-        """The gradient all-reduce :meth:`deferred_sync` held back."""
+        """The gradient all-reduce `deferred_sync` held back."""
 
     def notes(self, model: nn.Module) -> list[str]:
         """What a reader of the result should know about probing ``model`` on these ranks."""
@@ -80,4 +80,4 @@ class Solo:
 
     def close(self, settled: bool = False) -> None:
         """Leave the group (no meeting). ``settled``: every rank ended the probe normally, so the
-        ranks meet once more before the group goes (:meth:`Group.close`)."""
+        ranks meet once more before the group goes (`Group.close`)."""

@@ -1,9 +1,9 @@
 """``batchfit.estimate()``: the answer for a memory size before you own the device.
 
-The probe's own search (:func:`~batchfit.probe.finder.search_with`) over fake trials
-(:class:`~batchfit.estimation.fake_trials.FakeProbe`, whose module says how they count), with the
-target's fixed costs stated as assumptions; a real CPU probe under a cap where a model cannot be
-traced on fake tensors (:func:`_extrapolate`). Nothing is timed, so an estimate has no throughput.
+The probe's own search (`search_with`) over fake trials (`FakeProbe`, whose module says how they
+count), with the target's fixed costs stated as assumptions; a real CPU probe under a cap where a
+model cannot be traced on fake tensors (`_extrapolate`). Nothing is timed, so an estimate has no
+throughput.
 """
 
 from __future__ import annotations
@@ -11,27 +11,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from batchfit.backends import ESTIMATE_TARGETS, EstimateTarget, estimate_target
 from batchfit.errors import NothingFitsError
 from batchfit.estimation.fake_trials import FakeProbe, Untraceable
 from batchfit.estimation.frontier import estimate_frontier
-from batchfit.probe import (
-    DEFAULT_MAX_BATCH,
-    Options,
-    check_seq_len,
-    check_work,
-    find_with,
-    renamed,
-    search_with,
-    worst_batch,
-)
+from batchfit.probe import Options, find_with, search_with
+from batchfit.probe.checks import check_work
+from batchfit.probe.keywords import EstimateOptions
+from batchfit.probe.options import options_from, renamed
+from batchfit.probe.positions import check_seq_len
+from batchfit.probe.real_data import worst_batch
 from batchfit.report import Frontier, Result, SizedOn, Trial
 from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["FALLBACK_CAP", "TARGETS", "estimate", "split_memory"]
 
@@ -39,7 +37,7 @@ __all__ = ["FALLBACK_CAP", "TARGETS", "estimate", "split_memory"]
 TARGETS = tuple(target.name for base in ESTIMATE_TARGETS.values() for target in (base, *base.variants))
 
 
-#: Live tensor bytes the real CPU steps of the fallback may use (see :func:`_extrapolate`).
+#: Live tensor bytes the real CPU steps of the fallback may use (see `_extrapolate`).
 FALLBACK_CAP = 256 * 2**20
 
 
@@ -50,43 +48,29 @@ def estimate(
     memory_limit: int | str | None = None,
     device: str = "cpu",
     reserve: int | str | None = None,
-    make_batch: Callable[..., Any] | None = None,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    step_fn: Callable[[nn.Module, Any], Any] | None = None,
-    criterion: Callable[[Any, Any], torch.Tensor] | None = None,
-    optimizer: Any = None,
-    amp: str | None = None,
-    mode: str = "train",
-    headroom: float = 0.10,
-    init_batch: int | None = None,
-    max_batch: int = DEFAULT_MAX_BATCH,
-    multiple_of: int = 1,
-    strategy: str = "interpolate",
-    seq_len: int | None = None,
-    scan_batches: int | None = 64,
     seq_lens: Sequence[int] | None = None,
     longest_at_batch_1: bool = True,
     max_seq_len: int | None = None,
     callback: Callable[[Trial], None] | None = None,
     memory: int | str | None = None,
+    **options: Unpack[EstimateOptions],
 ) -> Result | Frontier:
-    """Estimate :func:`batchfit.find`'s answer for a device with ``memory_limit`` bytes, without it.
+    """Estimate [`batchfit.find`][batchfit.find]'s answer for a device with ``memory_limit`` bytes, without it.
 
     Runs the probe's search over fake trials (see the module docs): no device, no memory, seconds.
-    The :class:`~batchfit.report.Result` has ``estimated=True`` and its ``assumptions`` listed;
+    The [`Result`][batchfit.Result] has ``estimated=True`` and its ``assumptions`` listed;
     ``str()`` says "estimate". No throughput (nothing real is timed).
 
-    The keywords are :func:`batchfit.find`'s, with the same names and the same checks, for the
-    same things (a ``DataLoader`` as the sample, sized on its worst batch; ``seq_len=``,
-    ``criterion=``, an optimizer object...); an
-    estimate has nothing to time, to verify, to interrupt or to spread over ranks, so ``find``'s
-    keywords for those are not taken.
+    The keywords are [`batchfit.find`][batchfit.find]'s, with the same names and the same checks,
+    for the same things (a ``DataLoader`` as the sample, sized on its worst batch; ``seq_len=``,
+    ``criterion=``, an optimizer object...); an estimate has nothing to time, to verify, to
+    interrupt or to spread over ranks, so ``find``'s keywords for those are not taken.
 
     Args:
         memory_limit: the device's memory: bytes or a size (``"80GiB"``, ``"24GB"``; a fraction
             needs a device to be a fraction of). ``memory=`` is its old name, still accepted with
             a ``DeprecationWarning``.
-        device: what to estimate for (:data:`TARGETS`): the CPU (the live-tensor meter's count,
+        device: what to estimate for (`TARGETS`): the CPU (the live-tensor meter's count,
             equal to what ``find()`` measures there under the same ``memory_limit``; the default),
             CUDA (the caching allocator's reserved bytes, modelled; see the assumptions), or
             ``"rocm"``: the same allocator with hipBLAS/hipBLASLt's workspaces (2 x (128 + 76) MiB,
@@ -97,11 +81,13 @@ def estimate(
             top of the 0.5-1 GiB that CUDA 12 takes, so the estimate errs safe (an assumption,
             stated with the range; ``reserve=`` sets what a measured card keeps).
 
-    The other keywords are :func:`batchfit.find`'s. A model that cannot be traced on fake tensors
+        **options: [`EstimateOptions`][batchfit.probe.keywords.EstimateOptions], as `find` takes them.
+
+    A model that cannot be traced on fake tensors
     is not an error: real CPU steps answer instead (see the module docs).
 
     A length axis: ``seq_lens=[...]`` with ``make_batch(batch_size, seq_len)`` returns a
-    :class:`~batchfit.report.Frontier` (``estimated=True``), :func:`batchfit.frontier`'s answer
+    [`Frontier`][batchfit.Frontier] (``estimated=True``), [`batchfit.frontier`][batchfit.frontier]'s answer
     from fake trials: per length the exact largest and the safe batch, the longest length at
     batch 1 (``longest_at_batch_1``, up to ``max_seq_len`` or the model's positions) and the
     memory surface. A model that cannot be traced on fake tensors is a ``ValueError`` there.
@@ -111,6 +97,7 @@ def estimate(
         TypeError, ValueError: bad arguments.
     """
     started = time.monotonic()
+    given, amp = options, options.get("amp")
     memory_limit, limit_name = renamed("estimate", "memory", memory, "memory_limit", memory_limit)
     if memory_limit is None:
         raise TypeError("estimate() needs memory_limit=: the memory of the device to estimate for, e.g. '80GiB'")
@@ -128,25 +115,7 @@ def estimate(
             f"estimate for a device with more memory, pass reserve= what that device keeps outside the allocator, "
             f"or device='cpu'"
         )
-    options = Options(
-        make_batch=make_batch,
-        loss_fn=loss_fn,
-        step_fn=step_fn,
-        criterion=criterion,
-        optimizer=optimizer,
-        amp=amp,  # type: ignore[arg-type]
-        mode=mode,  # type: ignore[arg-type]
-        device="cpu",
-        memory_limit=budget,
-        headroom=headroom,
-        init_batch=init_batch,
-        max_batch=max_batch,
-        multiple_of=multiple_of,
-        strategy=strategy,
-        distributed=False,
-        seq_len=seq_len,
-        scan_batches=scan_batches,
-    )
+    options = options_from("estimate", given, EstimateOptions, device="cpu", memory_limit=budget, distributed=False)
 
     def marked(result: Result, sized_on: SizedOn | None = None) -> Result:
         return replace(
@@ -173,8 +142,8 @@ def estimate(
             assumptions,
             marked,
         )
-    check_seq_len(model, seq_len)  # before a loader is scanned
-    sample, drawn, sized_on = worst_batch(sample, scan_batches=scan_batches, seq_len=seq_len)
+    check_seq_len(model, options.seq_len)  # before a loader is scanned
+    sample, drawn, sized_on = worst_batch(sample, scan_batches=options.scan_batches, seq_len=options.seq_len)
     check_work(model, sample, options)
 
     try:
@@ -206,7 +175,7 @@ def _frontier(
     assumptions: list[str],
     marked: Callable[[Result], Result],
 ) -> Frontier:
-    """``estimate(..., seq_lens=...)``: :func:`batchfit.frontier`'s answer from fake trials."""
+    """``estimate(..., seq_lens=...)``: [`batchfit.frontier`][batchfit.frontier]'s answer from fake trials."""
     if sample is not None or options.seq_len is not None:
         given = "sample" if sample is not None else "seq_len"
         raise TypeError(
@@ -255,7 +224,7 @@ def split_memory(
 ) -> tuple[int, int]:
     """``(total, kept_aside)``: the device's memory, and what of it lives outside the allocator.
 
-    One reading for :func:`estimate` and ``batchfit estimate`` (which checks it before loading the
+    One reading for [`estimate`][batchfit.estimate] and ``batchfit estimate`` (which checks it before loading the
     target, to say what to do in its own option names). ``reserve=None`` takes the target's
     assumed context (1 GiB on a GPU, the top of CUDA 12's range; nothing on the CPU); ``0`` means
     nothing is kept aside.

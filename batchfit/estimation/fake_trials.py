@@ -1,6 +1,6 @@
 """Fake trials: the probe's steps on fake tensors, counted as the target device would count them.
 
-The same search as :func:`batchfit.find`, over the same trial code (batch, forward, loss,
+The same search as [`batchfit.find`][batchfit.find], over the same trial code (batch, forward, loss,
 backward, optimizer step, the optimizer kept between trials), but every tensor is a *fake*
 (``torch._subclasses.fake_tensor.FakeTensorMode``): shapes, dtypes and storages without data. The
 CPU's live-tensor meter counts the fake storages as it counts real ones, so on the CPU the estimate
@@ -9,8 +9,8 @@ search traces each candidate size instead of extrapolating from small ones.
 
 How the parts fit:
 
-* :class:`FakeProbe` stands in for :class:`~batchfit.probe.prober.Prober` in
-  :func:`~batchfit.probe.finder.search_with`. It swaps fake parameters and buffers into the model's slots
+* `FakeProbe` stands in for [`Prober`][batchfit.Prober] in
+  `search_with`. It swaps fake parameters and buffers into the model's slots
   (tied weights stay tied) and puts the originals back afterwards: the user's tensors are never
   read, copied or moved, so a model on the ``meta`` device works too.
 * The target device decides the meter (``batchfit.backends.simulated.ESTIMATE_TARGETS``). The
@@ -20,10 +20,10 @@ How the parts fit:
   the model (the cuBLAS workspaces, the CUDA context) as stated assumptions. The trace itself runs
   on the CPU: fake CUDA tensors cannot run autograd on a CPU-only build of torch. What torch decides
   by the device, the trace decides as the target's would: an optimizer that leaves ``foreach`` to
-  torch steps with the foreach implementation on a GPU (:func:`foreach_as_on`), not the CPU's loop.
+  torch steps with the foreach implementation on a GPU (`foreach_as_on`), not the CPU's loop.
 * Models that do data-dependent work (``.item()``, ``nonzero``, masks checked on their values) stop
   a fake trace. Then a real probe runs on the CPU under the live meter, capped at
-  :data:`FALLBACK_CAP` of live tensors: within the cap it is the answer; above it the answer is
+  `FALLBACK_CAP` of live tensors: within the cap it is the answer; above it the answer is
   read off the real trials' memory lines, marked as extrapolated: never a crash, never a silent
   guess.
 
@@ -45,21 +45,14 @@ from batchfit.backends import EstimateTarget, LiveTensorMeter
 from batchfit.distributed import Solo
 from batchfit.errors import first_line
 from batchfit.interrupts import InterruptGuard
-from batchfit.probe import (
-    Options,
-    Workload,
-    batch_size_of,
-    compiled_info,
-    fit_memory,
-    fixed_memory_advice,
-    map_tensors,
-    optimizer_factory,
-    parameter_bytes,
-    positive_int,
-    run_trial,
-    tensor_leaves,
-)
+from batchfit.probe import Options
+from batchfit.probe.batches import batch_size_of, map_tensors, tensor_leaves
+from batchfit.probe.checks import fit_memory, fixed_memory_advice, parameter_bytes
+from batchfit.probe.compiled import compiled_info
+from batchfit.probe.trial import run_trial
+from batchfit.probe.workload import Workload, optimizer_factory
 from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
+from batchfit.units import positive_int
 
 __all__ = ["FakeProbe", "Untraceable", "foreach_as_on"]
 
@@ -186,7 +179,7 @@ def foreach_as_on(device_type: str, factory: OptimizerFactory, switched: set[str
 
 
 class FakeProbe:
-    """Trials on fake tensors for :func:`~batchfit.probe.finder.search_with` (see the module docs)."""
+    """Trials on fake tensors for `search_with` (see the module docs)."""
 
     def __init__(
         self, model: nn.Module, sample: Any, options: Options, target: EstimateTarget, budget_bytes: int
@@ -208,7 +201,7 @@ class FakeProbe:
         self.notes: list[str] = []
         #: Which batch of real data the sizes are built from (set by ``estimate``, as ``Prober.sized_on``).
         self.sized_on: SizedOn | None = None
-        #: The optimizers whose ``foreach=None`` the trace resolved as the target would (:func:`foreach_as_on`).
+        #: The optimizers whose ``foreach=None`` the trace resolved as the target would (`foreach_as_on`).
         self.foreach_switched: set[str] = set()
         self.optimizer_state_bytes = 0
         self.meter: LiveTensorMeter | None = None
@@ -287,7 +280,8 @@ class FakeProbe:
         fresh_optimizer: bool = False,
         cap_bytes: int | None = None,
     ) -> Trial:
-        """A fake trial at ``batch_size``, the optimizer kept and the cap lowered as :meth:`Prober.trial` does."""
+        """A fake trial at ``batch_size``, the optimizer kept and the cap lowered as
+        [`Prober.trial`][batchfit.probe.prober.Prober.trial] does."""
         assert self._workload is not None and self.meter is not None, "FakeProbe.trial() needs 'with FakeProbe(...)'"
         batch_size = positive_int("batch_size", batch_size)
         if fresh_optimizer:
@@ -319,6 +313,9 @@ class FakeProbe:
     def layout_carries(self) -> bool:
         """Whether the modelled allocator carries a layout from trial to trial (``Meter.layout_carries``)."""
         return self.meter is not None and self.meter.layout_carries
+
+    #: A fake step's wall time says nothing about a real one: no size is timed after the search.
+    times_warm = False
 
     def settle_reserve(self) -> int | None:
         """The budget: an estimate's reserve is a given size, never measured again."""

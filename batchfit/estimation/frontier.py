@@ -1,10 +1,9 @@
-"""The frontier for a device you do not own: :func:`batchfit.frontier`'s algorithm over fake trials.
+"""The frontier for a device you do not own: [`batchfit.frontier`][batchfit.frontier]'s algorithm over fake trials.
 
-:func:`batchfit.estimate` with ``seq_lens=`` lands here once it has read the target and the
-budget: the same :func:`~batchfit.probe.frontier.frontier_with` that measures a frontier with
-real steps runs over :class:`~batchfit.estimation.fake_trials.FakeProbe` (one per length), so the
-points, the length axis and the surface are found the same way and mean the same, and every point
-is marked as the estimate it is.
+[`batchfit.estimate`][batchfit.estimate] with ``seq_lens=`` lands here once it has read the target and the
+budget: the same `frontier_with` that measures a frontier with real steps runs over `FakeProbe` (one
+per length), so the points, the length axis and the surface are found the same way and mean the
+same, and every point is marked as the estimate it is.
 """
 
 from __future__ import annotations

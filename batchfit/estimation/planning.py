@@ -1,19 +1,20 @@
 """From a probe's answer to a training set-up: a target global batch as micro-batch x accumulation steps.
 
-A user rarely wants "the largest batch that fits": they want a *global* batch (what the learning rate
-and the schedule were tuned for) and need to know how to reach it on their devices. :func:`plan_for`
-splits that target over the ranks and into gradient-accumulation steps, choosing the per-rank
-micro-batch from what the probe measured: only sizes within the verified safe batch, and among those
-the fastest measured one, because the memory boundary says what *can* run, not what runs best.
+A user rarely wants "the largest batch that fits": they want a *global* batch (what the learning rate and
+the schedule were tuned for) and need to know how to reach it on their devices.
+[`plan_for`][batchfit.estimation.planning.plan_for] splits that target over the ranks and into
+gradient-accumulation steps, choosing the per-rank micro-batch from what the probe measured: only sizes
+within the verified safe batch, and among those the fastest measured one, because the memory boundary
+says what *can* run, not what runs best.
 
 The target is a number of samples (``target_batch``) or, as LLM recipes state it, of tokens per
 optimizer step (``target_tokens`` with ``seq_len``): tokens are reached as whole sequences, rounded
-up (:func:`tokens_to_batch`), and the plan states the tokens each step really holds.
-:func:`plan_for` also takes a :class:`~batchfit.report.frontier.Frontier` (the largest batch per
+up (`tokens_to_batch`), and the plan states the tokens each step really holds.
+[`plan_for`][batchfit.estimation.planning.plan_for] also takes a [`Frontier`][batchfit.Frontier] (the largest batch per
 length), and plans on its point at ``seq_len``.
 
 Pure Python (no torch import): a plan can be made from a result loaded from JSON on a machine
-without torch. :func:`batchfit.plan` (``batchfit.api``) also takes a model, and probes it first.
+without torch. [`batchfit.plan`][batchfit.plan] (``batchfit.api``) also takes a model, and probes it first.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from batchfit.report import KNEE_FRACTION, Frontier, Result, Trial
+from batchfit.report import Frontier, Result, Trial
+from batchfit.report.throughput import KNEE_FRACTION
 from batchfit.units import check_positive_int
 
 __all__ = ["ALTERNATIVE_FACTOR", "Plan", "check_target", "plan_for", "tokens_to_batch"]
@@ -143,9 +145,9 @@ def plan_for(
     divides (otherwise the multiple is ignored, and the reason says so). Among those divisors:
 
     * the fastest *measured* one (each size's best-timed fitting trial, as
-      :meth:`~batchfit.report.Throughput.of` counts it) wins over slower measured ones;
+      [`of`][batchfit.report.throughput.Throughput.of] counts it) wins over slower measured ones;
     * a larger divisor that was not timed wins over the fastest measured one, unless that one is
-      already on the measured plateau (within :data:`~batchfit.report.KNEE_FRACTION` of the best
+      already on the measured plateau (within `KNEE_FRACTION` of the best
       rate measured at any size): below the plateau, the measurements say bigger is faster, and the
       larger divisor also needs fewer accumulation steps;
     * with nothing timed, the largest divisor (fewest accumulation steps).
@@ -157,13 +159,13 @@ def plan_for(
 
     In tokens (``target_tokens`` and ``seq_len``, for a global batch stated as tokens per optimizer
     step): the global batch is ``target_tokens / seq_len`` sequences, reached as whole sequences
-    for every rank: :func:`tokens_to_batch` rounds *up* to a multiple of ``seq_len * world_size``
+    for every rank: `tokens_to_batch` rounds *up* to a multiple of ``seq_len * world_size``
     tokens (never fewer tokens than asked), and the plan's ``tokens_per_step`` and ``reason`` say
     how many more it holds and what the nearest split below would be.
 
     Args:
-        result: a probe's answer (:func:`batchfit.find`); its batch sizes are per rank. Or a
-            :class:`~batchfit.report.frontier.Frontier`: the plan is made on its point at
+        result: a probe's answer ([`batchfit.find`][batchfit.find]); its batch sizes are per rank. Or a
+            [`Frontier`][batchfit.Frontier]: the plan is made on its point at
             ``seq_len`` (required: a frontier has several lengths, and the choice of length is
             the user's).
         target_batch: the global batch to reach in samples (sequences), summed over every rank
@@ -176,7 +178,7 @@ def plan_for(
             for the length it was probed at: plan at that length.
 
     Raises:
-        TypeError: ``result`` is not a :class:`~batchfit.report.Result` or a frontier; a target,
+        TypeError: ``result`` is not a [`Result`][batchfit.Result] or a frontier; a target,
             ``seq_len`` or ``world_size`` is not an int; both or neither of ``target_batch`` and
             ``target_tokens`` are given.
         ValueError: a target, ``seq_len`` or ``world_size`` is not positive; ``target_batch`` is
@@ -274,7 +276,8 @@ def tokens_to_batch(target_tokens: int, seq_len: int, world_size: int = 1) -> in
 def check_target(
     target_batch: Any = None, world_size: Any = None, *, target_tokens: Any = None, seq_len: Any = None
 ) -> None:
-    """The checks of :func:`plan_for` that need no result, so that ``batchfit.plan(model, ...)``
+    """The checks of [`plan_for`][batchfit.estimation.planning.plan_for] that need no result, so that
+    ``batchfit.plan(model, ...)``
     refuses a bad target before it spends a probe on it. ``world_size`` and ``seq_len`` may be
     ``None`` (not known yet: the result's); what can be checked without them is."""
     if (target_batch is None) == (target_tokens is None):
@@ -357,8 +360,8 @@ def _divisors_within(n: int, limit: int) -> list[int]:
 
 def _measured_rates(trials: tuple[Trial, ...]) -> dict[int, float]:
     """samples/s per size, from each size's best-timed fitting trial, as
-    :meth:`~batchfit.report.Throughput.of` counts them (:func:`~batchfit.report.best_timed`)."""
-    from batchfit.report import best_timed
+    [`of`][batchfit.report.throughput.Throughput.of] counts them (`best_timed`)."""
+    from batchfit.report.throughput import best_timed
 
     return {size: trial.samples_per_s or 0.0 for size, trial in best_timed(trials).items()}
 

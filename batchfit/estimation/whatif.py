@@ -1,6 +1,6 @@
 """What-if: the same estimate under the levers of batch size, in one table.
 
-``batchfit.what_if(model, sample, memory_limit="24GiB")`` runs :func:`batchfit.estimate` once as the
+``batchfit.what_if(model, sample, memory_limit="24GiB")`` runs [`batchfit.estimate`][batchfit.estimate] once as the
 model is, then once per alternative, and puts max batch and memory side by side:
 
 * ``amp=bf16``, ``amp=fp16``: the steps under autocast (activations in half precision);
@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from batchfit.errors import NothingFitsError
-from batchfit.probe import renamed
+from batchfit.probe.options import renamed
 from batchfit.units import format_bytes, parse_memory_limit
 
 __all__ = ["OPTIONS", "WhatIf", "WhatIfRow", "what_if"]
 
-#: The alternatives :func:`what_if` knows, by the name a user writes.
+#: The alternatives `what_if` knows, by the name a user writes.
 OPTIONS = ("amp=bf16", "amp=fp16", "checkpointing", "optimizer=sgd", "optimizer=adamw", "optimizer=adafactor")
 DEFAULT_OPTIONS = ("amp=bf16", "checkpointing", "optimizer=sgd")
 
@@ -62,7 +62,7 @@ class WhatIfRow:
 
 @dataclass(frozen=True)
 class WhatIf:
-    """The table :func:`what_if` returns: ``rows[0]`` is the model as it is."""
+    """The table [`what_if`][batchfit.what_if] returns: ``rows[0]`` is the model as it is."""
 
     memory_bytes: int
     device: str
@@ -117,9 +117,9 @@ def what_if(
 ) -> WhatIf:
     """Estimate the model as it is and under each of ``options`` (see the module docs).
 
-    ``memory_limit`` is :func:`batchfit.estimate`'s (``memory=``, its old name, still works with
-    a ``DeprecationWarning``); ``estimate_kwargs`` go to every :func:`batchfit.estimate` call
-    with the same names as :func:`batchfit.find` (``optimizer``, ``amp``, ``criterion``,
+    ``memory_limit`` is [`batchfit.estimate`][batchfit.estimate]'s (``memory=``, its old name, still works with
+    a ``DeprecationWarning``); ``estimate_kwargs`` go to every [`batchfit.estimate`][batchfit.estimate] call
+    with the same names as [`batchfit.find`][batchfit.find] (``optimizer``, ``amp``, ``criterion``,
     ``loss_fn``, ``reserve``...); an option overrides the keyword it is about.
     """
     from batchfit.estimation.estimator import estimate

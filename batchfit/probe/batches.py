@@ -77,7 +77,7 @@ def structure(batch: Any) -> dict[str, int]:
 
 
 def check_structure(first: Mapping[str, int], batch: Any, what: str, why: str) -> None:
-    """``ValueError`` when ``batch`` is made of other tensors than ``first`` (a :func:`structure`):
+    """``ValueError`` when ``batch`` is made of other tensors than ``first`` (a `structure`):
     it names ``what`` (the batch), what differs, and ``why`` that matters to the caller. The order
     of a mapping's keys does not count."""
     now = structure(batch)
@@ -88,7 +88,7 @@ def check_structure(first: Mapping[str, int], batch: Any, what: str, why: str) -
         raise ValueError(f"{what} differs in structure from its first batch ({'; '.join(said)}): {why}")
 
 
-#: What to do with a ``make_batch`` of meta tensors (:func:`check_has_values`), wherever a real step needs it.
+#: What to do with a ``make_batch`` of meta tensors (`check_has_values`), wherever a real step needs it.
 META_BATCH = (
     "build the batches on the CPU or the device, as a real step trains on their values "
     "(batchfit.estimate(model, make_batch=...) sizes from meta tensors, without a step)"

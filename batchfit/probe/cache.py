@@ -6,13 +6,13 @@ search's settings, the versions; not the weights, not the world size) and looks 
 ``DIR/<key>.json``:
 
 * **hit**: no search runs, no callback is called (``callback``, ``on_trial_start``, ``on_start``).
-  The answer is the stored one, every measurement identical (trials, memory equation,
-  throughput, notes), with ``Result.from_cache`` (a :class:`CacheHit`: the entry, when it was
-  written, the world size that measured it and how long that probe took) and a note saying so
-  and what was checked; ``elapsed_s`` is the hit's own time. Measured with another world size: the
-  batch sizes are per rank and hold as stored, ``world_size`` is the current one, and a note says
-  that the rates are those of the ranks that measured them (the key leaves the world size out on
-  purpose: ``batchfit.probe.keys``);
+  The answer is the stored one, every measurement identical (trials, memory equation, throughput,
+  notes), with ``Result.from_cache`` (a [`CacheHit`][batchfit.report.records.CacheHit]: the entry,
+  when it was written, the world size that measured it and how long that probe took) and a note
+  saying so and what was checked; ``elapsed_s`` is the hit's own time. Measured with another world
+  size: the batch sizes are per rank and hold as stored, ``world_size`` is the current one, and a
+  note says that the rates are those of the ranks that measured them (the key leaves the world size
+  out on purpose: ``batchfit.probe.keys``);
 * **the check on a hit** (on by default; ``verify_steps=0``, which verifies nothing, skips it and
   a hit never runs the model): before the stored answer is returned, its safe batch runs for real
   once, under the cap its verification ran under (the budget less its headroom), for the fewest
@@ -27,19 +27,17 @@ search's settings, the versions; not the weights, not the world size) and looks 
   ``max_batch`` and the rates stay the stored ones (the max is the boundary's other side: running
   it would be a trial that may fail by design);
 * **miss**: the probe runs as usual and its answer is written at the end. An entry that cannot be
-  trusted is ignored with a note naming the file and why, and overwritten by the fresh answer:
-  never trusted, never a crash. That is: not a regular file (a FIFO, a device: the file type is
-  checked before anything opens it), larger than
-  :data:`~batchfit.probe.cache_files.ENTRY_CAP_BYTES` (64 MiB, thousands of times a real entry),
-  not JSON, empty or truncated, another schema, a key that is not its file's, key fields that do
-  not hash to it, a time not as batchfit writes it, a result the codec refuses, an answer its own
-  trials contradict (:func:`~batchfit.probe.cache_files.contradiction`: ``max_batch`` at or above
-  a size that ran out of memory, a max, safe or best-throughput size no trial fitted), or a safe
-  batch that no longer fits (the check). A probe that ends otherwise (Ctrl-C, an error) writes
-  nothing.
+  trusted is ignored with a note naming the file and why, and overwritten by the fresh answer: never
+  trusted, never a crash. That is: not a regular file (a FIFO, a device: the file type is checked
+  before anything opens it), larger than `ENTRY_CAP_BYTES` (64 MiB, thousands of times a real
+  entry), not JSON, empty or truncated, another schema, a key that is not its file's, key fields
+  that do not hash to it, a time not as batchfit writes it, a result the codec refuses, an answer
+  its own trials contradict (`contradiction`: ``max_batch`` at or above a size that ran out of
+  memory, a max, safe or best-throughput size no trial fitted), or a safe batch that no longer fits
+  (the check). A probe that ends otherwise (Ctrl-C, an error) writes nothing.
 
 Every string of a stored answer (notes, names, the device's configuration, the settings' words)
-is made printable as it is read (:func:`~batchfit.probe.cache_files.printable`: escapes are
+is made printable as it is read (`printable`: escapes are
 shown as ``\\x1b[2J``, not sent to the terminal), so neither ``str(result)``, the CLI, the rich
 view nor a user's own ``print`` can be made to act on a terminal by an entry.
 
@@ -87,7 +85,7 @@ def open_cache(prober: Prober, options: Options) -> ResultCache:
 
 
 class ResultCache:
-    """One probe's entry in a cache directory: :meth:`look_up` before the probe, :meth:`store` after."""
+    """One probe's entry in a cache directory: `look_up` before the probe, `store` after."""
 
     def __init__(
         self, directory: str | os.PathLike[str], key: CacheKey, prober: Prober, *, verify: bool = True

@@ -1,10 +1,10 @@
 """The result cache's entries on disk: the read, the document, why one cannot be trusted, the atomic write.
 
 An entry is read from a directory others may write (a cache shared by nodes), so nothing in it
-is taken on trust: only a regular file is opened, and no more than :data:`ENTRY_CAP_BYTES` of it
-(:func:`read_file`: a FIFO would block the read, ``/dev/zero`` would fill the memory); its
-answer must agree with its own trials (:func:`contradiction`); and every string it holds is made
-printable before anything can show it (:func:`printable`: a note holding ``"\\x1b[2J"`` must not
+is taken on trust: only a regular file is opened, and no more than `ENTRY_CAP_BYTES` of it
+(`read_file`: a FIFO would block the read, ``/dev/zero`` would fill the memory); its
+answer must agree with its own trials (`contradiction`); and every string it holds is made
+printable before anything can show it (`printable`: a note holding ``"\\x1b[2J"`` must not
 clear the screen of the user who prints the result).
 
 No torch: an entry can be written, read and checked where torch is not loaded (the writers of
@@ -49,7 +49,7 @@ CACHE_SCHEMA = "batchfit.cache/1"
 #: small GPT with its trials) and grows with the model's module list (a few MB for ten thousand
 #: modules); a larger file is not an entry, and is not read into memory.
 ENTRY_CAP_BYTES = 64 * 2**20
-#: How :func:`entry_document` writes ``written_at``; an entry that says it otherwise is not one.
+#: How `entry_document` writes ``written_at``; an entry that says it otherwise is not one.
 WRITTEN_AT = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 
 
@@ -70,7 +70,7 @@ def check_entry(text: bytes, key: str) -> str | None:
 
 def read_file(path: Path) -> tuple[bytes | None, str | None]:
     """The bytes of the entry file ``path``: ``(text, None)``; ``(None, None)`` when there is none;
-    ``(None, why)`` when it is not a regular file of at most :data:`ENTRY_CAP_BYTES` or cannot be
+    ``(None, why)`` when it is not a regular file of at most `ENTRY_CAP_BYTES` or cannot be
     read. The file type is checked before opening (opening a device can act on it), the open
     cannot block (``O_NONBLOCK``: a FIFO swapped in after the check) and is checked again on the
     open file, and the read stops past the cap."""
@@ -104,14 +104,14 @@ def printable(text: str) -> str:
     """``text`` with every character a terminal could act on written as its Python escape
     (``"\\x1b[2J"`` becomes the seven characters ``\\x1b[2J``): control characters, line breaks,
     bidirectional overrides, anything ``str.isprintable`` refuses. The one place an entry's text
-    is made safe to show: :func:`read_entry` passes every string of the stored result through it."""
+    is made safe to show: `read_entry` passes every string of the stored result through it."""
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _printable_tree(data: Any) -> Any:
-    """Every string value in the JSON data ``data`` made :func:`printable` (keys are checked by
+    """Every string value in the JSON data ``data`` made `printable` (keys are checked by
     the codec, which refuses any it does not know)."""
     if isinstance(data, str):
         return printable(data)
@@ -155,7 +155,7 @@ def contradiction(result: Result) -> str | None:
 def read_entry(text: bytes, key: str) -> tuple[dict[str, Any] | None, str | None]:
     """The entry ``text`` of key ``key``, parsed once and checked: ``(entry, None)``, or ``(None,
     why)`` when it cannot be trusted. The entry's ``result`` comes back with every string made
-    :func:`printable`."""
+    `printable`."""
     if not text.strip():
         return None, "it is empty"
     try:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from batchfit.probe.batches import check_has_values
+from batchfit.probe.keywords import check_hooks
 from batchfit.probe.options import Options
 from batchfit.probe.workload import split_pair
 from batchfit.report import MemoryModel, Trial, Unit
@@ -56,15 +57,13 @@ def check_materialised(model: nn.Module, sample: Any) -> None:
 
 
 def check_callbacks(*callbacks: Any) -> None:
-    """Name a callback that cannot be called before anything runs."""
-    for name, fn in zip(("callback", "on_trial_start", "on_start"), callbacks):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    """Name a callback that cannot be called before anything runs (`check_hooks`, positionally)."""
+    check_hooks(dict(zip(("callback", "on_trial_start", "on_start"), callbacks)))
 
 
 def loss_notes(model: nn.Module, sample: Any, options: Options) -> list[str]:
     """What the result says about the loss before any step: what a Hugging Face model given no
-    labels leaves out (the output's fate is said after the first step: :func:`output_notes`)."""
+    labels leaves out (the output's fate is said after the first step: `output_notes`)."""
     return _unlabelled_notes(model, sample, options)
 
 
@@ -128,7 +127,7 @@ def parameter_bytes(model: nn.Module) -> tuple[int, int]:
     return weights, sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
-#: A reserved peak within this much of the budget pressed against the cap (see :func:`fit_memory`):
+#: A reserved peak within this much of the budget pressed against the cap (see `fit_memory`):
 #: the larger of a 20 MiB segment (the caching allocator's for mid-sized requests) and 2% of it.
 PRESSED_SEGMENT_BYTES = 20 * 2**20
 PRESSED_FRACTION = 0.02
@@ -160,7 +159,7 @@ def fit_memory(
 
 
 def fixed_memory_advice(weights: int, trainable: int, mode: str, optimizer: Any, budget: int | None) -> str | None:
-    """:meth:`Prober.fixed_advice` from the parameter bytes (shared with ``batchfit.estimation``)."""
+    """`Prober.fixed_advice` from the parameter bytes (shared with ``batchfit.estimation``)."""
     if mode != "train":
         parts, fixed = f"the weights alone need {format_bytes(weights)}", weights
     else:

@@ -4,12 +4,12 @@ Three traps (torch 2.13; Composer #2214, pytorch #172822):
 
 * dynamo compiles per input shape until it sees a dimension change (``automatic_dynamic_shapes``);
   a probe that marks the batch dimension dynamic up front compiles once for all sizes instead of
-  once per size (:func:`mark_batch_dynamic`, ``maybe_mark_dynamic``: a hint, never an error);
+  once per size (`mark_batch_dynamic`, ``maybe_mark_dynamic``: a hint, never an error);
 * ``torch.compile(model, dynamic=False)`` compiles every new size anew, and after
   ``torch._dynamo.config.recompile_limit`` (8) recompilations of a frame dynamo *silently runs it
-  eagerly*: later trials measure a different program (:func:`compile_notes` warns);
+  eagerly*: later trials measure a different program (`compile_notes` warns);
 * the first step at a new shape pays for the compilation: compile time is taken from dynamo's own
-  accounting (:func:`compile_seconds`) and reported apart, and a compiled trial runs at least two
+  accounting (`compile_seconds`) and reported apart, and a compiled trial runs at least two
   steps so that the timed one is not the compiling one.
 
 On the CPU the live-tensor meter is a dispatch mode, under which dynamo would skip the model's
@@ -109,11 +109,8 @@ def compile_notes(info: Compiled | None, sizes_tried: int, ran_compiled: bool, s
         )
     if ran_compiled and info.cudagraphs:
         notes.append(
-            "the model records CUDA graphs (mode='reduce-overhead' or 'max-autotune'): each trial ran at least "
-            "three steps so that the timed one replays a graph, but every batch size records graphs whose private "
-            "memory pool empty_cache cannot free, so later trials had less room and the sizes found are "
-            "conservative; probe with mode='max-autotune-no-cudagraphs' and add one size's graph pool for the "
-            "exact boundary"
+            "the model records CUDA graphs, whose memory pools later trials could not free, so the sizes found are "
+            "conservative (see docs/concepts/one-trial.md#compiled-models-and-cuda-graphs)"
         )
     if ran_compiled:
         notes.append(

@@ -1,29 +1,29 @@
 """The frontier: the exact largest batch at each sequence length, for a fraction of the trials.
 
-:func:`frontier_with` reads top to bottom as what :func:`batchfit.frontier` does:
+`frontier_with` reads top to bottom as what [`batchfit.frontier`][batchfit.frontier] does:
 
 1. check the lengths against the model before any trial (a length longer than its position
    embeddings is an error now, not an ``IndexError`` in a trial), and the batch ``make_batch``
    builds at each: as long as asked (a ``make_batch`` that ignores ``seq_len`` would measure one
-   length under another's label), with values to train on (:func:`check_batches`);
-2. search the longest length from the smallest batch, as :func:`batchfit.find` does (its boundary
+   length under another's label), with values to train on (`check_batches`);
+2. search the longest length from the smallest batch, as [`batchfit.find`][batchfit.find] does (its boundary
    is the smallest, so the full search is cheapest there), and fit the surface
-   ``fixed + b (a s + q s^2)`` (:class:`~batchfit.report.frontier.Surface`) through it;
+   ``fixed + b (a s + q s^2)`` ([`Surface`][batchfit.Surface]) through it;
 3. search every further length from the boundary the surface predicts there
-   (:func:`batchfit.search.search_near`), its first trial the verification of the safe batch the
+   (`batchfit.search.search_near`), its first trial the verification of the safe batch the
    surface predicts: when the prediction holds, that trial, the boundary and one more that fails
    are the whole length. The surface is refitted after each length: the longest's neighbour comes
    next (the surface has no ``s^2`` term from one length, and a near length keeps that error
    small), then the shortest, then the lengths between, interpolated;
 4. search the length axis at batch 1 the same way, from the length the surface predicts, up to
    the model's position limit (or ``max_seq_len``);
-5. hand back a frozen :class:`~batchfit.report.frontier.Frontier`.
+5. hand back a frozen [`Frontier`][batchfit.Frontier].
 
-Each length is a probe of its own (:func:`~batchfit.probe.finder.search_with`, its safe batch
+Each length is a probe of its own (`search_with`, its safe batch
 verified by real steps, the user's objects restored after it), exactly as
 ``find(model, make_batch=make_batch, seq_len=s)`` runs it. It runs over any prober: the real
 one, or the estimate's fake trials (``batchfit.estimation``), which is how
-:func:`batchfit.estimate` gives the same frontier.
+[`batchfit.estimate`][batchfit.estimate] gives the same frontier.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,13 +42,16 @@ from torch import nn
 from batchfit.backends import backend_for, resolve_device
 from batchfit.errors import annotate
 from batchfit.probe.batches import META_BATCH, check_has_values, tensor_leaves
-from batchfit.probe.finder import ProbeStartCallback, StartCallback, TrialCallback, search_with, verdict
+from batchfit.probe.finder import search_with, verdict
+from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
 from batchfit.probe.options import Options, check_takes_length
 from batchfit.probe.positions import position_limit
+from batchfit.probe.probing import Oracle, ProbesTrials
 from batchfit.probe.real_data import sequence_dims
 from batchfit.probe.safe_batch import STEP_DOWN, safe_cap
 from batchfit.report import Frontier, FrontierPoint, LongestLimit, MemoryModel, PhaseLine, Result, Surface, Trial, Unit
-from batchfit.search import HEDGE, Attempt, Grid, SearchReport, search_near
+from batchfit.search import Attempt, Grid, SearchReport, search_near
+from batchfit.search.near import HEDGE
 from batchfit.units import positive_int
 
 __all__ = [
@@ -62,7 +66,7 @@ __all__ = [
 
 #: ``options -> prober``: a context manager that runs trials (``batchfit.probe.Prober``, or the
 #: estimate's ``FakeProbe``) for the options given (their ``make_batch`` bound to one length).
-ProberFactory = Callable[[Options], Any]
+ProberFactory = Callable[[Options], ProbesTrials]
 #: Called with each point once its length is done (the CLI's view draws it).
 PointCallback = Callable[[FrontierPoint], None]
 #: The verification that opens a further length aims this fraction below the safe batch the surface
@@ -155,7 +159,7 @@ def check_batches(
 
 def check_length(batch: Any, batch_size: int, seq_len: int, searching: str = "") -> None:
     """``ValueError`` unless ``batch``, built by ``make_batch(batch_size, seq_len)``, is ``seq_len``
-    long along its sequence dimension (:func:`~batchfit.probe.real_data.sequence_dims`; where that
+    long along its sequence dimension (`sequence_dims`; where that
     dimension cannot be told apart, some dimension beyond the batch must be ``seq_len`` long).
     ``searching`` says what was searched, for a length no one listed."""
     leaves = list(tensor_leaves(batch, "batch"))
@@ -232,10 +236,10 @@ def frontier_with(
         # find(make_batch, seq_len=s); a point's tokens/s is its verification's warm steps, no
         # sizes are timed again after each length's search
         at_length = replace(options, make_batch=make_batch, seq_len=s, timed_steps=0)
-        searcher = memory_hint = None
         predicted: list[float] = []
+        plan = None  # the first length: find()'s search from init_batch
         if surface is not None:
-            searcher, memory_hint = _from_surface(surface, s, options.headroom, hedge, predicted)
+            plan = FromSurface(surface, s, options.headroom, hedge, bool(at_length.verify_steps), predicted)
         result = search_with(
             make_prober(at_length),
             at_length,
@@ -243,9 +247,7 @@ def frontier_with(
             callback=callback,
             on_trial_start=on_trial_start,
             on_start=on_start if not results else None,
-            searcher=searcher,
-            memory_hint=memory_hint,
-            keep_verified_within=0.0 if searcher is None else STEP_DOWN,
+            plan=plan,
         )
         results[s] = result
         if predicted and result.boundary_reached:
@@ -336,39 +338,46 @@ def _line_of(seq_len: int, result: Result, fixed: float) -> tuple[int, float, fl
     return (seq_len, fixed, per_sample) if per_sample > 0 else None
 
 
-def _from_surface(
-    surface: Surface, seq_len: int, headroom: float, hedge: float, predicted: list[float]
-) -> tuple[Any, Any]:
-    """The search from the surface's predicted boundary at ``seq_len`` (appended to
-    ``predicted``), and the memory line the safe batch is aimed with when that search measured
-    only one fitting size.
+@dataclass(frozen=True)
+class FromSurface:
+    """The search of a further length from the boundary the surface predicts at `seq_len` (a
+    `SearchPlan`; each prediction is appended to `predicted`), and the memory line that aims the
+    safe batch when that search measured only one fitting size.
 
-    The search's first trial is the safe batch's verification, at the safe batch the surface
-    predicts (the largest under ``(1 - headroom) x budget``): it verifies the safe batch and
-    gives the Newton step to the boundary its measured point, one trial for two jobs. So a length
-    whose prediction holds costs three trials (the verification, the boundary, one more), the
-    trials a ``find()`` must run there at the least. The verification is kept as the safe batch
-    when the memory line's own candidate is at most ``STEP_DOWN`` above it (not verified again)."""
-    slope = surface.per_sample_bytes(seq_len)
+    The search's first trial is the safe batch's verification (where `verifies`), at the safe
+    batch the surface predicts (the largest under `(1 - headroom) x budget`): it verifies the safe
+    batch and gives the Newton step to the boundary its measured point, one trial for two jobs. So a
+    length whose prediction holds costs three trials (the verification, the boundary, one more), the
+    trials a `find()` must run there at the least. The verification is kept as the safe batch when
+    the memory line's own candidate is at most `STEP_DOWN` above it (not verified again)."""
 
-    def searcher(
-        oracle: Callable[[int], Attempt],
-        grid: Grid,
-        should_stop: Callable[[], bool],
-        budget: int | None,
-        verify: Callable[[int], Attempt] | None,
+    surface: Surface
+    seq_len: int
+    headroom: float
+    hedge: float
+    verifies: bool
+    predicted: list[float]
+    keep_verified_within: float = STEP_DOWN
+
+    def search(
+        self, oracle: Oracle, grid: Grid, *, should_stop: Callable[[], bool], budget_bytes: int | None
     ) -> SearchReport:
+        """`search_near` from the predicted boundary, its anchor the predicted safe batch's verification."""
+        surface, seq_len, budget = self.surface, self.seq_len, budget_bytes
         guess = surface.largest_batch(seq_len, budget) if budget is not None else grid.init
-        predicted.append(guess)
+        self.predicted.append(guess)
         anchor = None
-        if verify is not None and budget is not None:
-            aimed = (1 - ANCHOR_MARGIN) * surface.largest_batch(seq_len, safe_cap(budget, headroom))
+        if self.verifies and budget is not None:
+            aimed = (1 - ANCHOR_MARGIN) * surface.largest_batch(seq_len, safe_cap(budget, self.headroom))
             safe = grid.floor(math.floor(min(aimed, guess)))
             if grid.init <= safe < guess:
-                anchor = (safe, verify)
-        return search_near(oracle, grid, guess, slope, budget, should_stop, hedge=hedge, anchor=anchor)
+                anchor = (safe, partial(oracle, kind="verify"))
+        slope = surface.per_sample_bytes(seq_len)
+        return search_near(oracle, grid, guess, slope, budget, should_stop, hedge=self.hedge, anchor=anchor)
 
-    def memory_hint(trials: list[Trial], budget: int | None, unit: Unit) -> MemoryModel | None:
+    def memory_hint(self, trials: list[Trial], budget: int | None, unit: Unit) -> MemoryModel | None:
+        """The surface's slope at `seq_len` through the largest fitting trial."""
+        slope = self.surface.per_sample_bytes(self.seq_len)
         fitted = [t for t in trials if t.fits and t.peak_in(unit) is not None]
         if not fitted or slope <= 0:
             return None
@@ -378,8 +387,6 @@ def _from_surface(
         return MemoryModel(
             fixed_bytes=round(line.fixed_bytes), per_sample_bytes=slope, phase=line.phase, lines=(line,), unit=unit
         )
-
-    return searcher, memory_hint
 
 
 def _longest_at_batch_1(
@@ -395,7 +402,7 @@ def _longest_at_batch_1(
 ) -> tuple[int, LongestLimit, int]:
     """The longest length that trains at batch 1: the exact search of the length axis, from the
     length the surface predicts, with real trials at batch 1. ``ceiling`` bounds it (the model's
-    positions when ``by_positions``, else ``max_seq_len``; :data:`LENGTH_CEILING` without either)."""
+    positions when ``by_positions``, else ``max_seq_len``; `LENGTH_CEILING` without either)."""
     length = [1]
     one = replace(options, make_batch=_bound_to(make_batch, length), init_batch=1, max_batch=1, multiple_of=1)
     top = LENGTH_CEILING if ceiling is None else ceiling

@@ -22,8 +22,8 @@ every trial is a fresh job (DeepSpeed's autotuner does the same):
   with the same settings reuses them instead of running those jobs again (resume after Ctrl-C, a
   node failure, or a change of search options).
 
-The search, the safe batch and the result are ``find()``'s own (:func:`batchfit.probe.finder.search_with`);
-:class:`JobPerTrial` stands in for :class:`~batchfit.probe.prober.Prober`. Every job starts a fresh
+The search, the safe batch and the result are ``find()``'s own (`batchfit.probe.finder.search_with`);
+`JobPerTrial` stands in for [`Prober`][batchfit.Prober] (both are `ProbesTrials`). Every job starts a fresh
 optimizer, so a trial runs two steps (step 1 allocates the optimizer state).
 """
 
@@ -45,7 +45,7 @@ from typing import Any
 from batchfit.distributed import Solo, combine_trials
 from batchfit.errors import RankFailedError, RanksTimeoutError
 from batchfit.probe.options import Options
-from batchfit.report import DeviceInfo, MemoryModel, Trial, TrialKind, Unit
+from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
 
 #: Steps of a trial in a fresh job: step 1 allocates the optimizer state, step 2 runs with it.
 FRESH_STEPS = 2
@@ -251,6 +251,10 @@ class JobPerTrial:
 
     #: Every trial is a fresh job: nothing carries from one trial to the next.
     layout_carries = False
+    #: A fresh process per trial: no size can be timed warm after the search.
+    times_warm = False
+    #: Each worker builds its own batches: the driver does not know which batch they were sized on.
+    sized_on: SizedOn | None = None
 
     def settle_reserve(self) -> int | None:
         """The budget: each job measures its own reserve when it starts (its context is fresh)."""
@@ -273,7 +277,7 @@ class JobPerTrial:
 
 
 def read_verdicts(out: Path) -> dict[int, dict[str, Any]]:
-    """The verdict files the ranks of a job wrote so far (written whole: see :func:`write_verdict`)."""
+    """The verdict files the ranks of a job wrote so far (written whole: see `write_verdict`)."""
     verdicts = {}
     for path in out.glob("rank*.json"):
         with contextlib.suppress(ValueError, OSError):

@@ -2,7 +2,7 @@
 
 A probe's answer is a function of the device, the model's structure, the batch it sizes on, the
 step it runs and the search's settings, and of the torch and batchfit versions that ran it. The
-key is the SHA-256 of one canonical JSON document of exactly those (:func:`cache_key`, readable:
+key is the SHA-256 of one canonical JSON document of exactly those (`cache_key`, readable:
 the cache entry stores it beside the key, so a reader can see what an entry was keyed on):
 
 * **device**: its type, name, total memory and the configuration ``DeviceInfo`` records (the
@@ -20,15 +20,15 @@ the cache entry stores it beside the key, so a reader can see what an entry was 
   ``DataLoader``'s worst-batch pick and ``seq_len``; with ``make_batch``, its qualified name and
   the shapes of the batch it builds at the first size (built with the random generators put back);
 * **work** and **search**: mode, amp, the optimizer (its class and the settings of each param
-  group that can change memory, without the parameters: :func:`optimizer_fields`; a factory by
-  its qualified name, so two lambdas on one line key alike: pass an optimizer object to key on
-  its settings; the default AdamW says so), the
-  loss (``loss_fn``/``step_fn`` by qualified name, a module ``criterion`` by its repr), the memory
-  limit in bytes as resolved (a fraction keys on the bytes it comes to now) and the reserve (in
-  bytes, or ``"auto"``: what it measures varies from run to run), headroom, ``init_batch``,
-  ``max_batch``, ``multiple_of``, ``steps_per_trial``, ``verify_steps``, the strategy's name,
-  ``time_budget``, ``timed_steps``, ``seq_len``, ``scan_batches``;
-* **versions**: torch's and batchfit's (:func:`cache_key` takes them as inputs, so a test can ask
+  group that can change memory, without the parameters: `optimizer_fields`; a factory by its
+  qualified name, so two lambdas on one line key alike: pass an optimizer object to key on its
+  settings; the default AdamW says so), the loss (``loss_fn``/``step_fn`` by qualified name, a
+  module ``criterion`` by its repr), the memory limit in bytes as resolved (a fraction keys on the
+  bytes it comes to now) and the reserve (in bytes, or ``"auto"``: what it measures varies from run
+  to run), headroom, ``init_batch``, ``max_batch``, ``multiple_of``, ``steps_per_trial``,
+  ``verify_steps``, the strategy's name, ``time_budget``, ``timed_steps``, ``seq_len``,
+  ``scan_batches``;
+* **versions**: torch's and batchfit's (`cache_key` takes them as inputs, so a test can ask
   for another version's key).
 
 **Not the world size.** Batch sizes are per rank, and a rank's memory does not depend on how many
@@ -45,8 +45,9 @@ then keys apart on every run: a miss, never a wrong hit).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +116,9 @@ def cache_key(
     """The key of a probe of ``model`` on ``batch`` (the batch it sizes on) with ``options`` on
     ``device``, under the limit as resolved (``None``: the device's reachable memory): the
     canonical fields (see the module docs), JSON-ready, and their hash."""
-    grid = options.grid()
+    answer, sections = options.answer_settings(), _sections()
+    shown = {part: {name: _value(answer[name]) for name in names if name in answer} for part, names in sections.items()}
+    code = {name: CODE[name](getattr(options, name)) for name in CODE}
     fields = {
         "device": {
             "type": device.type,
@@ -125,35 +128,23 @@ def cache_key(
         },
         "model": model_fields(model),
         "batch": {
-            "make_batch": None if options.make_batch is None else qualified(options.make_batch),
+            "make_batch": code["make_batch"],
             "leaves": batch_leaves(batch, "sample" if options.make_batch is None else "batch"),
         },
-        "work": {
-            "mode": options.mode,
-            "amp": options.amp,
-            "optimizer": optimizer_fields(options.optimizer),
-            "loss_fn": None if options.loss_fn is None else qualified(options.loss_fn),
-            "step_fn": None if options.step_fn is None else qualified(options.step_fn),
-            "criterion": None if options.criterion is None else criterion_fields(options.criterion),
-        },
-        "search": {
-            "memory_limit_bytes": memory_limit_bytes,
-            "reserve": reserve,
-            "headroom": _value(float(options.headroom)),
-            "init_batch": grid.init,
-            "max_batch": grid.maximum,
-            "multiple_of": grid.multiple_of,
-            "steps_per_trial": options.steps_per_trial,
-            "verify_steps": options.verify_steps,
-            "strategy": options.make_strategy().name,
-            "time_budget": None if options.time_budget is None else _value(float(options.time_budget)),
-            "timed_steps": options.timed_steps,
-            "seq_len": options.seq_len,
-            "scan_batches": options.scan_batches,
-        },
+        "work": {**shown["work"], **{name: code[name] for name in sections["work"] if name in code}},
+        "search": {"memory_limit_bytes": memory_limit_bytes, "reserve": reserve, **shown["search"]},
         "versions": {"torch": str(torch_version), "batchfit": str(batchfit_version)},
     }
     return CacheKey(fields, hash_fields(fields))
+
+
+def _sections() -> dict[str, list[str]]:
+    """The options that change the answer, by the key's section (`Options`' field metadata)."""
+    sections: dict[str, list[str]] = {}
+    for option in dataclasses.fields(Options):
+        if "section" in option.metadata:
+            sections.setdefault(option.metadata["section"], []).append(option.name)
+    return sections
 
 
 def model_fields(model: nn.Module) -> dict[str, Any]:
@@ -189,7 +180,7 @@ def batch_leaves(batch: Any, path: str) -> list[list[Any]]:
 
 def optimizer_fields(optimizer: Any) -> dict[str, Any]:
     """The optimizer a trial builds: the default AdamW, an optimizer's class and the settings of
-    each param group that can change memory (:func:`memory_setting`; not the parameters), or a
+    each param group that can change memory (`memory_setting`; not the parameters), or a
     factory's qualified name."""
     if optimizer is None:
         return {"default": "torch.optim.AdamW with torch's defaults"}
@@ -234,6 +225,20 @@ def qualified(thing: Any) -> str:
         return f"partial({qualified(thing.func)}, {given})"
     named = thing if hasattr(thing, "__qualname__") else type(thing)
     return f"{getattr(named, '__module__', None)}.{named.__qualname__}"
+
+
+def _named(thing: Any) -> str | None:
+    return None if thing is None else qualified(thing)
+
+
+#: How each option that is code (a callable, an optimizer) is keyed: by what it is, never by identity.
+CODE: dict[str, Callable[[Any], Any]] = {
+    "make_batch": _named,
+    "loss_fn": _named,
+    "step_fn": _named,
+    "criterion": lambda criterion: None if criterion is None else criterion_fields(criterion),
+    "optimizer": optimizer_fields,
+}
 
 
 def _value(value: Any) -> Any:

@@ -1,14 +1,14 @@
-"""The gradient noise scale of the user's own batches: :func:`measure_noise`.
+"""The gradient noise scale of the user's own batches: `measure_noise`.
 
 ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al. 2018) says roughly up to which batch size more
 samples per step still buy fewer steps. It is measured here from real gradients; the statistics
 (the unbiased two-batch-size estimator and its bootstrap interval) are the pure
-:meth:`~batchfit.report.NoiseScale.from_windows`'s.
+[`from_windows`][batchfit.report.noise.NoiseScale.from_windows]'s.
 
 How a measurement runs:
 
 * the data is a ``DataLoader`` or any iterable of batches, never one batch: tiled copies of one
-  sample carry no gradient noise (:func:`check_noise_data`). Its batches are cut into micro-batches
+  sample carry no gradient noise (`check_noise_data`). Its batches are cut into micro-batches
   of ``micro_batch`` rows (default: the first batch's size; a larger one is measured at that size,
   with a note: rows of several batches are never joined); a batch with fewer rows (a short last
   batch) is skipped; a batch made of other tensors than the first's (``batches.structure``: labels
@@ -28,7 +28,7 @@ How a measurement runs:
   overflow runs again at half the scale: those passes count too); squared norms add up in float64.
   On one process a window's gradients add up in one fp32 copy of the trainable weights: the
   measurement holds the weights, their gradients and that copy, never an optimizer's state;
-* it runs inside a :class:`~batchfit.probe.prober.Prober` (the probe device, the memory limit,
+* it runs inside a [`Prober`][batchfit.Prober] (the probe device, the memory limit,
   the snapshot), so the weights, buffers, gradients, the given optimizer, train/eval flags and
   the random generators come back bit-exact, also on an error or Ctrl-C (which surfaces as
   ``KeyboardInterrupt`` after the restore). No optimizer steps: nothing is trained. A loader is
@@ -81,9 +81,9 @@ def check_noise_data(data: Any) -> None:
         )
     if isinstance(data, (torch.Tensor, Mapping, tuple, list)):
         raise ValueError(
-            f"the gradient noise scale is measured from real batches, and this is a single batch (a "
-            f"{type(data).__name__}): tiled copies of one sample carry no gradient noise. Pass a DataLoader or an "
-            "iterable of batches (for a list of batches: iter(batches))"
+            f"a single batch (a {type(data).__name__}) gives no noise scale, since tiled copies of one sample carry "
+            "no gradient noise: pass a DataLoader or an iterable of batches "
+            "(see docs/how-to/batch-to-train.md#the-gradient-noise-scale)"
         )
     if not is_batch_source(data):
         raise TypeError(

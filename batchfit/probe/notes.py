@@ -31,7 +31,7 @@ def evidence(trials: Sequence[Trial], largest_fit: int) -> list[Trial]:
 
 def non_monotone(trials: Sequence[Trial], largest_fit: int) -> bool:
     """Whether a size failed although a larger one fitted, among the trials that speak about the
-    budget (:func:`evidence`): the probe's ``Result.non_monotone``, and what a stored one must show."""
+    budget (`evidence`): the probe's ``Result.non_monotone``, and what a stored one must show."""
     return is_non_monotone([Attempt(t.batch_size, t.fits) for t in evidence(trials, largest_fit)])
 
 
@@ -48,9 +48,8 @@ def trial_notes(trials: list[Trial], report: SearchReport) -> list[str]:
     skipped = sum(t.skipped_steps for t in trials)
     if skipped:
         notes.append(
-            f"fp16: the GradScaler skipped {skipped} optimizer step(s) (inf/NaN gradients while its scale came "
-            "down); those steps did not count, every trial ran until its optimizer really stepped, so the "
-            "optimizer state is in every peak"
+            f"fp16: the GradScaler skipped {skipped} optimizer step(s), which did not count: every trial ran until "
+            "its optimizer stepped (see docs/concepts/one-trial.md#one-trial)"
         )
     if not report.boundary_reached:
         notes.append(

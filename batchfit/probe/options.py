@@ -1,9 +1,10 @@
-"""Every knob of a probe in one validated, frozen object.
+"""Every option of a probe in one validated, frozen object, with its default and its part in the answer.
 
-:func:`batchfit.find`, :class:`batchfit.Prober`, :func:`batchfit.testing.check_fits` and the CLI
-all take the same options; they build one :class:`Options` and hand it on, so each knob is
-defined, defaulted and validated here, once. Bad values raise ``TypeError`` / ``ValueError``
-naming the argument as the user wrote it (``init_batch``, not an internal field).
+The keywords are named, typed and documented in `batchfit.probe.keywords`; here each has its
+default, its check (bad values raise `TypeError` / `ValueError` naming the keyword as the user
+wrote it) and what it does to the answer (`answer_settings`: one projection for the ranks'
+agreement, the cache key and the result). Entry points build one `Options` (`options_from`) and
+hand it on.
 
 Pure Python apart from type hints: no torch import, so the CLI can validate before loading torch.
 """
@@ -14,10 +15,11 @@ import inspect
 import math
 import os
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, get_args
 
+from batchfit.probe.keywords import Amp, FindOptions, Mode, check_keywords
 from batchfit.search import Grid, Strategy, make_strategy
 from batchfit.units import as_int, check_memory_limit, parse_reserve, positive_int
 
@@ -28,68 +30,64 @@ if TYPE_CHECKING:
 #: an out-of-memory; the default ceiling stays below it.
 DEFAULT_MAX_BATCH = 32768
 
-Mode = Literal["train", "inference"]
-Amp = Literal["bf16", "fp16"]
-MODES: tuple[str, ...] = ("train", "inference")
-AMPS: tuple[str, ...] = ("bf16", "fp16")
+MODES: tuple[str, ...] = get_args(Mode)
+AMPS: tuple[str, ...] = get_args(Amp)
 
 
-#: The fields of :class:`Options` that count something: each is an int (:func:`as_int`) or ``None``.
-COUNTS = (
-    "steps_per_trial",
-    "init_batch",
-    "max_batch",
-    "multiple_of",
-    "verify_steps",
-    "seq_len",
-    "scan_batches",
-    "noise_passes",
-    "timed_steps",
-)
+def _changes(section: str, how: str = "value", shown: Callable[[Options], Any] | None = None) -> dict[str, Any]:
+    """Field metadata: the option changes the answer, and the cache key holds it under `section`.
+    `how`: `"value"` (its plain value, `shown(options)` when given: in `answer_settings`), `"code"`
+    (a callable or optimizer, keyed by what it is: `batchfit.probe.keys`) or `"resolved"` (keyed as the
+    probe resolves it: the device, the limit in bytes, the reserve)."""
+    return {"section": section, "how": how, "shown": shown}
+
+
+def _keeps(reason: str) -> dict[str, Any]:
+    """Field metadata: the option cannot change the answer, for `reason` (the key leaves it out)."""
+    return {"unchanged": reason}
 
 
 @dataclass(frozen=True)
 class Options:
-    """What to run and how to search. Field names and defaults are :func:`batchfit.find`'s.
+    """What to run and how to search: every keyword of [`batchfit.find`][batchfit.find], with its default.
 
-    The work: ``make_batch``, ``loss_fn``, ``step_fn``, ``criterion``, ``optimizer``, ``amp``, ``mode``,
-    ``device``, ``memory_limit``, ``reserve``, ``steps_per_trial``. The search: ``headroom``,
-    ``init_batch``, ``max_batch``, ``multiple_of``, ``verify_steps``, ``strategy``,
-    ``time_budget``. The restore: ``restore_rng``. Many ranks: ``distributed``,
-    ``rank_timeout``. Real data: ``seq_len``, ``scan_batches`` (``batchfit.probe.real_data``).
-    The batch to train with: ``noise_scale``, ``noise_passes`` (``batchfit.probe.noise``),
-    ``timed_steps`` (warm timed steps per size the throughput answer compares). The result cache:
-    ``cache`` (a directory, ``batchfit.probe.cache``; only :func:`batchfit.find` and ``batchfit probe``
-    read it). See :func:`batchfit.find` for what each one means.
-    """
+    The keywords are documented in `FindOptions` (`batchfit.probe.keywords`); `cache` is read only by
+    `find` and `batchfit probe`."""
 
-    make_batch: Callable[..., Any] | None = None
-    loss_fn: Callable[[Any, Any], Any] | None = None
-    step_fn: Callable[[Any, Any], Any] | None = None
-    criterion: Callable[[Any, Any], Any] | None = None
-    optimizer: Any = None
-    amp: Amp | None = None
-    mode: Mode = "train"
-    device: str | torch.device | None = None
-    memory_limit: int | float | str | None = None
-    reserve: int | str | None = None
-    steps_per_trial: int | None = None
-    headroom: float = 0.10
-    init_batch: int | None = None
-    max_batch: int = DEFAULT_MAX_BATCH
-    multiple_of: int = 1
-    verify_steps: int = 3
-    strategy: str | Strategy = "interpolate"
-    time_budget: float | None = None
-    restore_rng: bool = True
-    distributed: bool | None = None
-    rank_timeout: float = 300.0
-    seq_len: int | None = None
-    scan_batches: int | None = 64
-    noise_scale: bool = False
-    noise_passes: int = 128
-    timed_steps: int = 2
-    cache: str | os.PathLike[str] | None = None
+    make_batch: Callable[..., Any] | None = field(default=None, metadata=_changes("batch", "code"))
+    loss_fn: Callable[[Any, Any], Any] | None = field(default=None, metadata=_changes("work", "code"))
+    step_fn: Callable[[Any, Any], Any] | None = field(default=None, metadata=_changes("work", "code"))
+    criterion: Callable[[Any, Any], Any] | None = field(default=None, metadata=_changes("work", "code"))
+    optimizer: Any = field(default=None, metadata=_changes("work", "code"))
+    amp: Amp | None = field(default=None, metadata=_changes("work"))
+    mode: Mode = field(default="train", metadata=_changes("work"))
+    device: str | torch.device | None = field(default=None, metadata=_changes("device", "resolved"))
+    memory_limit: int | float | str | None = field(default=None, metadata=_changes("search", "resolved"))
+    reserve: int | str | None = field(default=None, metadata=_changes("search", "resolved"))
+    steps_per_trial: int | None = field(default=None, metadata=_changes("search"))
+    headroom: float = field(default=0.10, metadata=_changes("search", shown=lambda o: float(o.headroom)))
+    init_batch: int | None = field(default=None, metadata=_changes("search", shown=lambda o: o.first_batch))
+    max_batch: int = field(default=DEFAULT_MAX_BATCH, metadata=_changes("search"))
+    multiple_of: int = field(default=1, metadata=_changes("search"))
+    verify_steps: int = field(default=3, metadata=_changes("search"))
+    strategy: str | Strategy = field(
+        default="interpolate", metadata=_changes("search", shown=lambda o: o.make_strategy().name)
+    )
+    time_budget: float | None = field(
+        default=None,
+        metadata=_changes("search", shown=lambda o: None if o.time_budget is None else float(o.time_budget)),
+    )
+    restore_rng: bool = field(default=True, metadata=_keeps("it sets what the generators hold afterwards"))
+    distributed: bool | None = field(
+        default=None, metadata=_keeps("batch sizes are per rank; a rank's memory does not depend on the world size")
+    )
+    rank_timeout: float = field(default=300.0, metadata=_keeps("it bounds a wait, not what a trial measures"))
+    seq_len: int | None = field(default=None, metadata=_changes("search"))
+    scan_batches: int | None = field(default=64, metadata=_changes("search"))
+    noise_scale: bool = field(default=False, metadata=_keeps("measured after the search, every time, never cached"))
+    noise_passes: int = field(default=128, metadata=_keeps("it bounds the noise scale, measured every time"))
+    timed_steps: int = field(default=2, metadata=_changes("search"))
+    cache: str | os.PathLike[str] | None = field(default=None, metadata=_keeps("it says where the answer is kept"))
 
     def __post_init__(self) -> None:
         for name in COUNTS:  # numpy's int64, a 0-d tensor: kept as the int it holds (JSON, the grid)
@@ -106,6 +104,16 @@ class Options:
             raise ValueError(
                 f"pass one of loss_fn, step_fn and criterion, not {' and '.join(given)} (each defines the loss)"
             )
+        if self.optimizer is not None and not (callable(self.optimizer) or hasattr(self.optimizer, "param_groups")):
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer, a factory params -> Optimizer, or None, "
+                f"got {type(self.optimizer).__name__}"
+            )
+        device = self.device
+        if device is not None and not (
+            isinstance(device, (str, int)) and not isinstance(device, bool) or type(device).__name__ == "device"
+        ):
+            raise TypeError(f"device must be a str, a torch.device or None, got {type(device).__name__}")
         _choice("mode", self.mode, MODES)
         _choice("amp", self.amp, (None, *AMPS))
         if self.memory_limit is not None:
@@ -192,6 +200,49 @@ class Options:
 
     def make_strategy(self) -> Strategy:
         return make_strategy(self.strategy)
+
+    def answer_settings(self) -> dict[str, Any]:
+        """Every option that changes the answer and is a plain value, as the answer sees it (the first
+        batch resolved, the strategy by name, floats as floats): what every rank must search with
+        alike, the cache key's settings and the result's `Settings`, from this one projection."""
+        return {
+            option.name: option.metadata["shown"](self) if option.metadata["shown"] else getattr(self, option.name)
+            for option in fields(self)
+            if option.metadata.get("how") == "value"
+        }
+
+
+def parameters_of(function: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    """`function`'s parameters as a caller sees them: its `**options: Unpack[Group]` spelled out as
+    keyword-only parameters with `Options`' defaults (a hook's: `HOOK_DEFAULTS`), in place of the
+    `**` one. What a type checker shows; what the contract tests compare across entry points."""
+    from batchfit.probe import keywords
+
+    spelled: dict[str, inspect.Parameter] = {}
+    for name, parameter in inspect.signature(function).parameters.items():
+        annotation = str(parameter.annotation)
+        if parameter.kind is not parameter.VAR_KEYWORD or not annotation.startswith("Unpack["):
+            spelled[name] = parameter
+            continue
+        group = getattr(keywords, annotation.removeprefix("Unpack[").removesuffix("]"))
+        for key in keywords.keywords_of(group):
+            default = keywords.HOOK_DEFAULTS[key] if key in keywords.HOOK_DEFAULTS else _DEFAULTS[key]
+            spelled[key] = inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default)
+    return spelled
+
+
+def options_from(where: str, given: Mapping[str, Any], group: type = FindOptions, **fixed: Any) -> Options:
+    """The `Options` of a call to `where()` given `given` keywords, which must be `group`'s (a
+    `TypedDict` of `batchfit.probe.keywords`), and `fixed` ones the entry point sets itself."""
+    check_keywords(where, given, group)
+    return Options(**given, **fixed)
+
+
+#: The options that count something, read off their declared type: each is an int (`as_int`) or None.
+COUNTS = tuple(option.name for option in fields(Options) if option.type in ("int", "int | None"))
+
+#: Each option's default, as `Options` declares it.
+_DEFAULTS: dict[str, Any] = {option.name: option.default for option in fields(Options)}
 
 
 def check_takes_length(make_batch: Callable[..., Any], said: str) -> None:

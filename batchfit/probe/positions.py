@@ -2,7 +2,7 @@
 
 A model with learned absolute positions (GPT-2's ``wpe``, BERT's ``position_embeddings``) has one
 row per position: a longer sequence fails with an index error inside the first trial, which says
-nothing about the length asked for. :func:`position_limit` reads the limit without running the
+nothing about the length asked for. `position_limit` reads the limit without running the
 model, so ``seq_len=`` beyond it is refused before any trial, and the frontier can stop there.
 """
 

@@ -1,4 +1,4 @@
-"""The :class:`Prober`: the lifetime of a probe, and its trials.
+"""The [`Prober`][batchfit.Prober]: the lifetime of a probe, and its trials.
 
 It validates the input, snapshots the user's model and optimizer, moves the model to the probe
 device, warms the device up, applies the memory limit, runs trials on request, and in
@@ -13,7 +13,7 @@ import contextlib
 import gc
 from dataclasses import replace
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from batchfit.probe.checks import (
     parameter_bytes,
 )
 from batchfit.probe.compiled import compile_notes, compile_seconds, compiled_info
+from batchfit.probe.keywords import FindOptions, check_keywords
 from batchfit.probe.options import Options
 from batchfit.probe.positions import check_seq_len
 from batchfit.probe.real_data import worst_batch
@@ -42,22 +43,31 @@ from batchfit.probe.workload import AMP_DTYPES, Workload, optimizer_factory
 from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
 from batchfit.units import format_bytes, parse_memory_limit, parse_reserve, positive_int
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = ["Prober"]
 
 
 class Prober:
     """Runs trials of one workload on one device, and leaves everything as it found it.
 
-    Use as a context manager::
+    Use as a context manager:
 
-        with batchfit.Prober(model, sample, memory_limit="8GiB") as prober:
-            trial = prober.trial(64)          # a real Trial: fits, peak_bytes, samples_per_s...
+    ```python
+    with batchfit.Prober(model, sample, memory_limit="8GiB") as prober:
+        trial = prober.trial(64)          # a real Trial: fits, peak_bytes, samples_per_s...
+    ```
 
-    Keywords are :func:`batchfit.find`'s (an :class:`~batchfit.probe.options.Options` as ``options=``,
-    keywords override it); the search keywords are accepted and ignored here.
+    Keywords are [`batchfit.find`][batchfit.find]'s (an [`Options`][batchfit.Options] as ``options=``,
+    keywords override it); the search keywords are accepted and ignored here. What `search_with`
+    asks of it is `ProbesTrials` (`batchfit.probe.probing`).
     """
 
-    def __init__(self, model: nn.Module, sample: Any = None, *, options: Options | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: nn.Module, sample: Any = None, *, options: Options | None = None, **kwargs: Unpack[FindOptions]
+    ) -> None:
+        check_keywords("Prober", kwargs, FindOptions)
         options = Options(**kwargs) if options is None else replace(options, **kwargs)
         #: Things the probe's set-up wants the result to say (a clipped budget, ...).
         self.notes: list[str] = []
@@ -192,20 +202,9 @@ class Prober:
         return self._raw_sample
 
     def _search_settings(self) -> dict[str, Any]:
-        """What every rank must search with alike, or the ranks would take different paths."""
-        options, grid = self.options, self.options.grid()
-        return {
-            "init_batch": grid.init,
-            "max_batch": grid.maximum,
-            "multiple_of": grid.multiple_of,
-            "strategy": options.make_strategy().name,
-            "headroom": float(options.headroom),
-            "verify_steps": options.verify_steps,
-            "steps_per_trial": options.steps_per_trial,
-            "mode": options.mode,
-            "amp": options.amp,
-            "time_budget": options.time_budget,
-        }
+        """What every rank must search with alike, or the ranks would take different paths: every
+        option that changes the answer (`Options.answer_settings`, which the cache keys on too)."""
+        return self.options.answer_settings()
 
     def _agree_on_budget(self) -> None:
         """The budget of the group: the smallest rank's (heterogeneous or partly occupied devices)."""

@@ -3,7 +3,7 @@
 A probe builds every batch size by repeating one batch's rows along dim 0, so its answer holds
 for what that batch holds. With variable-length data the first batch of a loader is the wrong
 one: a loader sorted or bucketed by length hands out its short batches first, and an answer
-sized on them runs out of memory at the first long batch. :func:`worst_batch` picks the batch to
+sized on them runs out of memory at the first long batch. `worst_batch` picks the batch to
 size on instead:
 
 * a plain batch (a tensor, mapping, tuple or list) is used as it is;
@@ -11,7 +11,7 @@ size on instead:
   Hugging Face's ``LengthGroupedSampler`` on the loader's sampler; a ``datasets.Dataset`` with a
   ``length`` column too) gives its longest item, collated alone by the loader's own
   ``collate_fn``: no other item is loaded;
-* any other loader (or iterable of batches) is scanned (:mod:`~batchfit.probe.scan`: the whole
+* any other loader (or iterable of batches) is scanned (`scan`: the whole
   epoch where ``scan_batches`` allows, else batches spread across it, or drawn in order while the
   data still grows), and the batch whose rows hold the most elements wins (the first of equals):
   its real rows, padded as the user's collate function padded them. A scan that did not read the
@@ -19,7 +19,7 @@ size on instead:
 * ``seq_len=`` sizes on exactly that length instead: the chosen rows are cut to it, or extended
   by repeating their own content along the sequence dimension (never with invented values).
 
-It says what it chose in a note and in a :class:`~batchfit.report.SizedOn` for the result.
+It says what it chose in a note and in a `SizedOn` for the result.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def worst_batch(
 
     ``sample``: a batch, a ``DataLoader`` or any other iterable of batches, or ``None`` (the
     probe builds batches with ``make_batch``). ``scan_batches``: how many batches a scan reads
-    (``None``: the whole epoch; :mod:`~batchfit.probe.scan`). ``seq_len``: the sequence length to
+    (``None``: the whole epoch; `scan`). ``seq_len``: the sequence length to
     size on. ``keep_rng``: draw on copies of the random generators (a loader's iterator seeds
-    itself from torch's), so they come back as they were (:func:`generators_kept`). A scan that
+    itself from torch's), so they come back as they were (`generators_kept`). A scan that
     did not read the whole epoch says so in the note and in a ``UserWarning``, unless ``seq_len``
     fixed the length.
     """
@@ -109,16 +109,16 @@ def sequence_dims(batch: Any, seq_len: int | None = None) -> dict[str, int]:
     if len(shared) != 1:
         which = "no dim >= 1 is" if not shared else f"dims {', '.join(map(str, shared))} all are"
         raise ValueError(
-            f"{asked}: cannot tell which dimension of the sample is the sequence: {which} shared, with one size, "
-            f"by every tensor of rank >= 2 ({shapes}). Pass a DataLoader whose batches differ in length, or "
-            "make_batch=(batch_size, seq_len) -> batch"
+            f"{asked}: cannot tell which dimension of the sample is the sequence, as {which} shared by every "
+            f"tensor of rank >= 2 ({shapes}): pass make_batch= "
+            "(see docs/how-to/real-data.md#seq_len-the-length-you-know-better)"
         )
     return {path: shared[0] for path, _ in ranked}
 
 
 def at_length(batch: Any, dims: Mapping[str, int], seq_len: int) -> Any:
     """``batch`` with each tensor named in ``dims`` made exactly ``seq_len`` long along its dim:
-    cut when longer, extended by repeating its own content when shorter (as :func:`tile` repeats
+    cut when longer, extended by repeating its own content when shorter (as `tile` repeats
     rows along dim 0). Every such tensor is a fresh allocation, as a real batch of that length."""
     paths = iter([path for path, _ in tensor_leaves(batch, "sample")])
 

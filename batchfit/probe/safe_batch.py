@@ -28,7 +28,7 @@ def _verified_within(
     trials: list[Trial], size: int, steps: int, cap: int | None, init: int, within: float
 ) -> int | None:
     """The largest size in ``[(1 - within) x size, size]`` that ``trials`` hold a passed
-    verification of, with ``steps`` steps under ``cap`` (as :func:`safe_batch` runs it); ``None``."""
+    verification of, with ``steps`` steps under ``cap`` (as `safe_batch` runs it); ``None``."""
     sizes = [
         t.batch_size
         for t in trials
@@ -61,8 +61,8 @@ def safe_batch(
     Candidates: the largest fitting trial whose measured peak is within the lowered cap (it never
     reached that cap, so it runs under it alike), and the memory equation's prediction (which
     can land between tried sizes; the equation is fitted on the trials that did not press against
-    the cap, see :func:`batchfit.probe.checks.fit_memory`). A candidate that fails under the
-    lowered cap steps down by :data:`STEP_DOWN` of its size, at most :data:`ATTEMPTS` times. If
+    the cap, see `batchfit.probe.checks.fit_memory`). A candidate that fails under the
+    lowered cap steps down by `STEP_DOWN` of its size, at most `ATTEMPTS` times. If
     none passes, the largest size that fitted any trial below the candidates is verified once
     more (a real allocator's wall, fragmentation or an address-space limit, can sit below the
     step-downs and above it) and returned, verified if it passed, else marked not verified with a

@@ -15,7 +15,7 @@ What is trusted: the batch sampler's index lists are the epoch's (a shuffling sa
 draw of it), the worst batch is the one whose rows hold the most elements (the first of equals),
 and every batch holds the first's tensors (``batches.structure``): one that does not is another
 input or another objective, refused by name. What is not: a batch not read. A scan that did not
-read the whole epoch says so (:meth:`Scan.gap`), and its caller warns with it.
+read the whole epoch says so (`Scan.gap`), and its caller warns with it.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Scan:
             self.worst_elements, self.worst_rows = elements, rows
 
     def one_shape(self) -> bool:
-        """Whether every batch read (:data:`ONE_SHAPE_EVIDENCE` or more) had the first's shape."""
+        """Whether every batch read (`ONE_SHAPE_EVIDENCE` or more) had the first's shape."""
         return self.scanned >= ONE_SHAPE_EVIDENCE and not any(self.varying.values())
 
     def at_edge(self, drawn: int) -> bool:
@@ -192,7 +192,7 @@ def _indexed_batches(loader: Any) -> int | None:
 
 
 def _by_index(loader: Any, name: str, total: int, limit: int | None) -> Scan:
-    """The batches :func:`spread` picks, fetched by their index lists as the loader's own fetch
+    """The batches `spread` picks, fetched by their index lists as the loader's own fetch
     does (``__getitems__`` where the dataset has it, then ``collate_fn``)."""
     positions = spread(total, limit)
     result = Scan(name, total, spread=len(positions) < total)

@@ -2,7 +2,7 @@
 
 A probe runs real training steps, which change parameters (optimizer steps), buffers
 (BatchNorm running statistics, counters a forward reassigns), gradients, the random number
-generators and, with ``device=``, where the model lives. :class:`Snapshot` records all of it
+generators and, with ``device=``, where the model lives. `Snapshot` records all of it
 before the first trial and puts it back in a ``finally``, so an OOM, a bug in the model or
 Ctrl-C leaves the user's model and optimizer bit-for-bit as they were.
 
@@ -21,11 +21,11 @@ What is restored, and how:
 * ``requires_grad`` flags, every module's train/eval flag, the user's optimizer state and
   hyperparameters (its own tensors, refilled in place);
 * the CPU generator and the probe device's generators (``restore_rng=False`` leaves them: see
-  :class:`~batchfit.probe.options.Options`). A private ``torch.Generator`` the model owns is *not*
+  [`Options`][batchfit.Options]). A private ``torch.Generator`` the model owns is *not*
   restored: batchfit cannot see it.
 
 The copies live on the host. That matters when the device fails for good (a device-side
-assert, an illegal address): then every call on the device fails, so :meth:`Snapshot.restore`
+assert, an illegal address): then every call on the device fails, so `Snapshot.restore`
 with ``device_usable=False`` rebinds each tensor that lived on the failed device to its host
 copy instead of copying into it. The model comes back with its exact values, on the CPU.
 """
@@ -91,7 +91,7 @@ class _Grad:
 
 @dataclass
 class Snapshot:
-    """What :func:`take` saw; :meth:`restore` puts it back. Not a public type."""
+    """What `take` saw; `restore` puts it back. Not a public type."""
 
     model: nn.Module
     slots: list[_Slots] = field(default_factory=list)

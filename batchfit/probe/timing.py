@@ -7,7 +7,7 @@ search step ran 119 samples/s, the safe batch 144's warm steps 395). Ranking siz
 rates names as "best" whichever size happened to be timed warm: the safe batch, which its
 verification times over several steps. So after the search the sizes the answer depends on
 are timed again, each in the same way: one untimed step, then ``timed_steps`` timed ones
-(:func:`time_warm`):
+(`time_warm`):
 
 1. the largest batch and the safe batch (the answer names both), unless a size already has
    ``timed_steps`` warm steps in one trial: the safe batch's verification (one step that
@@ -17,11 +17,11 @@ are timed again, each in the same way: one untimed step, then ``timed_steps`` ti
    verification proves the safe batch in the state timing leaves behind);
 2. the knee's neighbourhood: halving below the smallest size within 5% of the best rate until a
    size below it is slower than that, then bisecting (geometrically) between the two until they
-   are within :data:`KNEE_BRACKET` of each other, while the phase's time lasts
-   (:func:`timing_deadline`, counted from when step 1 is done: on a CPU the two largest sizes'
+   are within `KNEE_BRACKET` of each other, while the phase's time lasts
+   (`timing_deadline`, counted from when step 1 is done: on a CPU the two largest sizes'
    steps alone can outlast any share of a short search, and must not leave the knee untimed).
 
-Only warm steps (those after an untimed step of the same trial, :func:`is_warm`) are compared
+Only warm steps (those after an untimed step of the same trial, `is_warm`) are compared
 with each other (``batchfit.report.throughput``); the knee is then a property of the model and
 the device, not of the search's path.
 """
@@ -31,13 +31,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from batchfit.report import KNEE_FRACTION, Trial, is_warm, warm_rates
+from batchfit.report import Trial
+from batchfit.report.throughput import KNEE_FRACTION, is_warm, warm_rates
 from batchfit.search import Grid
 
 #: The knee is bisected until the slower size below it is within this ratio of it.
 KNEE_BRACKET = 1.25
 #: The knee's neighbourhood may take this share of the probe's time so far, and at least
-#: :data:`MIN_TIMING_S` seconds (the largest and the safe batch are timed in any case).
+#: `MIN_TIMING_S` seconds (the largest and the safe batch are timed in any case).
 TIMING_SHARE = 0.5
 MIN_TIMING_S = 5.0
 
@@ -46,14 +47,14 @@ RunTimed = Callable[[int], Trial]
 
 
 def timing_deadline(now: float, started: float, time_budget: float | None) -> float:
-    """When the knee's neighbourhood stops being timed: :data:`TIMING_SHARE` of the time the
-    probe took so far, at least :data:`MIN_TIMING_S`, and never past the probe's ``time_budget``."""
+    """When the knee's neighbourhood stops being timed: `TIMING_SHARE` of the time the
+    probe took so far, at least `MIN_TIMING_S`, and never past the probe's ``time_budget``."""
     deadline = now + max(MIN_TIMING_S, TIMING_SHARE * (now - started))
     return deadline if time_budget is None else min(deadline, started + time_budget)
 
 
 def knee_of(rates: dict[int, float]) -> int:
-    """The smallest size whose rate is within :data:`KNEE_FRACTION` of the best (``rates`` not empty)."""
+    """The smallest size whose rate is within `KNEE_FRACTION` of the best (``rates`` not empty)."""
     best = max(rates.values())
     return min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * best)
 
@@ -61,10 +62,10 @@ def knee_of(rates: dict[int, float]) -> int:
 def next_knee_size(rates: dict[int, float], grid: Grid) -> int | None:
     """The next size to time to pin the knee down, ``None`` once it is pinned (or cannot be).
 
-    The knee is the smallest timed size within :data:`KNEE_FRACTION` of the best rate. Until a
+    The knee is the smallest timed size within `KNEE_FRACTION` of the best rate. Until a
     slower size below it has been timed, the next size is half the knee (on the grid); then the
     geometric middle between that slower size and the knee, until the two are within
-    :data:`KNEE_BRACKET` of each other or no grid size lies between them.
+    `KNEE_BRACKET` of each other or no grid size lies between them.
     """
     if not rates:
         return None

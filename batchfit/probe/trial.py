@@ -1,10 +1,10 @@
 """One trial: build a batch of size b, run real steps, time them, measure memory, clean up.
 
 The code is shaped around one trap: an exception's traceback holds the frames of the step,
-and the frames hold the batch, the activations and the loss. :func:`_run_steps` keeps every
+and the frames hold the batch, the activations and the loss. `_run_steps` keeps every
 tensor in its own frame and returns only plain data, and the OOM is turned into a record
 inside the ``except`` block, so when the function returns nothing of the trial is referenced
-any more and :meth:`Meter.release` can really give the memory back.
+any more and `Meter.release` can really give the memory back.
 
 Two more rules shape the steps. *Synchronise only around timed steps*: the allocator's
 statistics are read on the host, so phases need no synchronisation, and every extra one makes a
@@ -12,7 +12,7 @@ launch-bound batch look slow. *Count only real optimizer steps*: with fp16 a ``G
 skips ``optimizer.step()`` when the gradients overflow, and AdamW allocates its moments inside
 ``step()``; a trial whose steps were all skipped would "fit" without the optimizer state. So a
 skipped step does not count: the trial runs on (the scaler halves its scale each time) until
-``steps`` real optimizer steps ran, at most :data:`MAX_SKIPPED_STEPS` extra, and the scale
+``steps`` real optimizer steps ran, at most `MAX_SKIPPED_STEPS` extra, and the scale
 reached is handed to the next trial so that only the first trial pays for finding it.
 
 *Keep the optimizer between trials.* Its state (AdamW's two moments) does not depend on the
@@ -20,7 +20,7 @@ batch size, and a real run holds it for good from its first step on. A probe tha
 trial a fresh optimizer needs two steps per trial to see the steady peak (step 1 allocates the
 state, step 2 runs with it live); the prober hands the optimizer of the last trial to the next,
 so after the first trial one step gives the same peak at half the price. A trial reports
-whether its optimizer's state is complete (:attr:`TrialRun.optimizer`), and the bytes it holds
+whether its optimizer's state is complete (`TrialRun.optimizer`), and the bytes it holds
 are not counted as a leak.
 """
 
@@ -93,13 +93,13 @@ def run_trial(
 ) -> TrialRun:
     """Run ``steps`` real steps at ``batch_size`` and return the record.
 
-    Out-of-memory errors become a failed :class:`Trial`; any other exception propagates
+    Out-of-memory errors become a failed [`Trial`][batchfit.Trial]; any other exception propagates
     unchanged, with a note naming the batch size and phase. ``grad_scale``: the fp16 scale to
     start from (the previous trial's), ``None`` for the ``GradScaler`` default. ``optimizer``:
     one that already stepped in an earlier trial (its state is live), ``None`` for a fresh one.
     ``ranks``: the processes that run the trial together; they meet after every phase
     (``batchfit.distributed.ranks``), so an out-of-memory on one fails the trial on all. The record is
-    this rank's: :meth:`Solo.combine` makes the group's.
+    this rank's: `Solo.combine` makes the group's.
     """
     ranks = ranks if ranks is not None else Solo()
     before = meter.allocated_bytes()
@@ -194,9 +194,11 @@ def _run_steps(
     times: list[float],
     ranks: Solo,
 ) -> None:
-    """The steps themselves. Step 1 warms up (and allocates optimizer state); steps 2..N are
-    timed, with the device synchronised at their start and end only. With a single step, that
-    step is timed. Every phase ends in a meeting of the ranks (a no-op for one process)."""
+    """The steps themselves, every tensor of the trial in this frame (see the module docs). Step 1
+    warms up (and allocates optimizer state); steps 2..N are timed, with the device synchronised at
+    their start and end only. With a single step, that step is timed. Training runs until `steps`
+    steps really stepped the optimizer. Every phase ends in a meeting of the ranks (a no-op for one
+    process). One function, not one per loop: the path from `find` to the model stays short."""
     progress.phase = "batch"
     with ranks.meet("batch", batch_size):
         with meter.phase("batch"):
@@ -219,48 +221,57 @@ def _run_steps(
     hook = optimizer.register_step_post_hook(lambda *_: stepped.append(1))
     scaler = workload.grad_scaler(progress.grad_scale)
     try:
-        _train_steps(workload, meter, batch, batch_size, steps, optimizer, stepped, scaler, progress, times, ranks)
+        while progress.steps < steps:
+            timed = bool(stepped) or steps == 1
+            with _timed(meter, times, timed) as record:
+                ran_before = len(stepped)
+                # The output forward hands back stays alive until the step ends, as in the loop it
+                # stands for (None where that loop frees it before backward: Workload.forward).
+                # Between the phases a Ctrl-C deferred by the probe surfaces (meter.checkpoint),
+                # and the ranks meet. Under DDP, backward runs without its all-reduce
+                # (Solo.deferred_sync), and the gradients are all-reduced at the start of the step
+                # phase, once every rank's backward worked.
+                progress.phase = "forward"
+                meter.checkpoint()
+                with ranks.meet("forward", batch_size), meter.phase("forward"):
+                    output, loss = workload.forward(batch)
+                assert loss is not None
+                progress.output_kept = output is not None
+                progress.phase = "backward"
+                meter.checkpoint()
+                with ranks.meet("backward", batch_size), meter.phase("backward"):
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                progress.phase = "step"
+                meter.checkpoint()
+                with ranks.meet("step", batch_size), meter.phase("step"):
+                    ranks.sync_gradients(workload.model)
+                    if scaler is not None:
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                del output, loss
+                record.keep = len(stepped) > ran_before
+            if len(stepped) == ran_before:
+                progress.skipped += 1
+                if progress.skipped > MAX_SKIPPED_STEPS:
+                    raise NoOptimizerStepError(
+                        f"the optimizer never stepped at batch size {batch_size}: the GradScaler skipped "
+                        f"{progress.skipped} optimizer steps in a row because the fp16 gradients were inf or NaN "
+                        "at every scale, so the optimizer state was never allocated and the trial's memory "
+                        "cannot be measured. Check the loss for inf/NaN, or probe with amp='bf16'."
+                    )
+                continue
+            progress.steps += 1
+            progress.optimizer_ready = True
+            if progress.steps == 1:
+                progress.optimizer_state_bytes = _state_bytes(optimizer, meter)
     finally:
         hook.remove()
         if scaler is not None:  # read once (it synchronises), for the next trial to start from
             with contextlib.suppress(Exception):  # a failed device must not hide the real error
                 progress.grad_scale = float(scaler.get_scale())
-
-
-def _train_steps(
-    workload: Workload,
-    meter: Meter,
-    batch: object,
-    batch_size: int,
-    steps: int,
-    optimizer: torch.optim.Optimizer,
-    stepped: list[int],
-    scaler: torch.amp.GradScaler | None,
-    progress: _Progress,
-    times: list[float],
-    ranks: Solo,
-) -> None:
-    """Training steps until ``steps`` of them really stepped the optimizer (see the module docs)."""
-    while progress.steps < steps:
-        timed = bool(stepped) or steps == 1
-        with _timed(meter, times, timed) as record:
-            ran_before = len(stepped)
-            _train_step(workload, meter, batch, batch_size, optimizer, scaler, progress, ranks)
-            record.keep = len(stepped) > ran_before
-        if len(stepped) == ran_before:
-            progress.skipped += 1
-            if progress.skipped > MAX_SKIPPED_STEPS:
-                raise NoOptimizerStepError(
-                    f"the optimizer never stepped at batch size {batch_size}: the GradScaler skipped "
-                    f"{progress.skipped} optimizer steps in a row because the fp16 gradients were inf or NaN "
-                    "at every scale, so the optimizer state was never allocated and the trial's memory cannot "
-                    "be measured. Check the loss for inf/NaN, or probe with amp='bf16'."
-                )
-            continue
-        progress.steps += 1
-        progress.optimizer_ready = True
-        if progress.steps == 1:
-            progress.optimizer_state_bytes = _state_bytes(optimizer, meter)
 
 
 class _Timing:
@@ -269,8 +280,8 @@ class _Timing:
 
 @contextlib.contextmanager
 def _timed(meter: Meter, times: list[float], timed: bool) -> Iterator[_Timing]:
-    """Time the code inside between two synchronisations when ``timed``; the caller may clear
-    ``keep`` (a step whose optimizer update was skipped is not a step's time)."""
+    """Time the code inside between two synchronisations when `timed`; the caller may clear
+    `keep` (a step whose optimizer update was skipped is not a step's time)."""
     record = _Timing()
     if not timed:
         yield record
@@ -281,44 +292,6 @@ def _timed(meter: Meter, times: list[float], timed: bool) -> Iterator[_Timing]:
     meter.synchronize()
     if record.keep:
         times.append(time.perf_counter() - start)
-
-
-def _train_step(
-    workload: Workload,
-    meter: Meter,
-    batch: object,
-    batch_size: int,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
-    progress: _Progress,
-    ranks: Solo,
-) -> None:
-    # The output forward hands back stays alive until the step ends, as in the loop it stands for
-    # (None where that loop frees it before backward: Workload.forward). Between the phases a
-    # Ctrl-C deferred by the probe surfaces (meter.checkpoint), and the ranks meet.
-    # Under DDP, backward runs without its all-reduce (Solo.deferred_sync), and the gradients
-    # are all-reduced at the start of the step phase, once every rank's backward worked.
-    progress.phase = "forward"
-    meter.checkpoint()
-    with ranks.meet("forward", batch_size), meter.phase("forward"):
-        output, loss = workload.forward(batch)
-    assert loss is not None
-    progress.output_kept = output is not None
-    progress.phase = "backward"
-    meter.checkpoint()
-    with ranks.meet("backward", batch_size), meter.phase("backward"):
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-    progress.phase = "step"
-    meter.checkpoint()
-    with ranks.meet("step", batch_size), meter.phase("step"):
-        ranks.sync_gradients(workload.model)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    del output, loss
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer, meter: Meter) -> int:

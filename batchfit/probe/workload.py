@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +23,19 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """Call the model the way the batch suggests: ``model(x)``, ``model(*x)`` or ``model(**x)``."""
+def spread(batch: Any) -> tuple[Sequence[Any], Mapping[str, Any]]:
+    """The arguments a batch is called with: `model(x)`, `model(*x)` or `model(**x)`."""
     if isinstance(batch, Mapping):
-        return model(**batch)
+        return (), batch
     if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
+        return batch, {}
+    return (batch,), {}
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Call the model the way the batch suggests: `model(x)`, `model(*x)` or `model(**x)`."""
+    args, kwargs = spread(batch)
+    return model(*args, **kwargs)
 
 
 def split_pair(batch: Any) -> tuple[Any, Any]:
@@ -42,22 +48,18 @@ def split_pair(batch: Any) -> tuple[Any, Any]:
     )
 
 
-def call_model_explained(model: nn.Module, batch: Any) -> Any:
-    """:func:`call_model`, with a hint when a tuple sample was spread over too many arguments:
-    ``find(resnet, (x, y))`` calls ``resnet(x, y)``, which is the classic first mistake."""
-    try:
-        return call_model(model, batch)
-    except TypeError as exc:
-        if isinstance(batch, (tuple, list)) and "positional argument" in str(exc):
-            from batchfit.errors import annotate
+def _explain_spread(exc: TypeError, batch: Any) -> None:
+    """A hint on `exc` when a tuple sample was spread over too many arguments: `find(resnet, (x, y))`
+    calls `resnet(x, y)`, which is the classic first mistake."""
+    if isinstance(batch, (tuple, list)) and "positional argument" in str(exc):
+        from batchfit.errors import annotate
 
-            annotate(
-                exc,
-                f"batchfit: the sample is a {type(batch).__name__} of {len(batch)}, so the model was called as "
-                f"model(*sample). For (inputs, targets) data pass criterion=, e.g. torch.nn.CrossEntropyLoss(): "
-                "batchfit then calls model(inputs) and criterion(output, targets)",
-            )
-        raise
+        annotate(
+            exc,
+            f"batchfit: the sample is a {type(batch).__name__} of {len(batch)}, so the model was called as "
+            f"model(*sample). For (inputs, targets) data pass criterion=, e.g. torch.nn.CrossEntropyLoss(): "
+            "batchfit then calls model(inputs) and criterion(output, targets)",
+        )
 
 
 def own_loss(output: Any) -> torch.Tensor | None:
@@ -76,7 +78,7 @@ def own_loss(output: Any) -> torch.Tensor | None:
 def default_loss(output: Any) -> torch.Tensor:
     """A scalar to backpropagate from whatever the model returned.
 
-    The model's :func:`own_loss` when it has one, else the output itself, or its first tensor
+    The model's `own_loss` when it has one, else the output itself, or its first tensor
     for tuples, lists and mappings (logits), reduced with ``mean()`` in float32 so that fp16
     outputs cannot overflow.
     """
@@ -102,7 +104,7 @@ def optimizer_factory(
     An optimizer instance: a fresh one of the same class with the same param-group
     hyperparameters over the same parameters; the user's own instance is never stepped. A
     callable: called with the list of trainable parameters. Every optimizer made must hold some of
-    the parameters it is given, or it is refused by name (:func:`_stepping_the_model`).
+    the parameters it is given, or it is refused by name (`_stepping_the_model`).
 
     ``parameter_of``: where the probe runs the model's parameters as other tensors (the estimate
     swaps fake ones into the model's slots), the tensor that stands in for each of the template's
@@ -257,7 +259,7 @@ class Workload:
         """Run forward (and loss): returns ``(output, loss)``; loss is None in inference mode.
 
         In training ``output`` is what the step keeps alive through backward, as the loop it
-        stands for does. The model's own loss (:func:`own_loss`, with no ``loss_fn``) leaves
+        stands for does. The model's own loss (`own_loss`, with no ``loss_fn``) leaves
         ``None``: ``loss = model(**batch).loss``, Hugging Face's Trainer and Lightning free the
         output before backward. A ``loss_fn``, a ``criterion`` or the stand-in loss (the output's
         mean) took the output, and it is kept, as ``out = model(x); loss = criterion(out, y);
@@ -272,14 +274,21 @@ class Workload:
                 if not isinstance(output, torch.Tensor):
                     raise TypeError(f"step_fn must return the loss tensor, got {type(output).__name__}")
                 return None, output if output.dim() == 0 else output.float().mean()
+            # The model is called here, not through `call_model`: one frame less between `find` and it.
             if self.criterion is not None:
                 inputs, targets = split_pair(batch)
-                output = call_model(self.model, inputs)
+                args, kwargs = spread(inputs)
+                output = self.model(*args, **kwargs)
                 if self.mode == "inference":
                     return output, None
                 loss = self.criterion(output, targets)
             else:
-                output = call_model_explained(self.model, batch)
+                args, kwargs = spread(batch)
+                try:
+                    output = self.model(*args, **kwargs)
+                except TypeError as exc:
+                    _explain_spread(exc, batch)
+                    raise
                 if self.mode == "inference":
                     return output, None
                 own = own_loss(output) if self.loss_fn is None else None

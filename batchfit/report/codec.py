@@ -13,14 +13,14 @@ type hints (``Annotated[int, Range(1)]``, ``Annotated[str, OneOf(PHASES)]``), re
 * a constraint has to reach inside containers: each pair of ``Trial.phase_peaks`` is a phase
   name and a byte count, each of ``step_times_s`` a time; a field's metadata can only govern the
   field's whole value, a hint governs every position it describes;
-* a constrained type is declared once, as an alias (:data:`Batch`, :data:`Bytes`,
-  :data:`Seconds`, ...), and says what a value is wherever it appears, in any record of any
+* a constrained type is declared once, as an alias (`Batch`, `Bytes`,
+  `Seconds`, ...), and says what a value is wherever it appears, in any record of any
   module (the CI gate's report uses them too), with no ``field()`` call beside each default;
 * to a type checker ``Annotated[int, ...]`` is a plain ``int``: writing records is unchanged.
 
-Every int has a magnitude bound, declared or not (:data:`INT_LIMIT`, 2**63): a value no memory
+Every int has a magnitude bound, declared or not (`INT_LIMIT`, 2**63): a value no memory
 or batch can have (``budget_bytes`` of 10**400) is refused here, not when ``str(result)`` turns
-it into a float. A field may also declare that it never exceeds another (:class:`NotAbove`, e.g.
+it into a float. A field may also declare that it never exceeds another (`NotAbove`, e.g.
 ``safe_batch`` never above ``max_batch``), where the code that writes the records guarantees it.
 A record may declare the schema its document carries (a ``SCHEMA`` class variable): the
 document's ``"schema"`` must name it, at any depth (the gate's report holds a result). It may
@@ -54,13 +54,13 @@ INT_LIMIT = 2**63
 # Constraints, declared on the type hints --------------------------------------------------------
 @dataclass(frozen=True)
 class Range:
-    """A number in ``[low, high)``; ``high=None``: no bound above (an int still has :data:`INT_LIMIT`)."""
+    """A number in ``[low, high)``; ``high=None``: no bound above (an int still has `INT_LIMIT`)."""
 
     low: float
     high: float | None = None
 
     def bounded(self, hint: Any) -> Range:
-        """The range an int of this hint really has: within :data:`INT_LIMIT` too."""
+        """The range an int of this hint really has: within `INT_LIMIT` too."""
         if hint is not int:
             return self
         high = INT_LIMIT if self.high is None else min(self.high, INT_LIMIT)
@@ -235,7 +235,7 @@ def _hints(cls: type) -> dict[str, Any]:
 
 @cache
 def _ceilings(cls: type) -> tuple[tuple[str, str], ...]:
-    """The ``(field, other)`` pairs of ``cls`` whose field never exceeds the other (:class:`NotAbove`)."""
+    """The ``(field, other)`` pairs of ``cls`` whose field never exceeds the other (`NotAbove`)."""
     hints = _hints(cls)
     return tuple(
         (f.name, rule.other) for f in fields(cls) for rule in _metadata(hints[f.name]) if isinstance(rule, NotAbove)

@@ -1,12 +1,12 @@
-"""What :func:`batchfit.frontier` returns: the largest batch per sequence length, and the surface.
+"""What [`batchfit.frontier`][batchfit.frontier] returns: the largest batch per sequence length, and the surface.
 
-Pure Python (no torch import), like every record of :mod:`batchfit.report`:
+Pure Python (no torch import), like every record of `batchfit.report`:
 
-* :class:`Surface`: the two-dimensional memory equation ``fixed + b * (a * s + q * s**2)``, with
+* [`Surface`][batchfit.Surface]: the two-dimensional memory equation ``fixed + b * (a * s + q * s**2)``, with
   what its terms mean;
-* :class:`FrontierPoint`: one length's answer (the exact largest batch, the verified safe batch,
-  tokens/s), with the one-dimensional :class:`~batchfit.report.Result` it came from;
-* :class:`Frontier`: the points, the longest length that trains at batch 1, the token budget, and
+* [`FrontierPoint`][batchfit.FrontierPoint]: one length's answer (the exact largest batch, the verified safe batch,
+  tokens/s), with the one-dimensional [`Result`][batchfit.Result] it came from;
+* [`Frontier`][batchfit.Frontier]: the points, the longest length that trains at batch 1, the token budget, and
   its versioned JSON document (schema ``batchfit.frontier/1``).
 """
 
@@ -91,7 +91,7 @@ class Surface:
 
     @property
     def quadratic(self) -> bool:
-        """Whether the ``s**2`` term is real: it holds at least :data:`QUADRATIC_SHARE` of a
+        """Whether the ``s**2`` term is real: it holds at least `QUADRATIC_SHARE` of a
         sample's bytes at the longest length fitted."""
         return len(self.lengths) >= 2 and self.quadratic_share >= QUADRATIC_SHARE
 
@@ -195,10 +195,10 @@ class FrontierPoint:
 
 @dataclass(frozen=True)
 class Frontier:
-    """The answer of :func:`batchfit.frontier`: per length, the largest and safe batch and tokens/s.
+    """The answer of [`batchfit.frontier`][batchfit.frontier]: per length, the largest and safe batch and tokens/s.
 
     Attributes:
-        points: one :class:`FrontierPoint` per length asked for, shortest first.
+        points: one [`FrontierPoint`][batchfit.FrontierPoint] per length asked for, shortest first.
         longest_at_batch_1: the longest length that trains at batch 1, found by the same exact
             search on the length axis (``None`` when not asked for); ``longest_limited_by`` says
             what stopped it (``"memory"``: ``longest + 1`` ran out of memory; ``"positions"``:
@@ -208,7 +208,7 @@ class Frontier:
         budget_bytes, budget_counts: the budget every point was searched under and what it counts.
         device: where the trials ran (or what was estimated for).
         elapsed_s: seconds from the call to the answer.
-        estimated: from fake tensors (:func:`batchfit.estimate` with ``seq_lens=``), not real steps.
+        estimated: from fake tensors ([`batchfit.estimate`][batchfit.estimate] with ``seq_lens=``), not real steps.
         notes, assumptions: what a reader should know; what an estimate rests on.
     """
 
@@ -245,7 +245,7 @@ class Frontier:
 
     @property
     def safe_token_budget(self) -> int:
-        """:attr:`token_budget` at the safe batches (the headroom kept)."""
+        """[`token_budget`][batchfit.report.frontier.Frontier.token_budget] at the safe batches (the headroom kept)."""
         return min(point.safe_tokens for point in self.points)
 
     @property
@@ -273,7 +273,8 @@ class Frontier:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Frontier:
-        """The inverse of :meth:`to_dict`, every field checked as :meth:`Result.from_dict` checks."""
+        """The inverse of [`to_dict`][batchfit.report.result.Result.to_dict], every field checked as
+        [`Result.from_dict`][batchfit.report.result.Result.from_dict] checks."""
         return read_document(cls, data, "frontier")
 
     @classmethod

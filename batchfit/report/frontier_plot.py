@@ -29,7 +29,7 @@ class PlotUnavailableError(ImportError):
 
 
 def require_matplotlib() -> Any:
-    """The ``matplotlib.pyplot`` module on the Agg backend; :class:`PlotUnavailableError` (an
+    """The ``matplotlib.pyplot`` module on the Agg backend; `PlotUnavailableError` (an
     ``ImportError``) saying how to install it when matplotlib is missing. A front end calls it
     before a probe, so a missing extra is said before minutes of trials, not after."""
     try:
@@ -44,7 +44,7 @@ def require_matplotlib() -> Any:
 
 def save_frontier_plot(frontier: Frontier, path: str | os.PathLike[str], *, dpi: int = 120) -> str:
     """Draw ``frontier`` to ``path`` (the format from its suffix: ``.png``, ``.svg``, ``.pdf``) and
-    return the path written. What is drawn: :func:`frontier_figure`.
+    return the path written. What is drawn: `frontier_figure`.
 
     Raises:
         PlotUnavailableError: matplotlib is not installed (an ``ImportError``: install the ``plot`` extra).

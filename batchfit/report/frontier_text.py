@@ -1,7 +1,7 @@
 """Plain text of a frontier (``str(frontier)``): a row per length, the longest length, the surface.
 
 Pure Python (no torch, no rich): the same text goes to a log, a terminal and a notebook; the
-terminal's chart (``batchfit.view``) and the image (:mod:`batchfit.report.frontier_plot`) draw the
+terminal's chart (``batchfit.view``) and the image (`batchfit.report.frontier_plot`) draw the
 same numbers.
 """
 
@@ -25,7 +25,7 @@ def render_frontier(frontier: Frontier) -> str:
 
 
 def frontier_lines(frontier: Frontier) -> list[str]:
-    """:func:`render_frontier`'s lines (a view wraps them to its width)."""
+    """`render_frontier`'s lines (a view wraps them to its width)."""
     lines = headline_lines(frontier)
     lines.append("")
     lines.append(_row(list(TABLE_TITLES)))
@@ -95,7 +95,7 @@ def compact_rate(tokens_per_s: float | None) -> str:
 
 
 def small_bytes(nbytes: float) -> str:
-    """Bytes as :func:`~batchfit.units.format_bytes` says them, with three digits below a KiB
+    """Bytes as `format_bytes` says them, with three digits below a KiB
     (``0.348 B``: a per-squared-token term is often a fraction of a byte)."""
     return format_bytes(nbytes) if abs(nbytes) >= 1024 else f"{nbytes:.3g} B"
 

@@ -1,4 +1,4 @@
-"""The memory equation: per-phase lines fitted to the trials' peaks (see :class:`MemoryModel`)."""
+"""The memory equation: per-phase lines fitted to the trials' peaks (see [`MemoryModel`][batchfit.MemoryModel])."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ SLOPE_PRECISION = 0.25
 
 def _phase_lines(phase: str, points: Sequence[tuple[int, int]]) -> tuple[PhaseLine, ...]:
     """One phase's lines: that of its upper piece first, then the chords below it (see
-    :class:`MemoryModel`). ``points`` are ``(size, peak)`` pairs sorted by size, at least two."""
+    [`MemoryModel`][batchfit.MemoryModel]). ``points`` are ``(size, peak)`` pairs sorted by size, at least two."""
     quantum = math.gcd(*(peak for _, peak in points))
 
     def within(line: PhaseLine, size: int, peak: int) -> bool:

@@ -42,7 +42,8 @@ FEW_WINDOWS = 8
 
 @dataclass(frozen=True)
 class NoiseEstimate:
-    """What :func:`estimate` makes of the windows: the plain numbers a :class:`NoiseScale` holds."""
+    """What [`estimate`][batchfit.estimate] makes of the windows: the plain numbers a
+    [`NoiseScale`][batchfit.report.noise.NoiseScale] holds."""
 
     b_simple: float | None
     low: float
@@ -215,7 +216,7 @@ class NoiseScale:
         world_size: int = 1,
         notes: Sequence[str] = (),
     ) -> NoiseScale:
-        """The record of a measurement: :func:`estimate` over ``(small, big)`` squared norms per
+        """The record of a measurement: [`estimate`][batchfit.estimate] over ``(small, big)`` squared norms per
         window, with what the measurement cost and its own ``notes`` (the estimator's follow)."""
         found = estimate(windows, small_batch, big_batch, confidence=confidence, seed=seed)
         return cls(

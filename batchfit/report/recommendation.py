@@ -1,10 +1,10 @@
-"""The batch to train with: one :class:`Recommendation`, the bound that decided it, and why.
+"""The batch to train with: one [`Recommendation`][batchfit.Recommendation], the bound that decided it, and why.
 
 A probe measures several answers to "which batch?": the largest that fits, the safe batch (with
 headroom, verified), the throughput knee (past it, bigger batches stop paying in samples/s) and,
 when asked, the gradient noise scale ``B_simple`` (McCandlish et al. 2018: roughly the critical
 batch, past which a larger batch buys almost no fewer optimizer steps for the same loss).
-:func:`recommend` turns them into one choice, per rank ``batch_size`` x ``accumulation`` x
+[`recommend`][batchfit.recommend] turns them into one choice, per rank ``batch_size`` x ``accumulation`` x
 ``world_size``, by these rules, first match wins:
 
 1. **A target** (``target_batch``, or ``target_tokens`` in whole sequences of ``seq_len``) is the
@@ -13,7 +13,7 @@ batch, past which a larger batch buys almost no fewer optimizer steps for the sa
    share, with the largest such micro-batch (fewest passes; a global batch costs the same samples
    however it is split). Otherwise with the fewest accumulation steps and the micro-batch that
    brings the global batch nearest the target, and ``target_changed_by`` (and the reason) say by
-   how much: never silently. :func:`split_global` is that arithmetic.
+   how much: never silently. `split_global` is that arithmetic.
 2. **The noise scale**, ``B`` (global): above what fits (``safe x world_size``), train at the safe
    batch and accumulate to about ``B``: up to ``B`` more samples per step still cut the steps
    nearly in proportion, and accumulation is the only way there. Below the throughput knee, train
@@ -42,31 +42,26 @@ torch recommends the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any
 
 from batchfit.report.codec import Batch, Count, NotAbove, Range, Rate, read_document
 from batchfit.report.recommendation_rules import (
+    Decider,
     Facts,
+    Measured,
     by_noise,
     by_speed,
     by_target,
     caveats_for,
-    split_global,
     split_text,
 )
 from batchfit.units import check_positive_int
 
-if TYPE_CHECKING:
-    from batchfit.report.result import Result
+__all__ = ["Recommendation", "recommend"]
 
-__all__ = ["DECIDERS", "Decider", "Recommendation", "recommend", "split_global"]
-
-#: The bound that decided a recommendation.
-Decider = Literal["target", "noise scale", "throughput knee", "memory"]
-DECIDERS: tuple[str, ...] = ("target", "noise scale", "throughput knee", "memory")
-#: What :func:`recommend` reads of a result.
+#: What `recommend` reads of a result.
 _READS = ("max_batch", "safe_batch", "safe_verified", "settings", "throughput", "world_size", "noise_scale", "sized_on")
-#: The width of the label column of :meth:`Recommendation.lines`, as the probe's summary has it.
+#: The width of the label column of `Recommendation.lines`, as the probe's summary has it.
 LABEL = 17
 
 
@@ -80,7 +75,8 @@ class Recommendation:
         world_size: the ranks to train on: the ranks that probed, or those a re-plan was asked for.
         global_batch: ``batch_size * accumulation * world_size``: the samples one optimizer step sees.
         decided_by: ``"target"``, ``"noise scale"``, ``"throughput knee"`` or ``"memory"``.
-        reason: why, with the numbers that decided it (the decision itself is :meth:`decision`).
+        reason: why, with the numbers that decided it (the decision itself is
+            [`decision`][batchfit.report.recommendation.Recommendation.decision]).
         caveats: what a reader should know before trusting it.
         max_batch, safe_batch: the probe's largest fitting and safe batch, per rank.
         knee_batch: the throughput knee (``None``: nothing was timed).
@@ -146,7 +142,7 @@ class Recommendation:
 
     def decision(self) -> str:
         """``train at 48 x 4 accumulation (global batch 192), decided by the noise scale``: what to
-        do, in one clause; :attr:`reason` says why."""
+        do, in one clause; [`reason`][batchfit.ray.WorkerBatch.reason] says why."""
         totals = [f"global batch {self.global_batch}"] if self.global_batch != self.batch_size else []
         if self.tokens_per_step is not None:
             totals.append(f"{self.tokens_per_step:,} tokens")
@@ -168,7 +164,9 @@ class Recommendation:
         return {f"batchfit/{name}": float(value) for name, value in named.items() if value is not None}
 
     def lines(self) -> list[str]:
-        """The lines the CLI prints last: the decision (:meth:`decision`), why (:attr:`reason`), then
+        """The lines the CLI prints last: the decision
+        ([`decision`][batchfit.report.recommendation.Recommendation.decision]), why
+        ([`reason`][batchfit.ray.WorkerBatch.reason]), then
         one line per caveat (unwrapped; the caller fits them to its width)."""
         lines = [f"{'recommended':<{LABEL}}{self.decision()}", f"{'why':<{LABEL}}{self.reason}"]
         return lines + [f"{'caveat':<{LABEL}}{caveat}" for caveat in self.caveats]
@@ -189,7 +187,7 @@ class Recommendation:
 
 # The recommendation --------------------------------------------------------------------------------
 def recommend(
-    result: Result,
+    result: Measured,
     *,
     target_batch: int | None = None,
     target_tokens: int | None = None,
@@ -199,8 +197,9 @@ def recommend(
     """The batch to train with for ``result``, by the rules of this module's docstring.
 
     Args:
-        result: a probe's answer (:func:`batchfit.find`, :func:`batchfit.estimate`), batch sizes
-            per rank; its ``noise_scale`` is used when measured.
+        result: a probe's answer ([`batchfit.find`][batchfit.find],
+            [`batchfit.estimate`][batchfit.estimate]), batch sizes per rank; its ``noise_scale`` is
+            used when measured.
         target_batch: a global batch to reach, in samples (over every rank and accumulation step).
         target_tokens: instead, tokens per optimizer step: ``ceil(target_tokens / seq_len)``
             whole sequences.
@@ -219,7 +218,7 @@ def recommend(
         ValueError: a target, ``seq_len`` or ``world_size`` is not positive; ``target_tokens``
             without a known length.
     """
-    # Duck-typed: the result module calls this one (Result.recommend), so it is not imported here.
+    # Duck-typed (`Measured`): the result module calls this one (Result.recommend), so it is not imported here.
     if not all(hasattr(result, name) for name in _READS):
         raise TypeError(f"result must be a batchfit Result, got {type(result).__name__}")
     if target_batch is not None and target_tokens is not None:

@@ -1,27 +1,32 @@
-"""The rules of :mod:`batchfit.report.recommendation`, and the arithmetic and words they share.
+"""The rules of `batchfit.report.recommendation`, the arithmetic and words they share, and what
+they read of a result (`Measured`).
 
-Apart from the record so that each stays a size one can read: the record and :func:`recommend`
-(what users call) there, the rules that pick the batch here. Pure Python, no torch.
+The record and `recommend` (what users call) are there; the rules that pick the batch are here,
+below both the record and `Result`: they read a result as `Measured`, so `Result.recommend` can
+call them without a circle. Pure Python, no torch.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from batchfit.report.throughput import KNEE_FRACTION
 from batchfit.units import check_positive_int
 
 if TYPE_CHECKING:
     from batchfit.report.noise import NoiseScale
-    from batchfit.report.recommendation import Decider
-    from batchfit.report.result import Result
+    from batchfit.report.records import Settings, SizedOn
+    from batchfit.report.throughput import Throughput
 
 __all__ = [
+    "DECIDERS",
     "WIDE",
     "Choice",
+    "Decider",
     "Facts",
+    "Measured",
     "by_noise",
     "by_speed",
     "by_target",
@@ -32,6 +37,43 @@ __all__ = [
 
 #: An interval wider than this ratio (``high / low``) asks for more passes.
 WIDE = 2.0
+#: The bound that decided a recommendation.
+Decider = Literal["target", "noise scale", "throughput knee", "memory"]
+DECIDERS: tuple[str, ...] = ("target", "noise scale", "throughput knee", "memory")
+
+
+class Measured(Protocol):
+    """What the rules read of a probe's answer: a `batchfit.Result`, or one read back from JSON."""
+
+    @property
+    def max_batch(self) -> int: ...
+
+    @property
+    def safe_batch(self) -> int: ...
+
+    @property
+    def safe_verified(self) -> bool: ...
+
+    @property
+    def best_throughput_batch(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def estimated(self) -> bool: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def throughput(self) -> Throughput | None: ...
+
+    @property
+    def noise_scale(self) -> NoiseScale | None: ...
+
+    @property
+    def sized_on(self) -> SizedOn | None: ...
 
 
 # The split of a global batch ----------------------------------------------------------------------
@@ -74,10 +116,10 @@ class Facts:
     best: int
     rates: dict[int, float]
     noise: NoiseScale | None
-    result: Result
+    result: Measured
 
     @classmethod
-    def of(cls, result: Result, world_size: int | None = None) -> Facts:
+    def of(cls, result: Measured, world_size: int | None = None) -> Facts:
         """The facts of ``result`` for training on ``world_size`` ranks (default: the ranks that
         probed). Per-rank sizes hold for any number of ranks of the same device kind: a rank's
         memory does not depend on how many others there are (DDP's buckets are per rank)."""
@@ -124,7 +166,7 @@ class Facts:
 
 
 #: What a rule decides: micro-batch, accumulation steps, the bound that decided, the reason, caveats.
-Choice = tuple[int, int, "Decider", str, list[str]]
+Choice = tuple[int, int, Decider, str, list[str]]
 
 
 def by_target(facts: Facts, target: int, tokens: int | None, length: int | None) -> Choice:
@@ -249,7 +291,7 @@ def by_speed(facts: Facts) -> Choice:
     return facts.knee, 1, "throughput knee", reason, []
 
 
-def caveats_for(result: Result, facts: Facts, micro: int) -> list[str]:
+def caveats_for(result: Measured, facts: Facts, micro: int) -> list[str]:
     """What holds whichever rule decided: a re-plan for another world size, the noise scale's limits
     (or how to get one), the probe's own."""
     caveats: list[str] = []

@@ -11,7 +11,7 @@ PHASES = ("batch", "forward", "backward", "step")
 
 #: Where a step was when it ran out of memory, and the phases peaks are recorded for.
 Phase = Literal["batch", "forward", "backward", "step"]
-#: A phase as the meters name it (a plain ``str`` to a type checker, one of :data:`PHASES` in a
+#: A phase as the meters name it (a plain ``str`` to a type checker, one of `PHASES` in a
 #: document): the keys of ``phase_peaks`` and the phase of a memory line.
 PhaseName = Annotated[str, OneOf(PHASES)]
 #: The device kinds a result can come from: those batchfit probes (``batchfit.backends``), which
@@ -106,7 +106,7 @@ class Trial:
         """The inverse of ``dataclasses.asdict(trial)`` (JSON turns the pairs into lists).
 
         Raises ``ValueError`` naming the field when ``data`` is not a trial (see
-        :meth:`Result.from_dict`).
+        [`Result.from_dict`][batchfit.report.result.Result.from_dict]).
         """
         return read_document(cls, data, "trial")
 

@@ -1,4 +1,4 @@
-"""What :func:`batchfit.find` returns: the :class:`Result`, and its versioned JSON document."""
+"""What [`batchfit.find`][batchfit.find] returns: the [`Result`][batchfit.Result], and its versioned JSON document."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from batchfit.report.memory import MemoryModel
 from batchfit.report.noise import NoiseScale
 from batchfit.report.records import CacheHit, DeviceInfo, Settings, SizedOn, Trial, Unit
 from batchfit.report.throughput import Throughput
-from batchfit.search import StopReason
+from batchfit.search.core import StopReason
 
 if TYPE_CHECKING:
     from batchfit.report.recommendation import Recommendation
@@ -21,7 +21,7 @@ SCHEMA = "batchfit.result/1"
 
 @dataclass(frozen=True)
 class Result:
-    """The answer of :func:`batchfit.find`.
+    """The answer of [`batchfit.find`][batchfit.find].
 
     Attributes:
         max_batch: the largest batch size that trained (the exact boundary when
@@ -44,7 +44,7 @@ class Result:
             keeps its headroom, in this unit.
         world_size: the ranks that probed together (``torchrun``, DDP); batch sizes are per
             rank, peaks the largest rank's, throughput the whole group's. 1 for one process.
-        estimated: the answer of :func:`batchfit.estimate` (fake tensors, no device), not of
+        estimated: the answer of [`batchfit.estimate`][batchfit.estimate] (fake tensors, no device), not of
             real steps; ``assumptions`` says what it rests on.
         sized_on: which batch of real data the sizes were built from, when the sample was a
             ``DataLoader`` (the worst batch of a scan, or the longest item by the dataset's
@@ -55,7 +55,7 @@ class Result:
             ``None`` for a result measured now.
     """
 
-    #: The schema its JSON document names (see :meth:`to_json`).
+    #: The schema its JSON document names (see `to_json`).
     SCHEMA: ClassVar[str] = SCHEMA
     #: What the document carries for its readers, derived from the fields (skipped on reading).
     DERIVED: ClassVar[tuple[str, ...]] = ("recommendation",)
@@ -114,7 +114,7 @@ class Result:
         world_size: int | None = None,
     ) -> Recommendation:
         """The batch to train with, and the accumulation and ranks that reach it, with the bound
-        that decided and why (:func:`batchfit.report.recommendation.recommend`): the memory bound,
+        that decided and why ([`batchfit.report.recommendation.recommend`][batchfit.recommend]): the memory bound,
         the throughput knee, the noise scale when measured, and a target global batch (or tokens
         per step at ``seq_len``) when given. ``world_size``: train on that many ranks instead of
         the ranks that probed (an elastic re-plan: the same global batch, no new probe)."""
@@ -126,13 +126,15 @@ class Result:
 
     @property
     def recommendation(self) -> Recommendation:
-        """:meth:`recommend` without a target: derived from the fields, never stored, so a result
+        """[`recommend`][batchfit.report.result.Result.recommend] without a target: derived from the fields, never
+        stored, so a result
         read back from JSON recommends the same (its JSON document carries it, for readers)."""
         return self.recommend()
 
     # JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """The fields, the schema, and the recommendation (derived: :meth:`from_dict` skips it)."""
+        """The fields, the schema, and the recommendation (derived:
+        [`from_dict`][batchfit.report.result.Result.from_dict] skips it)."""
         data = asdict(self)
         data["schema"] = SCHEMA
         data["recommendation"] = asdict(self.recommendation)
@@ -144,7 +146,7 @@ class Result:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Result:
-        """The inverse of :meth:`to_dict`.
+        """The inverse of [`to_dict`][batchfit.report.result.Result.to_dict].
 
         Every field is checked against its type: ints are ints (not bools, floats or strings),
         numbers finite, names within their allowed values, nested records likewise; fields
@@ -153,7 +155,7 @@ class Result:
         batch sizes and ``world_size`` at least 1, byte counts, steps, times and rates not
         negative, every int below 2**63 in magnitude, ``settings.headroom`` in [0, 1), the mode,
         amp, phases and device type among those batchfit writes, ``safe_batch`` not above
-        ``max_batch`` (see :mod:`batchfit.report.codec`). Anything else raises one
+        ``max_batch`` (see `batchfit.report.codec`). Anything else raises one
         ``ValueError`` that says what is wrong and where, e.g. ``not a batchfit result: field
         'trials[2].peak_bytes' must be an int or null, got str '17'`` or ``... field
         'settings.headroom' must be a number in [0, 1), got float 1.5``. So a result that
@@ -163,7 +165,8 @@ class Result:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Result:
-        """The inverse of :meth:`to_json`; ``ValueError`` for anything else (see :meth:`from_dict`),
+        """The inverse of [`to_json`][batchfit.report.result.Result.to_json]; ``ValueError`` for anything else (see
+        [`from_dict`][batchfit.report.result.Result.from_dict]),
         a document nested too deeply to parse included."""
         return read_json(cls, text, "result")
 

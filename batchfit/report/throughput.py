@@ -1,7 +1,7 @@
 """What the timed steps say about speed: the best size, the knee, and the noise.
 
 Only like is compared with like: when any size was timed warm (steps after an untimed step of
-the same trial, :func:`is_warm`), the rates come from warm steps alone; a cold step (a search
+the same trial, `is_warm`), the rates come from warm steps alone; a cold step (a search
 trial's only step, right after the previous trial's memory was released) is never ranked
 against them. ``batchfit.probe.timing`` times the sizes the answer depends on warm.
 """
@@ -76,7 +76,7 @@ class Throughput:
     Attributes:
         best_batch, best_samples_per_s: the size with the highest rate.
         knee_batch, knee_samples_per_s: the smallest size within 5% of the best rate
-            (:data:`KNEE_FRACTION`): past it, bigger batches stop paying in throughput. Never
+            (`KNEE_FRACTION`): past it, bigger batches stop paying in throughput. Never
             above ``best_batch``, which is within 5% of itself.
         spread: the relative spread of repeated step times, ``(slowest - fastest) / median``,
             the largest over the sizes timed more than once (``None``: no size was). Rates that

@@ -13,16 +13,17 @@ The plain strategy is the classic one, done carefully:
 
 When memory grows monotonically with batch size this returns the exact boundary in at most
 ``2 * ceil(log2(maximum)) + 2`` oracle calls. Strategies that choose smarter split points
-plug in through :class:`Strategy`; the search clamps whatever they propose into the open
+plug in through [`Strategy`][batchfit.search.core.Strategy]; the search clamps whatever they propose into the open
 bracket on the grid, so a strategy can cost trials but never break exactness, and
-:func:`affordable` tells a strategy whether a guess keeps the worst case within
-:func:`max_trials`.
+[`affordable`][batchfit.search.core.affordable] tells a strategy whether a guess keeps the worst case within
+[`max_trials`][batchfit.search.core.max_trials].
 
-Where the strategies live: the plain one, :class:`Doubling`, is here, as :func:`search`'s
-default. The interpolating one is :class:`batchfit.search.interpolate.Interpolating`, built on this
-module's types. The names users pass (``"binary"``, ``"interpolate"``) are looked up in
-:mod:`batchfit.search.strategies`, apart from both: :func:`search` takes a strategy object, so this
-module needs no registry and never imports the strategies built on it, and
+Where the strategies live: the plain one, [`Doubling`][batchfit.search.core.Doubling], is here, as
+[`search`][batchfit.search.core.search]'s default. The interpolating one is
+[`batchfit.search.interpolate.Interpolating`][batchfit.search.interpolate.Interpolating], built on
+this module's types. The names users pass (``"binary"``, ``"interpolate"``) are looked up in
+`batchfit.search.strategies`, apart from both: [`search`][batchfit.search.core.search] takes a
+strategy object, so this module needs no registry and never imports the strategies built on it, and
 ``batchfit.search.interpolate`` imports only this module.
 """
 
@@ -161,7 +162,7 @@ class SearchReport:
 
     Attributes:
         largest_fit: the largest size that fitted (``None`` never happens: the search raises
-            :class:`NothingFitsError` instead).
+            [`NothingFitsError`][batchfit.NothingFitsError] instead).
         smallest_fail: the smallest size that failed, ``None`` if none did.
         attempts: every oracle call in order.
         boundary_reached: ``True`` when ``largest_fit`` and ``smallest_fail`` are grid
@@ -188,10 +189,11 @@ def search(
 ) -> SearchReport:
     """Find the largest size on ``grid`` for which ``oracle(size).fits`` is true.
 
-    ``strategy`` is a :class:`Strategy` object (``None``: :class:`Doubling`, the plain one); to
+    ``strategy`` is a [`Strategy`][batchfit.search.core.Strategy] object (``None``:
+    [`Doubling`][batchfit.search.core.Doubling], the plain one); to
     pass a name (``"binary"``, ``"interpolate"``) look it up with
-    :func:`batchfit.search.strategies.make_strategy` first.
-    Raises :class:`NothingFitsError` when ``grid.init`` itself does not fit.
+    [`batchfit.search.strategies.make_strategy`][batchfit.search.strategies.make_strategy] first.
+    Raises [`NothingFitsError`][batchfit.NothingFitsError] when ``grid.init`` itself does not fit.
     ``should_stop`` is consulted before every call after the first; when it returns true the
     search ends with what it has (``stop_reason="stopped"``). ``budget_bytes`` (the memory the
     trials may use, on the scale of the verdicts' ``peak_bytes``) is handed to the strategy;
@@ -204,25 +206,24 @@ def search(
             + ("; look names up with batchfit.search.strategies.make_strategy" if isinstance(chooser, str) else "")
         )
     attempts: list[Attempt] = []
-
-    def ask(size: int) -> Verdict:
+    low, high, size = grid.init, None, grid.init
+    top = grid.top
+    while True:
+        # The oracle is called here, not through a helper: the path from `find` to the model stays short.
         verdict = oracle(size)
         phases = tuple((str(p), int(b)) for p, b in getattr(verdict, "phase_peaks", None) or ())
         attempts.append(Attempt(size, bool(verdict.fits), verdict.peak_bytes, phases))
-        return verdict
-
-    first = ask(grid.init)
-    if not first.fits:
-        raise NothingFitsError(
-            grid.init,
-            needed_bytes=first.peak_bytes,
-            budget_bytes=budget_bytes,
-            phase=getattr(first, "phase", None),
-        )
-
-    low, high = grid.init, None
-    top = grid.top
-    while True:
+        if verdict.fits:
+            low = size
+        elif len(attempts) == 1:
+            raise NothingFitsError(
+                grid.init,
+                needed_bytes=verdict.peak_bytes,
+                budget_bytes=budget_bytes,
+                phase=getattr(verdict, "phase", None),
+            )
+        else:
+            high = size
         if high is None and low >= top:
             return _report(low, high, attempts, grid, "max_batch", chooser)
         if high is not None and high - low <= grid.multiple_of:
@@ -231,10 +232,6 @@ def search(
             return _report(low, high, attempts, grid, "stopped", chooser)
         bracket = Bracket(low, high, tuple(attempts), grid, budget_bytes)
         size = clamp(chooser.propose(bracket), low, high, grid)
-        if ask(size).fits:
-            low = size
-        else:
-            high = size
 
 
 def clamp(proposal: int, low: int, high: int | None, grid: Grid) -> int:
@@ -274,7 +271,8 @@ def max_trials(grid: Grid) -> int:
 
 
 def affordable(bracket: Bracket, size: int) -> bool:
-    """Whether trying ``size`` keeps the search within :func:`max_trials` in the worst case.
+    """Whether trying ``size`` keeps the search within [`max_trials`][batchfit.search.core.max_trials] in the worst
+    case.
 
     After the trial, the plain strategy must be able to finish from either outcome's bracket.
     As long as this holds before each trial, the plain proposal keeps it true, so the whole

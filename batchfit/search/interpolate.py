@@ -1,16 +1,16 @@
 """The interpolating search strategy, ``"interpolate"``: pure logic, never imports torch.
 
-:class:`Interpolating` uses the memory the trials measured: it fits
+[`Interpolating`][batchfit.search.interpolate.Interpolating] uses the memory the trials measured: it fits
 ``peak = fixed + per_sample * b`` per phase of the step and proposes the size where the fitted
 line meets the budget, then closes the bracket right next to it. It falls back to the plain
-proposal whenever its own guess could push the search past :func:`~batchfit.search.max_trials`,
+proposal whenever its own guess could push the search past [`max_trials`][batchfit.search.core.max_trials],
 so it keeps the plain strategy's worst-case bound, and for the rest of a search once the trials
 have contradicted its model (the measured memory does not explain where sizes fail, as with a
 real allocator that fails on memory the meter does not count), so that it then costs only a few
 trials more than the plain strategy (see its docstring).
 
-It builds on :mod:`batchfit.search` (the bracket, the grid, the plain strategy and the bound)
-and imports nothing else of batchfit; :mod:`batchfit.search.strategies` maps its name to it.
+It builds on `batchfit.search` (the bracket, the grid, the plain strategy and the bound)
+and imports nothing else of batchfit; `batchfit.search.strategies` maps its name to it.
 """
 
 from __future__ import annotations
@@ -75,14 +75,14 @@ class Interpolating:
 
     Proposals, in order:
 
-    * one fitting size and a budget: an eighth (:data:`SECOND_POINT`, at least ``2 * low``) of
+    * one fitting size and a budget: an eighth (`SECOND_POINT`, at least ``2 * low``) of
       the proportional jump ``low * budget / peak(low)``, which fits whenever the peak per
       sample does not grow with the batch (fixed bytes are >= 0): a sure fit gives the second
       point a line needs, where doubling may fail and give none, and a small one costs little.
       If the jump is not above ``low``, double;
     * a prediction above ``low``: ``p`` itself while no trial has contradicted the model, or
       when a third point confirms the line (a fit at the boundary and a failure one above is
-      the cheapest end a search can have); after a miss, short of it by 10% (:data:`HEDGE`)
+      the cheapest end a search can have); after a miss, short of it by 10% (`HEDGE`)
       of how uncertain it is (the distance it extrapolates, or how far the last new point moved
       it, whichever is smaller);
     * a prediction at or below ``low`` (the model says ``low`` is the boundary): ``low + step``
@@ -92,15 +92,15 @@ class Interpolating:
       from ``high`` by a fifth of the bracket, then more while sizes keep failing; gallops
       never pass the bracket's midpoint;
     * while the two largest fits measured the same total peak (a flat start), at most
-      :data:`FLAT_GROWTH` times ``low``;
+      `FLAT_GROWTH` times ``low``;
     * no usable prediction: the plain proposal (double ``low``, or the midpoint; see
-      :func:`_plain`).
+      `_plain`).
 
     **Distrust.** Each trial is checked against what the model expected before it ran: a size
     at or below the predicted boundary (or the proportional jump) should fit, a size above it
-    should fail. Once the trials contradicted the model in two of its states (:data:`DISTRUST`:
+    should fail. Once the trials contradicted the model in two of its states (`DISTRUST`:
     it learned from a miss, a new fitting size or a lower target, and missed again) or five
-    times in all (:data:`MISSES`), the measured memory evidently does not say where sizes fail
+    times in all (`MISSES`), the measured memory evidently does not say where sizes fail
     (a real allocator that fails on fragmentation or on memory the meter does not count, peaks
     unrelated to the limit), and every further proposal is the plain one. Memory that merely
     bends (a flat start, a kink) misses once or twice while the gallops close in and then
@@ -111,11 +111,11 @@ class Interpolating:
     plus 8 (up to five misses, then the plain doubling restarted from ``low``).
 
     Trials are weighed by what they cost, sample-steps: a fit at ``b`` runs its step on ``b``
-    samples, a failure dies part-way through one. With exact memory lines this finds the
-    boundary in four trials whose only fit near the boundary is the boundary itself. Its worst
-    case stays within :func:`max_trials`: a guess is only taken if, whichever way it comes out,
-    the plain strategy could still finish within the bound from there
-    (:func:`~batchfit.search.affordable`); otherwise the plain proposal is used.
+    samples, a failure dies part-way through one. With exact memory lines this finds the boundary in
+    four trials whose only fit near the boundary is the boundary itself. Its worst case stays within
+    [`max_trials`][batchfit.search.core.max_trials]: a guess is only taken if, whichever way it
+    comes out, the plain strategy could still finish within the bound from there
+    ([`affordable`][batchfit.search.core.affordable]); otherwise the plain proposal is used.
     """
 
     name = "interpolate"
@@ -146,7 +146,7 @@ def _plain(bracket: Bracket) -> int:
     stays below the smallest failure, then bisect.
 
     A search that only ever took the plain proposals never has a failure above twice its
-    largest fit, so for it this is :class:`~batchfit.search.Doubling`'s proposal. Here a guess
+    largest fit, so for it this is [`Doubling`][batchfit.search.core.Doubling]'s proposal. Here a guess
     may have failed far above the boundary (a model that over-estimates it), and bisecting
     down from there would cost about ``log2(high / boundary)`` trials more than the plain
     search takes from the start; doubling from ``low`` costs about what the plain search does
@@ -164,7 +164,7 @@ def _distrusted(attempts: Sequence[Attempt], budget: int | None, grid: Grid) -> 
     Each trial is compared with what the model built from the trials before it expected: a
     fit at or below its predicted boundary (before it has a line: at or below the proportional
     jump, which claims a sure fit), a failure above it. Sizes it had no opinion on count for
-    nothing. See :data:`DISTRUST` and :data:`MISSES`.
+    nothing. See `DISTRUST` and `MISSES`.
     """
     states: list[tuple[int, int | None]] = []
     for index in range(1, len(attempts)):

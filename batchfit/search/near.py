@@ -1,18 +1,18 @@
 """An exact search that starts from a prediction: the frontier's search at each further length.
 
-Pure logic, never imports torch, like the rest of :mod:`batchfit.search`.
+Pure logic, never imports torch, like the rest of `batchfit.search`.
 
 Once one length of a frontier is measured, the fitted surface (``fixed + b (a s + q s^2)``)
 predicts where the boundary lies at the next length, and how many bytes one more sample costs
-there. :func:`search_near` spends its trials on that prediction instead of growing from the
-smallest size again: it tries just below the predicted boundary (:data:`HEDGE`), then steps
+there. `search_near` spends its trials on that prediction instead of growing from the
+smallest size again: it tries just below the predicted boundary (`HEDGE`), then steps
 along the measured memory (the bytes left under the budget divided by the bytes per sample,
 Newton's step on a line) until a fit and a failure are grid neighbours. When the prediction is
 right, that is three trials (a fit just below, the boundary, one more that fails; two without
 the hedge); when the trials contradict the memory model twice it falls back to galloping (steps
 that double) and bisection, which need no model. It stays exact either way: it returns only
 when the largest fit and the smallest failure are neighbours on the grid (or the grid's top
-fitted), as :func:`batchfit.search.search` does.
+fitted), as [`batchfit.search.search`][batchfit.search.core.search] does.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def search_near(
     ``bytes_per_sample``: what one more sample costs near the boundary, on the scale of the
     oracle's ``peak_bytes`` and of ``budget_bytes`` (``<= 0`` or no budget: no model, gallop
     from the guess). Two fits at sizes far enough apart give a local slope that replaces it.
-    ``should_stop`` is consulted once something fitted. Raises :class:`NothingFitsError` when
+    ``should_stop`` is consulted once something fitted. Raises [`NothingFitsError`][batchfit.NothingFitsError] when
     ``grid.init`` fails.
     """
     step_size = grid.multiple_of

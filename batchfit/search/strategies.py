@@ -1,7 +1,7 @@
 """The search strategies by name: ``"binary"`` and ``"interpolate"``.
 
-The registry needs both strategy modules, so it sits apart from them: :mod:`batchfit.search.interpolate`
-builds on :mod:`batchfit.search`, and :func:`batchfit.search.search` takes a strategy object,
+The registry needs both strategy modules, so it sits apart from them: `batchfit.search.interpolate`
+builds on `batchfit.search`, and [`batchfit.search.search`][batchfit.search.core.search] takes a strategy object,
 never a name, so search needs neither the registry nor the interpolating strategy and the two
 modules do not import each other. Callers that accept names (``find()``, the CLI) turn them into
 objects here. Like the two modules, this one never imports torch.

@@ -1,9 +1,10 @@
 """batchfit in tests and CI: the gate ("does batch N still fit within X?") and the pytest plugin.
 
-* :mod:`batchfit.testing.gate`: :func:`check_fits`, :func:`assert_fits`, :class:`GateReport`
-  (``batchfit probe --require-batch N`` runs the same :func:`check_fits`);
-* :mod:`batchfit.testing.pytest_plugin`: the ``cuda`` marker and ``--require-cuda`` (entry point
-  ``pytest11: batchfit``).
+* [`batchfit.testing.gate`][batchfit.testing.gate]: [`check_fits`][batchfit.testing.gate.check_fits],
+  [`assert_fits`][batchfit.testing.gate.assert_fits], [`GateReport`][batchfit.testing.gate.GateReport]
+  (``batchfit probe --require-batch N`` runs the same [`check_fits`][batchfit.testing.gate.check_fits]);
+* [`batchfit.testing.pytest_plugin`][batchfit.testing.pytest_plugin]: the ``cuda`` marker and
+  ``--require-cuda`` (entry point ``pytest11: batchfit``).
 
 Names are imported on first use: pytest loads the plugin at start-up in every suite where batchfit
 is installed, and that must not import torch (``batchfit._lazy``).
@@ -16,10 +17,9 @@ from typing import TYPE_CHECKING
 from batchfit._lazy import lazy_surface
 
 if TYPE_CHECKING:
-    from batchfit.testing.gate import GATE_SCHEMA, GateReport, assert_fits, check_fits
+    from batchfit.testing.gate import GateReport, assert_fits, check_fits
 
 _EXPORTS = {
-    "GATE_SCHEMA": "batchfit.testing.gate",
     "GateReport": "batchfit.testing.gate",
     "assert_fits": "batchfit.testing.gate",
     "check_fits": "batchfit.testing.gate",

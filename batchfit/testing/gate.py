@@ -1,11 +1,11 @@
 """batchfit as a gate: "does batch N still fit within X?" in tests and in CI.
 
-:func:`check_fits` answers with as few trials as the answer needs: one real trial at N (through
-:class:`batchfit.Prober`); only when that runs out of memory, a search below N
-(``find(max_batch=N - 1)``) to say which batch does fit, because "64 no longer fits" is only
-actionable next to "48 still does". :func:`assert_fits` turns a failure into an
-``AssertionError`` for tests, and ``batchfit probe --require-batch N`` uses the same
-:func:`check_fits`, so the CLI gate and a test cannot disagree.
+[`check_fits`][batchfit.testing.gate.check_fits] answers with as few trials as the answer needs: one
+real trial at N (through [`batchfit.Prober`][batchfit.Prober]); only when that runs out of memory, a
+search below N (``find(max_batch=N - 1)``) to say which batch does fit, because "64 no longer fits"
+is only actionable next to "48 still does". [`assert_fits`][batchfit.testing.gate.assert_fits] turns
+a failure into an ``AssertionError`` for tests, and ``batchfit probe --require-batch N`` uses the
+same [`check_fits`][batchfit.testing.gate.check_fits], so the CLI gate and a test cannot disagree.
 
 The pytest plugin (the ``cuda`` marker, ``--require-cuda``) is ``batchfit.testing.pytest_plugin``.
 """
@@ -15,28 +15,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from batchfit.report import (
-    Batch,
-    Bytes,
-    Count,
-    DeviceInfo,
-    Result,
-    Seconds,
-    Trial,
-    device_text,
-    read_document,
-    read_json,
-)
+from batchfit.probe.keywords import FindOptions
+from batchfit.report import DeviceInfo, Result, Trial, device_text
+from batchfit.report.codec import Batch, Bytes, Count, Seconds, read_document, read_json
 from batchfit.units import format_bytes
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 GATE_SCHEMA = "batchfit.gate/1"
 
 
 @dataclass(frozen=True)
 class GateReport:
-    """The answer of :func:`check_fits`.
+    """The answer of [`check_fits`][batchfit.testing.gate.check_fits].
 
     Attributes:
         batch_size: the batch that is required to fit.
@@ -47,11 +41,11 @@ class GateReport:
         device: where it ran.
         largest_fit: only after a failure: the largest batch that fitted in the search below
             ``batch_size`` (0 when not even the smallest fitted, ``None`` when no search ran).
-        search: the :class:`Result` of that search, if one ran.
+        search: the [`Result`][batchfit.Result] of that search, if one ran.
         elapsed_s: wall time of the whole check.
     """
 
-    #: The schema its JSON document names (see :meth:`to_json`).
+    #: The schema its JSON document names (see `to_json`).
     SCHEMA: ClassVar[str] = GATE_SCHEMA
 
     batch_size: Batch
@@ -65,7 +59,7 @@ class GateReport:
 
     @property
     def largest_trial(self) -> Trial | None:
-        """The search trial at :attr:`largest_fit`, for its peak memory."""
+        """The search trial at `largest_fit`, for its peak memory."""
         if self.search is None or not self.largest_fit:
             return None
         return self.search.trial(self.largest_fit)
@@ -121,7 +115,8 @@ class GateReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GateReport:
-        """The inverse of :meth:`to_dict`, read as :meth:`batchfit.Result.from_dict` reads a result:
+        """The inverse of [`to_dict`][batchfit.report.result.Result.to_dict], read as
+        [`batchfit.Result.from_dict`][batchfit.report.result.Result.from_dict] reads a result:
         every field checked against its type and what it can be (the trial, the device and the
         search's result with the same checks); one ``ValueError`` naming the field for anything
         else, e.g. ``not a batchfit gate report: field 'search.settings.headroom' must be a
@@ -130,7 +125,8 @@ class GateReport:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> GateReport:
-        """The inverse of :meth:`to_json`; ``ValueError`` for anything else (see :meth:`from_dict`)."""
+        """The inverse of `to_json`; ``ValueError`` for anything else (see
+        [`from_dict`][batchfit.testing.gate.GateReport.from_dict])."""
         return read_json(cls, text, "gate report")
 
 
@@ -139,32 +135,29 @@ def check_fits(
     sample: Any = None,
     *,
     batch_size: int,
-    memory_limit: int | float | str | None = None,
     callback: Callable[[Trial], None] | None = None,
     on_trial_start: Callable[[int, str], None] | None = None,
     on_start: Callable[[DeviceInfo, int | None], None] | None = None,
-    **options: Any,
+    **options: Unpack[FindOptions],
 ) -> GateReport:
     """Run the trials needed to say whether ``batch_size`` fits within ``memory_limit``.
 
-    ``options`` are :func:`batchfit.find`'s keywords (``optimizer``, ``loss_fn``, ``amp``,
-    ``device``, ``reserve``, ``multiple_of``, ...), validated as one
-    :class:`~batchfit.probe.options.Options`. Those that describe the work go to the trial at
+    ``options`` are [`batchfit.find`][batchfit.find]'s
+    ([`FindOptions`][batchfit.probe.keywords.FindOptions]: ``memory_limit``, ``optimizer``, ``loss_fn``,
+    ``amp``, ``device``, ``reserve``, ...). Those that describe the work go to the trial at
     ``batch_size`` too; the search keywords only matter for the search below it. ``max_batch``
     is set by the gate (``batch_size - 1``), and ``verify_steps`` defaults to 0 there: the gate
     reports what fits, it does not pick a safe batch.
     """
     from batchfit.errors import NothingFitsError
-    from batchfit.probe import Options, Prober, find_with
+    from batchfit.probe import Prober, find_with
+    from batchfit.probe.options import options_from
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if "max_batch" in options:
         raise TypeError("check_fits() got keyword(s) it cannot pass on: max_batch (the gate sets it to batch_size - 1)")
-    try:
-        settings = Options(memory_limit=memory_limit, **options)
-    except TypeError as exc:
-        raise TypeError(f"check_fits() got keyword(s) it cannot pass on: {exc}") from None
+    settings = options_from("check_fits", options, FindOptions)
     started = time.monotonic()
 
     with Prober(model, sample, options=settings) as prober:
@@ -227,16 +220,17 @@ def assert_fits(
     sample: Any = None,
     *,
     batch_size: int,
-    memory_limit: int | float | str | None = None,
     **find_kwargs: Any,
 ) -> GateReport:
-    """Assert that ``model`` trains at ``batch_size`` within ``memory_limit``.
+    """Assert that ``model`` trains at ``batch_size`` within ``memory_limit``; `find_kwargs` are
+    [`check_fits`][batchfit.testing.check_fits]'s (its hooks and [`FindOptions`][batchfit.probe.keywords.FindOptions]).
 
     Runs one real trial at ``batch_size``; only if it runs out of memory, a search below it.
     Raises ``AssertionError`` naming the measured peak, the limit and the largest batch that
-    did fit. Returns the :class:`GateReport` (its ``trial.peak_bytes`` is the measured peak).
+    did fit. Returns the [`GateReport`][batchfit.testing.gate.GateReport] (its ``trial.peak_bytes`` is the measured
+    peak).
     """
-    report = check_fits(model, sample, batch_size=batch_size, memory_limit=memory_limit, **find_kwargs)
+    report = check_fits(model, sample, batch_size=batch_size, **find_kwargs)
     if not report.fits:
         raise AssertionError(report.explain())
     return report

@@ -1,8 +1,8 @@
 """A frontier as a text chart: batch size against sequence length, both axes log2.
 
-One layout, drawn two ways: :meth:`Chart.plain` (ASCII, for pipes and CI logs) and
-:meth:`Chart.rich` (box-drawing characters and colours, for a terminal). Pure rendering of a
-:class:`~batchfit.report.Frontier`: nothing is measured or fitted here.
+One layout, drawn two ways: `Chart.plain` (ASCII, for pipes and CI logs) and
+`Chart.rich` (box-drawing characters and colours, for a terminal). Pure rendering of a
+[`Frontier`][batchfit.Frontier]: nothing is measured or fitted here.
 
 ::
 
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from batchfit.report import compact_rate
+from batchfit.report.frontier_text import compact_rate
 
 if TYPE_CHECKING:
     from batchfit.report import Frontier
@@ -76,7 +76,7 @@ class Chart:
 
 
 def frontier_chart(frontier: Frontier, width: int | None = None, *, unicode: bool = False) -> Chart | str:
-    """The chart of ``frontier`` within ``width`` columns (:data:`DEFAULT_WIDTH` when ``None``);
+    """The chart of ``frontier`` within ``width`` columns (`DEFAULT_WIDTH` when ``None``);
     ASCII unless ``unicode``. A one-line reason (a ``str``) when there is nothing to draw or it
     cannot be drawn that narrow."""
     if not frontier.points:

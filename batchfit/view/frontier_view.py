@@ -2,7 +2,7 @@
 
 The frontier's algorithm never prints: like a probe it calls ``on_trial_start``, ``callback`` and
 ``on_start`` for the trials of each length, and ``on_point(point)`` when a length is done. A front
-end (``batchfit frontier``, ``batchfit.frontier(progress=True)``) feeds a :class:`FrontierView`:
+end (``batchfit frontier``, ``batchfit.frontier(progress=True)``) feeds a `FrontierView`:
 
 * on a terminal, a rich live table with a row per finished length and a spinner line for the
   trial in flight ("seq_len 512: trial 3 at batch 64 (search), 1.2 s"), then the frontier's text
@@ -11,7 +11,7 @@ end (``batchfit frontier``, ``batchfit.frontier(progress=True)``) feeds a :class
   the chart in ASCII, within ``COLUMNS`` when it is set;
 * quiet (``--quiet``): nothing while running, one line at the end.
 
-Which length the trials in flight belong to is told by :meth:`FrontierView.length_started` when
+Which length the trials in flight belong to is told by `FrontierView.length_started` when
 the caller knows it; otherwise the spinner counts the lengths ("length 2 of 4": the frontier picks
 their order), and once every length is done, the trials are the longest length's search.
 """
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from batchfit.report import (
+from batchfit.report.frontier_text import (
     TABLE_TITLES,
     compact_rate,
     format_rate,
@@ -89,7 +89,7 @@ class FrontierView:
                 self._line(line, indent=2)
 
     def length_started(self, seq_len: int | None) -> None:
-        """The trials that follow are at ``seq_len`` (:data:`LONGEST`, ``None``: the search for the
+        """The trials that follow are at ``seq_len`` (`LONGEST`, ``None``: the search for the
         longest length at batch 1)."""
         with self._lock:
             self._told = seq_len
@@ -151,7 +151,7 @@ class FrontierView:
 
     # helpers ----------------------------------------------------------------------------------------
     def current_length(self) -> str:
-        """What the trials in flight measure: the length told by :meth:`length_started`; else the
+        """What the trials in flight measure: the length told by `length_started`; else the
         count of lengths done (the frontier picks their order), and once every length is done,
         the search for the longest length at batch 1."""
         told = self._told

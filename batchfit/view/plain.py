@@ -1,6 +1,6 @@
 """Plain lines for pipes and CI logs, and ``--quiet``'s one line; the protocol every view follows.
 
-A plain view given a ``width`` (``COLUMNS``, see :func:`batchfit.view.make_view`) keeps every line
+A plain view given a ``width`` (``COLUMNS``, see `batchfit.view.make_view`) keeps every line
 within it: narrower than a full trial row, the rows drop the bar of the budget (its share stays) and
 close up; a line still too long is broken at spaces and continues indented. Without a width the
 lines are as wide as their cells.
@@ -48,8 +48,8 @@ def fit_lines(text: str, width: int | None, indent: int = 4) -> list[str]:
 
 
 def write_fitted(out: TextIO, text: str, width: int | None, indent: int = 4) -> None:
-    """``text`` written to ``out`` in lines that fit ``width`` (:func:`fit_lines`), flushed; a
-    reader that went away is an :class:`OutputClosedError`."""
+    """``text`` written to ``out`` in lines that fit ``width`` (`fit_lines`), flushed; a
+    reader that went away is an `OutputClosedError`."""
     try:
         for line in fit_lines(text, width, indent):
             out.write(line + "\n")

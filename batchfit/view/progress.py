@@ -18,7 +18,7 @@ def make_view(stream: TextIO, *, quiet: bool = False, plain: bool | None = None)
     """The view for ``stream``: live on an interactive terminal, plain lines anywhere else.
 
     ``plain=None`` decides from the stream: not a TTY, or ``TERM=dumb``, means plain. A plain
-    view keeps its lines within ``COLUMNS`` when it is set (:func:`columns`); the live view's
+    view keeps its lines within ``COLUMNS`` when it is set (`columns`); the live view's
     console reads ``COLUMNS`` itself. ``--quiet``'s one line stays one line.
     """
     if quiet:

@@ -1,0 +1,242 @@
+"""The built docs site: no raw reST role as text, and no internal member in the API reference.
+
+The site is built once with `mkdocs build --strict` (so a cross-reference to a target the docs do
+not render fails the build). The API reference's objects are read from the site's `objects.inv`,
+the inventory mkdocstrings writes of every object it rendered, and each documented class or module
+may show only the members of its public contract, `PUBLIC` below: a new public member is added
+there on purpose, and an internal one (a `Prober` helper, an `Options` method) fails the test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+import zlib
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import is_typeddict
+
+import pytest
+
+pytest.importorskip("mkdocs")
+pytest.importorskip("mkdocstrings")
+pytest.importorskip("mkdocstrings_handlers.python")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: A Sphinx role left in a docstring renders as its own text (`:class:` before the code).
+RAW_ROLE = re.compile(r":(?:py:)?(?:class|func|mod|meth|attr|exc|data|obj|const|ref|doc|term):(?=\S)")
+
+#: Every object the reference documents, and the members it may show. Keys of a `TypedDict` (the
+#: keyword groups) are its contract and need no listing.
+PUBLIC: dict[str, tuple[str, ...]] = {
+    "batchfit.accelerate.find_executable_batch_size": (),
+    "batchfit.api.find": (),
+    "batchfit.api.frontier": (),
+    "batchfit.api.noise_scale": (),
+    "batchfit.api.plan": (),
+    "batchfit.errors": (
+        "BatchfitError",
+        "DeviceFailedError",
+        "LimitError",
+        "NoOptimizerStepError",
+        "NothingFitsError",
+        "RankFailedError",
+        "RanksTimeoutError",
+    ),
+    "batchfit.estimation.estimator.estimate": (),
+    "batchfit.estimation.planning.Plan": (),
+    "batchfit.estimation.planning.plan_for": (),
+    "batchfit.estimation.whatif.WhatIf": ("row",),
+    "batchfit.estimation.whatif.WhatIfRow": (),
+    "batchfit.estimation.whatif.what_if": (),
+    "batchfit.lightning.BatchFit": ("on_fit_start", "setup"),
+    "batchfit.probe.options.Options": (),
+    "batchfit.probe.prober.Prober": ("trial",),
+    "batchfit.ray.WorkerBatch": (
+        "accumulation_steps",
+        "exact",
+        "global_batch",
+        "metrics",
+        "micro_batch",
+        "reason",
+        "remainder",
+        "summary",
+        "target_batch",
+        "world_size",
+    ),
+    "batchfit.ray.worker_batch": (),
+    "batchfit.report.frontier.Frontier": (
+        "fastest",
+        "from_dict",
+        "plot",
+        "point",
+        "safe_token_budget",
+        "to_json",
+        "token_budget",
+        "trials",
+    ),
+    "batchfit.report.frontier.FrontierPoint": ("tokens", "trials"),
+    "batchfit.report.frontier.Surface": (
+        "fit",
+        "largest_batch",
+        "longest_length",
+        "meaning",
+        "per_sample_bytes",
+        "predict",
+        "quadratic",
+        "quadratic_share",
+    ),
+    "batchfit.report.memory.MemoryModel": ("fit", "largest_batch_within", "predict"),
+    "batchfit.report.memory.PhaseLine": (),
+    "batchfit.report.noise.NoiseScale": ("from_dict", "interval_text", "plain", "summary"),
+    "batchfit.report.recommendation.Recommendation": ("decision", "exact", "from_dict", "lines", "metrics", "split"),
+    "batchfit.report.recommendation.recommend": (),
+    "batchfit.report.records.CacheHit": (),
+    "batchfit.report.records.DeviceInfo": ("from_dict",),
+    "batchfit.report.records.Settings": (),
+    "batchfit.report.records.Trial": ("capped_peak_bytes", "from_dict", "peak_in", "phase_peaks_in"),
+    "batchfit.report.result.Result": (
+        "from_dict",
+        "from_json",
+        "global_max_batch",
+        "global_safe_batch",
+        "recommend",
+        "recommendation",
+        "to_dict",
+        "to_json",
+        "trial",
+    ),
+    "batchfit.report.throughput.Throughput": ("of", "rate_of"),
+    # The pure search, for people writing a strategy: the helpers strategies build on are theirs too.
+    "batchfit.search.core": (
+        "Attempt",
+        "Bracket",
+        "Doubling",
+        "Grid",
+        "SearchReport",
+        "Strategy",
+        "Verdict",
+        "affordable",
+        "clamp",
+        "is_non_monotone",
+        "max_trials",
+        "midpoint",
+        "search",
+    ),
+    "batchfit.search.core.Grid": ("floor", "top"),
+    "batchfit.search.core.Strategy": ("propose",),
+    "batchfit.search.interpolate.Interpolating": (),
+    "batchfit.search.strategies.make_strategy": (),
+    "batchfit.testing.gate": ("GateReport", "assert_fits", "check_fits"),
+    "batchfit.testing.gate.GateReport": ("explain", "from_dict", "from_json", "largest_trial"),
+    "batchfit.testing.pytest_plugin": (),
+    "batchfit.transformers.Autosized": ("global_batch",),
+    "batchfit.transformers.autosize": (),
+}
+
+
+class _Text(HTMLParser):
+    """The visible text of a page: what a reader sees, not the markup or the scripts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+        self._hidden = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._hidden += tag in ("script", "style")
+
+    def handle_endtag(self, tag: str) -> None:
+        self._hidden -= tag in ("script", "style")
+
+    def handle_data(self, data: str) -> None:
+        if not self._hidden:
+            self.parts.append(data)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, f"mkdocs build --strict failed:\n{built.stdout[-3000:]}\n{built.stderr[-6000:]}"
+    return out
+
+
+def rendered(site: Path) -> set[str]:
+    """The objects the reference rendered: the inventory's own entries, not their aliases."""
+    lines = (site / "objects.inv").read_bytes().split(b"\n", 4)
+    names = set()
+    for line in zlib.decompress(lines[4]).decode().splitlines():
+        name, _domain, _priority, uri = line.split(" ", 4)[:4]
+        if uri.rpartition("#")[2] in (name, "$"):
+            names.add(name)
+    return names
+
+
+def typeddict_keys(path: str) -> set[str]:
+    module, _, name = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return set()
+    return set(obj.__annotations__) if is_typeddict(obj) else set()
+
+
+def test_no_raw_rest_role_in_the_site(site: Path) -> None:
+    found = []
+    for page in sorted(site.rglob("*.html")):
+        text = _Text()
+        text.feed(page.read_text(encoding="utf-8"))
+        visible = "".join(text.parts)
+        for match in RAW_ROLE.finditer(visible):
+            near = visible[max(0, match.start() - 40) : match.end() + 40].replace("\n", " ")
+            found.append(f"{page.relative_to(site)}: ...{near}...")
+    assert not found, f"{len(found)} raw reST roles in the built site:\n" + "\n".join(found[:40])
+
+
+def test_the_reference_shows_no_internal_member(site: Path) -> None:
+    names = rendered(site)
+    assert "batchfit.api.find" in names, "the API reference rendered nothing"
+    private = sorted(n for n in names if any(part.startswith("_") for part in n.split(".")))
+    assert not private, f"private names in the reference: {private}"
+    documented = {n for n in names if n.rpartition(".")[0] not in names or n in PUBLIC}
+    unlisted = sorted(n for n in documented if n not in PUBLIC and not n.startswith("batchfit.probe.keywords."))
+    assert not unlisted, f"documented objects with no public contract in PUBLIC: {unlisted}"
+    internal = []
+    for name in sorted(names):
+        owner, _, member = name.rpartition(".")
+        if owner in names and member not in PUBLIC.get(owner, ()):
+            if member not in typeddict_keys(owner):
+                internal.append(name)
+    assert not internal, f"members outside their class's public contract (PUBLIC) in the reference: {internal}"
+
+
+def test_the_prober_shows_only_its_contract(site: Path) -> None:
+    # The internals the issue found in the table of contents (issue 33).
+    names = rendered(site)
+    for member in ("layout_carries", "model_for_key", "verdict_steps", "warm_steps", "workload"):
+        assert f"batchfit.probe.prober.Prober.{member}" not in names
+    assert "batchfit.probe.prober.Prober.trial" in names
+
+
+def test_every_docs_anchor_a_message_names_exists(site: Path) -> None:
+    # Messages say one sentence and point to the docs for the rest: "see docs/how-to/real-data.md#...".
+    pointer = re.compile(r"docs/([\w/.-]+?)\.md(?:#([\w-]+))?")
+    missing = []
+    for source in sorted((ROOT / "batchfit").rglob("*.py")):
+        for page, anchor in pointer.findall(source.read_text(encoding="utf-8")):
+            html = site / ("index.html" if page == "index" else f"{page}/index.html")
+            if not html.exists() or (anchor and f'id="{anchor}"' not in html.read_text(encoding="utf-8")):
+                missing.append(f"{source.relative_to(ROOT)}: docs/{page}.md#{anchor}")
+    assert not missing, f"links to docs pages or anchors that do not exist: {missing}"
