@@ -248,9 +248,9 @@ class SearchRun:
         """A note when the largest fit found with the optimizer kept did not fit from scratch."""
         if largest < searched:
             self.prober.notes.append(
-                f"batch {searched} fitted with the optimizer state kept from an earlier, smaller trial, but not "
-                f"from scratch as a fresh process runs it (the allocator carves the state out of the first "
-                f"step's activation segments): the largest batch is {largest}, found from scratch"
+                f"batch {searched} fitted with the optimizer state kept from a smaller trial, not from scratch as "
+                f"a fresh process runs it: the largest batch is {largest} "
+                "(see docs/concepts/search.md#the-largest-batch-from-scratch)"
             )
 
     def answer(

@@ -286,9 +286,8 @@ def frontier_with(
     if len(lengths) > 1:
         notes.append(
             f"length {lengths[-1]:,} was searched from batch {first.settings.init_batch}; every other length from "
-            "the boundary the fitted surface predicts there, closed to the exact boundary by real trials, its first "
-            "trial the verification of the safe batch the surface predicts (kept when within "
-            f"{STEP_DOWN:.0%} of the memory line's own candidate)"
+            "the boundary the fitted surface predicts there, closed by real trials "
+            "(see docs/how-to/real-data.md#the-frontier-every-length-at-once)"
         )
     return Frontier(
         points=tuple(points[s] for s in lengths),

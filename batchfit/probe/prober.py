@@ -424,9 +424,8 @@ class Prober:
             return searched
         self.budget_bytes = self.meter.budget_bytes = budget
         self.notes.append(
-            f"what lives outside the allocator grew by {format_bytes(grown)} during the search (kernels and "
-            f"handles load on first use): reserve='auto' now sets {format_bytes(self.reserve_bytes)} aside, so the "
-            f"safe batch was chosen and verified under a budget of {format_bytes(budget or 0)}; the largest batch "
-            f"was found under {format_bytes(searched or 0)}"
+            f"reserve='auto' grew by {format_bytes(grown)} during the search: the safe batch was verified under "
+            f"{format_bytes(budget or 0)}, the largest found under {format_bytes(searched or 0)} "
+            "(see docs/concepts/measuring.md#cuda)"
         )
         return self.budget_bytes

@@ -258,9 +258,8 @@ def _run_steps(
                 if progress.skipped > MAX_SKIPPED_STEPS:
                     raise NoOptimizerStepError(
                         f"the optimizer never stepped at batch size {batch_size}: the GradScaler skipped "
-                        f"{progress.skipped} optimizer steps in a row because the fp16 gradients were inf or NaN "
-                        "at every scale, so the optimizer state was never allocated and the trial's memory "
-                        "cannot be measured. Check the loss for inf/NaN, or probe with amp='bf16'."
+                        f"{progress.skipped} steps in a row (inf/NaN fp16 gradients); check the loss, or probe "
+                        "with amp='bf16' (see docs/concepts/one-trial.md#one-trial)"
                     )
                 continue
             progress.steps += 1

@@ -135,10 +135,9 @@ def _stepping_the_model(made: torch.optim.Optimizer, params: list[nn.Parameter])
     if not held or not trainable or any(id(p) in trainable for p in held):
         return made
     raise ValueError(
-        f"optimizer holds none of the model's {len(trainable)} trainable parameters: its {len(held)} are another "
-        "model's (or frozen parts of this one), so the probe's steps would update nothing and allocate no optimizer "
-        "state, and the batch found would be too large. Build it over this model's parameters (a subset is fine: "
-        "frozen parts, LoRA), or pass a factory params -> optimizer, which is given them"
+        f"optimizer holds none of the model's {len(trainable)} trainable parameters (its {len(held)} are another "
+        "model's): build it over this model's parameters, or pass a factory params -> optimizer "
+        "(see docs/concepts/one-trial.md#one-trial)"
     )
 
 
