@@ -8,10 +8,8 @@ declared (and a test fails until it is declared in both, documented, and reaches
 
 from __future__ import annotations
 
-import ast
 import inspect
 from dataclasses import MISSING, fields, replace
-from pathlib import Path
 from typing import Any, get_args
 
 import pytest
@@ -47,21 +45,9 @@ def test_every_keyword_is_one_option_of_the_same_type() -> None:
         assert declared[name] == option.type, f"{name}: keywords say {declared[name]}, Options says {option.type}"
 
 
-def _key_docs() -> dict[str, str]:
-    """Each keyword's docstring, read from the module's source as mkdocstrings reads it."""
-    tree = ast.parse(Path(keywords.__file__).read_text())
-    docs: dict[str, str] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            for statement, after in zip(node.body, node.body[1:] + [None]):
-                if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
-                    documented = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    docs[statement.target.id] = after.value.value if documented else ""
-    return docs
-
-
 def test_every_keyword_is_documented_once_with_its_default() -> None:
-    docs = _key_docs()
+    docs = keywords.keyword_docs()  # read from the source, as the docs site and the CLI help read it
+    assert set(keywords.HOOK_DEFAULTS) == set(keywords_of(Hooks))
     for name in [*OPTIONS, *keywords_of(Hooks)]:
         assert docs.get(name), f"{name} has no docstring in batchfit.probe.keywords"
     for name, option in OPTIONS.items():
