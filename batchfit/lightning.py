@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from batchfit.probe.keywords import FindOptions, split_hooks
+from batchfit.probe.options import find_options
 
 try:
     from lightning.pytorch import Callback as _Callback
@@ -180,10 +180,10 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
         from lightning.pytorch.utilities.seed import isolate_rng
 
-        from batchfit.probe import Options, measure_noise
+        from batchfit.probe import measure_noise
 
         kwargs = self._find_kwargs(trainer, pl_module)
-        options = Options(**split_hooks("BatchFit", kwargs, FindOptions)[1])
+        options = find_options("BatchFit", kwargs)
         loop = trainer.fit_loop
         with isolate_rng(), _logging_muted(pl_module), _metrics_kept(pl_module):
             _forget_train_loader(loop)
@@ -222,12 +222,10 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
 def _checked_find_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The ``find()`` keywords, validated now (as [`Options`][batchfit.Options] does for
     ``find()``) so that a typo fails at construction, not after the trainer has set up."""
-    from batchfit.probe import Options
-
     for name in kwargs:
         if name in _FROM_TRAINER:
             raise TypeError(f"BatchFit sets {name!r} itself from the trainer and the LightningModule; do not pass it")
-    Options(**split_hooks("BatchFit", kwargs, FindOptions)[1])
+    find_options("BatchFit", kwargs)
     return kwargs
 
 

@@ -39,8 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from batchfit.api import find
-from batchfit.probe import Options
-from batchfit.probe.keywords import FindOptions, split_hooks
+from batchfit.probe.options import find_options
 from batchfit.report import Recommendation, Result
 from batchfit.units import check_positive_int
 
@@ -195,7 +194,7 @@ def worker_batch(
     """
     if global_batch is not None:
         check_positive_int("global_batch", global_batch)
-    Options(**split_hooks("worker_batch", find_keywords, FindOptions)[1])  # a typo fails before Ray is asked
+    find_options("worker_batch", find_keywords)  # a typo fails before Ray is asked
     world_size = _world_size()
     if world_size > 1 and find_keywords.get("distributed") is not False:
         _check_process_group(world_size)

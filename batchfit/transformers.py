@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchfit.api import plan
 from batchfit.estimation import Plan
-from batchfit.probe import Options
-from batchfit.probe.keywords import FindOptions, split_hooks
+from batchfit.probe.options import find_options
 from batchfit.report import Recommendation, Result
 
 if TYPE_CHECKING:
@@ -170,7 +169,7 @@ def autosize(trainer: Trainer, *, target_batch: int | None = None, **find_kwargs
     from batchfit.api import find
 
     logger = transformers.utils.logging.get_logger(__name__)
-    Options(**split_hooks("autosize", find_kwargs, FindOptions)[1])  # a typo fails now, not after set-up
+    find_options("autosize", find_kwargs)  # a typo fails now, not after set-up
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError(f"autosize() needs a transformers.Trainer, got {type(trainer).__name__}")
     if getattr(trainer, "is_deepspeed_enabled", False):
@@ -343,7 +342,7 @@ def _noise_of(trainer: Trainer, kwargs: dict[str, Any], micro_batch: int) -> Any
     step, optimizer and autocast (``kwargs``, ``find()``'s; what ``Options`` does not take is left out)."""
     from batchfit.probe import measure_noise
 
-    options = Options(**split_hooks("autosize", kwargs, FindOptions)[1])
+    options = find_options("autosize", kwargs)
     with _loader_kept(trainer) as loader:
         return measure_noise(trainer.model, loader, options, micro_batch=micro_batch)
 

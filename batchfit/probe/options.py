@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, get_args
 
-from batchfit.probe.keywords import Amp, FindOptions, Mode, check_keywords
+from batchfit.probe import keywords
+from batchfit.probe.keywords import Amp, FindOptions, Mode, check_keywords, split_hooks
 from batchfit.search import Grid, Strategy, make_strategy
 from batchfit.units import as_int, check_memory_limit, parse_reserve, positive_int
 
@@ -216,8 +217,6 @@ def parameters_of(function: Callable[..., Any]) -> dict[str, inspect.Parameter]:
     """`function`'s parameters as a caller sees them: its `**options: Unpack[Group]` spelled out as
     keyword-only parameters with `Options`' defaults (a hook's: `HOOK_DEFAULTS`), in place of the
     `**` one. What a type checker shows; what the contract tests compare across entry points."""
-    from batchfit.probe import keywords
-
     spelled: dict[str, inspect.Parameter] = {}
     for name, parameter in inspect.signature(function).parameters.items():
         annotation = str(parameter.annotation)
@@ -229,6 +228,12 @@ def parameters_of(function: Callable[..., Any]) -> dict[str, inspect.Parameter]:
             default = keywords.HOOK_DEFAULTS[key] if key in keywords.HOOK_DEFAULTS else _DEFAULTS[key]
             spelled[key] = inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default)
     return spelled
+
+
+def find_options(where: str, keywords: Mapping[str, Any]) -> Options:
+    """The `Options` of `find`'s keywords as `where()` (an integration) was given them: unknown
+    keywords refused by name, the hooks checked and set aside."""
+    return Options(**split_hooks(where, keywords, FindOptions)[1])
 
 
 def options_from(where: str, given: Mapping[str, Any], group: type = FindOptions, **fixed: Any) -> Options:
