@@ -14,7 +14,7 @@ more on two cores. Per case, one after another in this process, each on a freshl
 identical) model under the same live-tensor cap:
 
 * **batchfit** ``find()`` with its defaults: the whole answer (the exact maximum, a verified
-  safe batch, the sizes around the throughput knee timed warm); and with ``timed_steps=0``, the
+  safe batch, the sizes around the throughput knee and the safe batch timed warm); and with ``timed_steps=0``, the
   largest and safe batch without that timing (what the peers answer, and less).
 * **Lightning** ``Tuner.scale_batch_size(mode="binsearch", margin=0)`` with
   ``steps_per_trial=2``: the fewest steps that show the optimizer state (Lightning builds a new
@@ -23,7 +23,8 @@ identical) model under the same live-tensor cap:
 * **Accelerate** ``find_executable_batch_size`` started at 2x the truth (a start no user knows),
   two steps per trial.
 * **three plain steps**: a user's loop (fresh AdamW, forward, loss, backward, step) at the batch
-  batchfit found, with no meter: the yardstick of the goal (the whole probe <= 3x this).
+  batchfit found, with no meter: the yardstick of the goals (issue 34: the whole answer <= 2.5x this,
+  ``timed_steps=0`` <= 1.5x).
 
 The truth is checked, not assumed: the size batchfit found must fit and the next size must run
 out of memory, each with a fresh optimizer and three steps (the classic trial), and the memory
@@ -273,6 +274,13 @@ def plain_steps(case: ComputeCase, batch_size: int, steps: int = 3) -> Row:
     )
 
 
+def warm_up_imports() -> None:
+    """Build one optimizer before any row is timed: torch imports ``torch._dynamo`` on the first
+    optimizer a process builds (about 1.4 s on these cores), which every training process pays
+    once; without this the first row of the first case paid it alone."""
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
+
+
 def check_truth(case: ComputeCase, found: int) -> tuple[int | None, str]:
     """``found`` fits and ``found + 1`` does not, each with a fresh optimizer and three steps."""
     with compare.capped(case, torch.device("cpu"), 3) as (_, _, prober):  # type: ignore[arg-type]
@@ -360,8 +368,9 @@ def print_table(case: ComputeCase, rows: list[Row], truth_note: str, contention:
 
 
 def print_summary(cases: list[dict[str, Any]]) -> None:
-    print("\nSummary: batchfit's wall time as a multiple of each peer's (goal: <= 0.50x Lightning, <= 1.00x")
-    print("Accelerate, <= 3.00x three plain steps at the batch found); per case find()'s defaults, then")
+    print("\nSummary: batchfit's wall time as a multiple of each peer's (goals: defaults <= 0.35x Lightning and")
+    print("<= 2.50x three plain steps at the batch found; timed_steps=0 <= 1.00x Accelerate and <= 1.50x three")
+    print("plain steps); per case find()'s defaults, then")
     print("timed_steps=0 (no warm timing after the search: the largest and the safe batch, as the peers answer)")
     header = f"{'case':<22}{'truth':>6}{'step at max':>12}{'bf s':>7}{'Lightning':>11}{'Accelerate':>11}{'3 plain':>9}"
     print(header)
@@ -390,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     peers = {p.strip() for p in args.peers.split(",") if p.strip()}
     compare.quiet_lightning()
+    warm_up_imports()
     started = time.perf_counter()
     meta = {
         **compare.stamp(argv),

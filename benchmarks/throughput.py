@@ -9,8 +9,8 @@ Run from the repository root::
 Per case (``compute.py``'s models and caps: boundaries in the hundreds, steps of real compute),
 in one process, one after another:
 
-* **batchfit** ``find()`` with its defaults: after the search it times the largest batch, the
-  safe batch and the sizes around the knee warm and alike (``batchfit.probe.timing``); its
+* **batchfit** ``find()`` with its defaults: after the search it times the sizes around the knee,
+  then the safe batch by its verification, warm and alike (``batchfit.probe.timing``); its
   ``Throughput.rates`` are what it reports.
 * **before**: the same probe with ``timed_steps=0``, its rates read as batchfit read them before
   (each size's trial with the most timed steps: the search's single cold steps beside the
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-json", action="store_true")
     args = parser.parse_args(argv)
     cases = [QUICK] if args.quick else [c for c in CASES if args.case in (None, c.model)]
+    compute.warm_up_imports()
     started = time.perf_counter()
     meta = {
         **compare.stamp(argv),

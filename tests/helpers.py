@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import batchfit
+from batchfit.probe.timing import SPREAD_STEPS
 
 
 def exhaustive_boundary(model: nn.Module, sample: Any, limit: str | int, steps: int, beyond: int = 3) -> int:
@@ -100,13 +101,15 @@ def expected_steps(result: batchfit.Result, *, cold_after_release: bool) -> list
     """
     timed_steps = batchfit.Options().timed_steps
     expected: list[int] = []
-    for trial in (t for t in result.trials if t.fits):
+    fitting = [t for t in result.trials if t.fits]
+    for trial in fitting:
         if trial.kind == "search":  # two with a fresh optimizer (step 1 makes its state) or a cold device
             steps = 2 if cold_after_release or not expected else 1
-        elif trial.kind == "verify":
-            steps = result.settings.verify_steps
-        elif trial.kind == "time":  # one untimed step, then the timed ones
-            steps = 1 + timed_steps
+        elif trial.kind == "verify":  # when the throughput is timed, its warm steps are the safe batch's rate
+            steps = max(result.settings.verify_steps, 1 + timed_steps) if timed_steps else result.settings.verify_steps
+        elif trial.kind == "time":  # one untimed step, then the timed ones (two while none was repeated: the spread)
+            repeated = any(earlier - 1 >= SPREAD_STEPS for earlier in expected)  # steps after the first are timed
+            steps = 1 + (timed_steps if repeated else max(timed_steps, SPREAD_STEPS))
         else:
             raise AssertionError(f"a trial of kind {trial.kind!r} in a find() result: add it to this table")
         expected.append(steps)

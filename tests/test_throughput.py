@@ -14,7 +14,20 @@ import torch
 
 import batchfit
 from batchfit import examples
-from batchfit.probe.timing import KNEE_BRACKET, MIN_TIMING_S, next_knee_size, time_warm, timing_deadline
+from batchfit.probe.timing import (
+    KNEE_BRACKET,
+    KNEE_STEP_DOWN,
+    KNEE_STEPS,
+    MIN_TIMING_S,
+    SPREAD_STEPS,
+    knee_deadline,
+    knee_of,
+    next_knee_size,
+    step_at_max,
+    time_knee,
+    time_safe,
+    unpinned_notes,
+)
 from batchfit.report import Throughput, Trial
 from batchfit.report.throughput import KNEE_FRACTION, is_warm, warm_rates
 from batchfit.search import Grid
@@ -52,35 +65,54 @@ def test_warm_steps_of_one_size_are_pooled() -> None:
     assert throughput is not None and throughput.spread == pytest.approx((0.4 - 0.2) / 0.3)
 
 
-def _pin(curve: dict[int, float], grid: Grid, start: list[int]) -> tuple[dict[int, float], list[int]]:
-    """Run the knee's neighbourhood rule against a rate curve, as ``time_warm`` does."""
+def _pin(
+    curve: dict[int, float], grid: Grid, start: list[int], top: int, top_rate: float | None = None
+) -> tuple[dict[int, float], list[int]]:
+    """Run the knee's neighbourhood rule against a rate curve, as ``time_knee`` does."""
     rates = {size: curve[size] for size in start}
     asked: list[int] = []
-    while (size := next_knee_size(rates, grid)) is not None:
+    while (size := next_knee_size(rates, grid, top, top_rate)) is not None:
         assert size not in rates, "a size already timed is never asked again"
+        assert size < top, "the largest batch is never timed again"
         asked.append(size)
         rates[size] = curve[size]
         assert len(asked) < 64
     return rates, asked
 
 
+def _warm_trials(rates: dict[int, float]) -> list[Trial]:
+    return [_trial(size, (size / rate,), steps=2, kind="time") for size, rate in rates.items()]
+
+
 @pytest.mark.parametrize("saturation", [1, 3, 17, 40, 100, 300])
 @pytest.mark.parametrize("multiple_of", [1, 8])
-def test_the_knee_is_bracketed_on_any_saturating_curve(saturation: int, multiple_of: int) -> None:
+@pytest.mark.parametrize("start", ["cpu", "gpu"])
+def test_the_knee_is_bracketed_on_any_saturating_curve(saturation: int, multiple_of: int, start: str) -> None:
     grid = Grid(init=multiple_of if multiple_of > 1 else 2, maximum=4096, multiple_of=multiple_of)
-    top = grid.floor(1000)
+    top, safe = grid.floor(1000), grid.floor(900)
     curve = {b: 1000.0 * b / (b + saturation) for b in range(1, 4097)}  # rates that saturate
-    rates, asked = _pin(curve, grid, [top, grid.floor(900)])
+    # On a CPU only the first search trial (init_batch) runs a warm step, and the largest batch's
+    # one cold step understates its rate; on a GPU every search trial runs a warm step.
+    known = [grid.init] if start == "cpu" else [grid.init, grid.floor(60), grid.floor(500), top]
+    rates, asked = _pin(curve, grid, known, top, top_rate=0.7 * curve[top] if start == "cpu" else None)
+    assert len(asked) <= 2 * 12  # stepping down, then bisection: logarithmic in the sizes
+    rates[safe] = curve[safe]  # the verification, last
     best = max(rates.values())
     knee = min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * best)
     below = [size for size in rates if size < knee]
-    if below:  # a slower size right below the knee, within the bracket or with no grid size between
+    note = unpinned_notes(_warm_trials(rates), top, safe, grid)
+    if below:  # a slower size right below the knee, within the bracket, with no grid size between, or said
         lower = max(below)
         assert curve[lower] < KNEE_FRACTION * best
-        assert knee <= KNEE_BRACKET * lower or grid.floor(int((lower * knee) ** 0.5)) <= lower
+        pinned = knee <= KNEE_BRACKET * lower or grid.floor(int((lower * knee) ** 0.5)) <= lower
+        assert pinned or note == [
+            f"throughput: the safe batch's rate, timed last, puts the knee at batch {knee}, above the sizes timed "
+            f"before it: it lies between batch {lower} and {knee}"
+        ]
+        if saturation <= 10:  # a knee well below the safe batch is pinned before the verification
+            assert pinned and note == []
     else:  # nothing smaller to time
-        assert knee == grid.init or grid.floor(knee // 2) in (knee, grid.init) and grid.init in rates
-    assert len(asked) <= 2 * 12  # halving, then bisection: logarithmic in the sizes
+        assert knee == grid.init or grid.floor(knee // KNEE_STEP_DOWN) in (knee, grid.init) and grid.init in rates
 
 
 def test_the_rule_stops_on_any_small_grid() -> None:
@@ -91,19 +123,27 @@ def test_the_rule_stops_on_any_small_grid() -> None:
         grid = Grid(init=init, maximum=maximum, multiple_of=multiple_of)
         for shape in (lambda b: float(b), lambda b: 1.0, lambda b: 100.0 - b):
             curve = {b: shape(b) for b in range(1, maximum + 1)}
-            _pin(curve, grid, [grid.floor(maximum)])
+            top = grid.floor(maximum)
+            _pin(curve, grid, [top], top)
+            _pin(curve, grid, [], top, top_rate=curve[top])
 
 
-def test_the_timing_phase_has_a_bounded_share_of_the_probe() -> None:
-    assert timing_deadline(now=100.0, started=0.0, time_budget=None) == 150.0
-    assert timing_deadline(now=1.0, started=0.0, time_budget=None) == 1.0 + MIN_TIMING_S
-    assert timing_deadline(now=100.0, started=0.0, time_budget=120.0) == 120.0
+def test_the_knee_s_timing_costs_a_few_steps_at_the_largest_batch() -> None:
+    assert knee_deadline(now=100.0, step_at_max_s=2.0, started=0.0, time_budget=None) == 100.0 + KNEE_STEPS * 2.0
+    assert knee_deadline(now=1.0, step_at_max_s=0.01, started=0.0, time_budget=None) == 1.0 + MIN_TIMING_S
+    assert knee_deadline(now=1.0, step_at_max_s=None, started=0.0, time_budget=None) == 1.0 + MIN_TIMING_S
+    assert knee_deadline(now=100.0, step_at_max_s=50.0, started=0.0, time_budget=120.0) == 120.0
+    # The step at the top of the curve: the slowest fitting trial at or below the largest batch.
+    trials = [_trial(4, (0.1,), steps=2), _trial(200, (1.5,), steps=1), _trial(180, (1.2, 1.1), steps=3, kind="verify")]
+    failed = Trial(batch_size=201, fits=False, kind="search", steps=0)
+    assert step_at_max([*trials, failed, _trial(220, (9.0,), steps=2)], largest=200) == 1.5
+    assert step_at_max([], largest=200) is None
 
 
-def _timer(trials: list[Trial], curve: dict[int, float], timed: int = 2, warm: bool = True):  # noqa: ANN202
-    """A ``run`` for ``time_warm`` that times sizes on a known rate curve (the rules, not the device)."""
+def _timer(trials: list[Trial], curve: dict[int, float], warm: bool = True):  # noqa: ANN202
+    """A ``run`` for the timing that times sizes on a known rate curve (the rules, not the device)."""
 
-    def run(size: int) -> Trial:
+    def run(size: int, timed: int) -> Trial:
         step = size / curve[size]
         times = (step,) * timed if warm else ()
         trial = Trial(
@@ -121,73 +161,90 @@ def _timer(trials: list[Trial], curve: dict[int, float], timed: int = 2, warm: b
     return run
 
 
-def test_time_warm_skips_a_size_its_verification_timed_and_pins_the_knee() -> None:
+def test_time_knee_starts_below_the_largest_batch_and_pins_the_knee() -> None:
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
-    verified = 900 / curve[900]
-    trials = [_trial(1000, (1.0,), steps=1), _trial(900, (verified, verified), steps=3, kind="verify")]
-    notes = time_warm(
-        trials, [1000, 900], grid, _timer(trials, curve), timed_steps=2, start_neighbourhood=lambda: lambda: False
-    )
-    timed = [t.batch_size for t in trials if t.kind == "time"]
-    assert timed[0] == 1000 and 900 not in timed  # the verification's two warm steps count
-    assert notes == []
+    trials = [_trial(1000, (1000 / curve[1000] * 1.3,), steps=1)]  # the largest batch's one cold step
+    notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=1, out_of_time=lambda: False)
+    timed = [t for t in trials if t.kind == "time"]
+    assert notes == [] and timed[0].batch_size == 1000 // 2
+    assert all(t.batch_size < 1000 for t in timed)  # the largest batch is not timed again
+    # The first size at or below a quarter of the largest is timed twice (the spread), every other
+    # once: each after an untimed step.
+    first_small = next(i for i, t in enumerate(timed) if t.batch_size <= 1000 // KNEE_STEP_DOWN)
+    assert [len(t.step_times_s) for t in timed] == [SPREAD_STEPS if i == first_small else 1 for i in range(len(timed))]
     rates = warm_rates(trials)
-    knee = min(b for b, r in rates.items() if r >= KNEE_FRACTION * max(rates.values()))
+    knee = knee_of(rates)
     lower = max(b for b in rates if b < knee)
     assert curve[lower] < KNEE_FRACTION * max(rates.values()) and knee <= KNEE_BRACKET * lower + 1
 
 
-def test_time_warm_says_when_time_ran_out_and_names_the_knee() -> None:
+def test_time_safe_times_a_safe_batch_its_verification_did_not() -> None:
+    curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
+    trials = [_trial(1000, (1.0,), steps=1), _trial(900, (0.9,), steps=2, kind="verify")]  # one warm step
+    assert time_safe(trials, 900, _timer(trials, curve), timed_steps=1) == [] and len(trials) == 2
+    assert time_safe(trials, 900, _timer(trials, curve), timed_steps=2) == []  # two asked: timed again
+    assert [(t.batch_size, t.kind, len(t.step_times_s)) for t in trials[2:]] == [(900, "time", 2)]
+
+
+def test_time_knee_says_when_time_ran_out_and_names_the_knee() -> None:
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
-    trials: list[Trial] = []
-    notes = time_warm(
-        trials, [1000], grid, _timer(trials, curve), timed_steps=2, start_neighbourhood=lambda: lambda: True
-    )
-    assert [t.batch_size for t in trials] == [1000]
+    trials: list[Trial] = [_trial(1000, (1.0, 1.0), steps=3, kind="time")]
+    notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=2, out_of_time=lambda: True)
+    assert len(trials) == 1
     assert notes == [
         "throughput: the knee is not pinned down below batch 1000: the time for timing sizes warm ran out "
         "(each size timed is one more trial)"
     ]
 
 
-def test_time_warm_never_asks_twice_for_a_size_that_timed_no_warm_step() -> None:
+def test_time_knee_never_asks_twice_for_a_size_that_timed_no_warm_step() -> None:
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
     trials: list[Trial] = [_trial(1000, (1.0, 1.0), steps=3, kind="time")]
-    time_warm(
-        trials, [], grid, _timer(trials, curve, warm=False), timed_steps=2, start_neighbourhood=lambda: lambda: False
-    )
+    time_knee(trials, 1000, grid, _timer(trials, curve, warm=False), timed_steps=2, out_of_time=lambda: False)
     asked = [t.batch_size for t in trials[1:]]
     assert len(asked) == len(set(asked)) == 1  # its trial timed nothing warm: not asked again
+
+
+def test_a_knee_the_safe_batch_moves_up_is_said_to_be_unpinned() -> None:
+    grid = Grid(init=2, maximum=4096, multiple_of=1)
+    climbing = {250: 100.0, 500: 180.0, 900: 300.0}  # still climbing at the safe batch
+    assert unpinned_notes(_warm_trials(climbing), 1000, 900, grid) == [
+        "throughput: the safe batch's rate, timed last, puts the knee at batch 900, above the sizes timed "
+        "before it: it lies between batch 500 and 900"
+    ]
+    flat = {100: 280.0, 125: 290.0, 250: 296.0, 900: 300.0}
+    assert unpinned_notes(_warm_trials(flat), 1000, 900, grid) == []
+    not_moved = {100: 200.0, 250: 290.0, 900: 300.0}  # not pinned, but not by the safe batch: nothing to add
+    assert unpinned_notes(_warm_trials(not_moved), 1000, 900, grid) == []
 
 
 def _check_warm_alike(result: batchfit.Result, timed_steps: int) -> None:
     throughput = result.throughput
     assert throughput is not None and throughput.warm and throughput.timing_s is not None
+    settings = result.settings
+    # The knee's neighbourhood comes first, each size alike: one untimed step, then the timed ones
+    # (the first size two while no size was timed twice: the spread needs two).
     timed = [t for t in result.trials if t.kind == "time"]
-    by_size = {t.batch_size: t for t in timed}
-    # The largest and the safe batch are timed alike: one untimed step, then at least the same
-    # timed ones (the safe batch's verification is such a trial when it times as many steps).
-    for size in (result.max_batch, result.safe_batch):
-        alike = [t for t in result.trials if t.batch_size == size and is_warm(t)]
-        assert any(len(t.step_times_s) >= timed_steps for t in alike), size
-        if size in by_size:
-            assert by_size[size].steps == 1 + timed_steps and len(by_size[size].step_times_s) == timed_steps
-    # The verification is the last trial of a new size: only the safe batch is timed after it, and
-    # only when the verification timed fewer warm steps (a neighbourhood size timed before it may
-    # be the safe batch itself).
-    last_verify = max(i for i, t in enumerate(result.trials) if t.kind == "verify")
-    verification = result.trials[last_verify]
-    after = result.trials[last_verify + 1 :]
-    assert all(t.kind == "time" and t.batch_size == result.safe_batch for t in after)
-    before = [t for t in result.trials[:last_verify] if t.batch_size == result.safe_batch and is_warm(t)]
-    timed_enough = any(len(t.step_times_s) >= timed_steps for t in [*before, verification])
-    assert bool(after) == (not timed_enough)  # never timed again when as many warm steps were timed
-    assert timed[0].batch_size == result.max_batch  # its search trial timed one cold step
+    first_timed = result.trials.index(timed[0]) if timed else len(result.trials)
+    assert all(t.kind == "search" for t in result.trials[:first_timed])
+    repeated = any(is_warm(t) and len(t.step_times_s) >= SPREAD_STEPS for t in result.trials[:first_timed])
+    small = [i for i, t in enumerate(timed) if t.batch_size <= result.max_batch // KNEE_STEP_DOWN]
+    spread_at = None if repeated or not small else small[0]
+    counts = [max(timed_steps, SPREAD_STEPS) if i == spread_at else timed_steps for i in range(len(timed))]
+    assert [(t.steps, len(t.step_times_s)) for t in timed] == [(1 + c, c) for c in counts]
+    assert (throughput.spread is not None) == (max(counts, default=0) >= 2 or repeated)
+    # Then the safe batch's verification, last: one step with a fresh optimizer, then at least
+    # `timed_steps` warm ones, the safe batch's rate; no trial of its own.
+    verification = result.trials[-1]
+    assert verification.kind == "verify" and verification.batch_size == result.safe_batch and verification.fits
+    assert verification.steps == max(settings.verify_steps, 1 + timed_steps)
+    assert len(verification.step_times_s) == verification.steps - 1 and is_warm(verification)
+    assert result.max_batch not in {t.batch_size for t in timed}
     # Every rate compared comes from warm steps; no search trial's single cold step is among them.
-    warm_sizes = {t.batch_size for t in result.trials if is_warm(t)}
+    warm_sizes = {t.batch_size for t in result.trials if is_warm(t) and t.batch_size <= result.max_batch}
     assert dict(throughput.rates).keys() == warm_sizes
     cold_only = {t.batch_size for t in result.search_trials if t.fits} - warm_sizes
     assert not cold_only & dict(throughput.rates).keys()
@@ -202,10 +259,10 @@ def _check_warm_alike(result: batchfit.Result, timed_steps: int) -> None:
 
 
 @pytest.mark.slow
-def test_built_in_gpt_times_the_max_and_the_safe_batch_warm_alike() -> None:
+def test_built_in_gpt_times_the_safe_batch_and_the_knee_warm_alike() -> None:
     model, sample = examples.gpt()
     result = batchfit.find(model, sample, memory_limit="48MiB")
-    _check_warm_alike(result, timed_steps=2)
+    _check_warm_alike(result, timed_steps=1)
     # Another headroom verifies another size; the sizes compared are still timed alike.
     other = batchfit.find(model, sample, memory_limit="48MiB", headroom=0.3, timed_steps=3)
     assert other.safe_batch < result.safe_batch
@@ -219,7 +276,7 @@ def test_a_hugging_face_model_times_warm_alike() -> None:
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 512, (1, 64))
     result = batchfit.find(model, {"input_ids": ids, "labels": ids}, memory_limit="48MiB")
-    _check_warm_alike(result, timed_steps=2)
+    _check_warm_alike(result, timed_steps=1)
 
 
 def test_timed_steps_zero_times_nothing_more_and_still_ranks_warm_steps_only() -> None:
@@ -228,6 +285,7 @@ def test_timed_steps_zero_times_nothing_more_and_still_ranks_warm_steps_only() -
     assert not any(t.kind == "time" for t in result.trials)
     assert result.throughput is not None and result.throughput.timing_s is None
     assert dict(result.throughput.rates).keys() == {t.batch_size for t in result.trials if is_warm(t)}
+    assert [t.steps for t in result.trials if t.kind == "verify"] == [result.settings.verify_steps]  # not extended
 
 
 def test_a_size_above_the_largest_batch_is_never_the_best() -> None:

@@ -30,7 +30,7 @@ from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
 from batchfit.probe.probing import FromInit, ProbesTrials, SearchPlan
 from batchfit.probe.safe_batch import safe_batch, safe_cap
-from batchfit.probe.timing import time_warm, timing_deadline
+from batchfit.probe.timing import knee_deadline, step_at_max, time_knee, time_safe, unpinned_notes
 from batchfit.report import MemoryModel, Result, Settings, Throughput, Trial, TrialKind, Unit
 from batchfit.search import Attempt, SearchReport, confirm_from_scratch
 from batchfit.version import __version__
@@ -83,7 +83,7 @@ def search_with(
 ) -> Result:
     """The search, the safe batch and the [`Result`][batchfit.Result], over any prober.
 
-    The sizes the throughput answer rests on are timed warm after the search
+    The sizes the throughput answer rests on are timed warm around the safe batch's verification
     (`batchfit.probe.timing`) where the prober's trials can (`times_warm`) and
     `options.timed_steps` is not 0. The steps that run trials call the pure search, the timing and
     `safe_batch` from here, with `SearchRun`'s methods: the path from `find` to the model stays short.
@@ -131,27 +131,36 @@ def search_with(
         memory = prober.memory_model(run.trials)
         if memory is None:
             memory = plan.memory_hint(run.trials, budget, run.unit)
-        # 5. The sizes the throughput answer rests on, timed warm and alike (a search trial's
-        #    single step after a release runs cold, and must not be ranked against warm ones);
-        #    before the safe batch's verification, so that what timing leaves behind (kernels and
-        #    caches for new shapes, a fragmented heap) is in the state the verification proves.
+        # 5. The knee's neighbourhood, timed warm and alike (a search trial's single step after a
+        #    release runs cold, and must not be ranked against warm ones; `batchfit.probe.timing`).
         timing_notes: list[str] = []
         timing_s: float | None = None
-        timing = bool(timed_steps) and prober.times_warm and not run.out_of_time()
-        timed = partial(run.run, kind="time", steps=1 + timed_steps)
+        largest = report.largest_fit
+        timing = run.timing and not run.out_of_time()
         if timing:
             timing_started = time.monotonic()
-            timing_notes = time_warm(run.trials, [report.largest_fit], grid, timed, timed_steps, run.neighbourhood)
+            timing_notes = time_knee(run.trials, largest, grid, run.timed, timed_steps, run.neighbourhood(largest))
             timing_s = time.monotonic() - timing_started
         # 6. The safe batch the equation predicts, verified by real steps (the search's trials are
-        #    its candidates; the sizes just timed are not).
+        #    its candidates): the last trial of a new size, so that it proves the safe batch in the
+        #    state the rest left behind. When the throughput is timed, its warm steps are the safe
+        #    batch's rate, the top of the curve (`SearchRun.verify_steps`).
         searched_trials = [t for t in run.trials if t.kind != "time"]
         safe, verified, safe_notes = safe_batch(
-            report, searched_trials, memory, budget, options, run.unit, run.run, keep_within=plan.keep_verified_within
+            report,
+            searched_trials,
+            memory,
+            budget,
+            options,
+            run.unit,
+            run.run,
+            keep_within=plan.keep_verified_within,
+            steps=run.verify_steps,
         )
-        if timing:  # the safe batch alike, unless its verification timed as many warm steps
+        if timing:  # the safe batch, unless its verification timed it; and where its rate moved the knee
             timing_started = time.monotonic()
-            timing_notes += time_warm(run.trials, [safe], grid, timed, timed_steps)
+            timing_notes += time_safe(run.trials, safe, run.timed, timed_steps)
+            timing_notes += unpinned_notes(run.trials, largest, safe, grid)
             timing_s = (timing_s or 0.0) + time.monotonic() - timing_started
     # 7. The answer (after the prober's __exit__, whose notes it carries).
     return run.answer(report, memory, safe, verified, safe_notes, timing_notes, timing_s)
@@ -182,10 +191,16 @@ class SearchRun:
         self.in_trial = False
 
     def run(self, batch_size: int, kind: TrialKind, steps: int | None = None, cap_bytes: int | None = None) -> Trial:
-        """A trial of `kind` (`safe_batch`'s verifications, the timing's), kept and told."""
+        """A trial of `kind` (`safe_batch`'s verifications), kept and told."""
         fresh = self._begin(batch_size, kind, steps)
         trial = self.prober.trial(batch_size, steps=steps, kind=kind, fresh_optimizer=fresh, cap_bytes=cap_bytes)
         return self._keep(trial, cap_bytes)
+
+    def timed(self, batch_size: int, timed_steps: int) -> Trial:
+        """A timing trial (`batchfit.probe.timing`): one untimed step, then `timed_steps` timed ones."""
+        fresh = self._begin(batch_size, "time", 1 + timed_steps)
+        trial = self.prober.trial(batch_size, steps=1 + timed_steps, kind="time", fresh_optimizer=fresh)
+        return self._keep(trial, None)
 
     def oracle(self, batch_size: int, kind: TrialKind = "search", from_scratch: bool = False) -> Attempt:
         """A trial as the search sees it: its peaks in the unit the budget counts (reserved bytes on CUDA).
@@ -196,7 +211,7 @@ class SearchRun:
                 finds it done): a plan may aim its search with it.
             from_scratch: run as a fresh process runs it, no optimizer state kept.
         """
-        steps, cap = (self.options.verify_steps, self.verify_cap(batch_size)) if kind == "verify" else (None, None)
+        steps, cap = (self.verify_steps, self.verify_cap(batch_size)) if kind == "verify" else (None, None)
         fresh = self._begin(batch_size, kind, steps, from_scratch)
         trial = self.prober.trial(batch_size, steps=steps, kind=kind, fresh_optimizer=fresh, cap_bytes=cap)
         return verdict(self._keep(trial, cap), self.unit)
@@ -232,9 +247,24 @@ class SearchRun:
             return False
         return self.prober.ranks.any(time.monotonic() - self.started > self.options.time_budget)
 
-    def neighbourhood(self) -> Callable[[], bool]:
-        """The `out_of_time` of the timing of the knee's neighbourhood, from now (`timing_deadline`)."""
-        deadline = timing_deadline(time.monotonic(), self.started, self.options.time_budget)
+    @property
+    def timing(self) -> bool:
+        """Whether the throughput answer is timed warm: `timed_steps` asks it and the prober's trials can."""
+        return bool(self.options.timed_steps) and self.prober.times_warm
+
+    @property
+    def verify_steps(self) -> int:
+        """The steps of the safe batch's verification: `verify_steps`, and when the throughput is
+        timed at least `1 + timed_steps`, so that its warm steps are the safe batch's rate and it
+        needs no trial of its own (0: no verification)."""
+        steps = self.options.verify_steps
+        return max(steps, 1 + self.options.timed_steps) if steps and self.timing else steps
+
+    def neighbourhood(self, largest: int) -> Callable[[], bool]:
+        """The `out_of_time` of the timing of the knee's neighbourhood, from now (`knee_deadline`)."""
+        deadline = knee_deadline(
+            time.monotonic(), step_at_max(self.trials, largest), self.started, self.options.time_budget
+        )
         return lambda: bool(self.prober.ranks.any(time.monotonic() > deadline))
 
     def nothing_fits(self, failed: NothingFitsError) -> NothingFitsError:

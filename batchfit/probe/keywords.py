@@ -103,7 +103,8 @@ class TrialOptions(TypedDict, total=False):
     steps_per_trial: int | None
     """Steps per search trial. Default: None, the fewest that give the memory verdict (2 the first time, then 1)."""
     verify_steps: int
-    """Steps run at the safe batch to check it, with a fresh optimizer; 0 skips the check. Default: 3."""
+    """Steps run at the safe batch to check it, with a fresh optimizer (step 2 is the first with its state
+    in place; a step whose update a `GradScaler` skipped does not count); 0 skips the check. Default: 2."""
     time_budget: float | None
     """Seconds after which no new search trial starts. Default: None, no limit."""
 
@@ -124,7 +125,8 @@ class AnswerOptions(TypedDict, total=False):
     """What `find` adds to its answer, and where it keeps it."""
 
     timed_steps: int
-    """Warm timed steps per size the throughput answer compares (after one untimed); 0 skips it. Default: 2."""
+    """Warm timed steps per size the throughput answer compares (after one untimed; 2 or more also
+    measure their spread); 0 skips it. Default: 1."""
     noise_scale: bool
     """Also measure the gradient noise scale from the sample's real batches, for the recommendation. Default: False."""
     noise_passes: int

@@ -93,9 +93,9 @@ def throughput_notes(throughput: Throughput | None) -> list[str]:
             f"throughput: the difference between batch {throughput.best_batch} and {throughput.knee_batch} is within "
             f"the measurement's noise (repeated steps spread by {throughput.spread:.0%})"
         )
-    if throughput.single_step_best:
+    if throughput.single_step_best and not throughput.warm:  # warm sizes are timed alike, with timed_steps each
         notes.append(
-            f"throughput: the rate of batch {throughput.best_batch} comes from one timed step"
-            + ("" if throughput.warm else " (a search trial), which on a GPU also pays for the first use of that shape")
+            f"throughput: the rate of batch {throughput.best_batch} comes from one timed step (a search trial), "
+            "which on a GPU also pays for the first use of that shape"
         )
     return notes

@@ -70,7 +70,7 @@ class Options:
     init_batch: int | None = field(default=None, metadata=_changes("search", shown=lambda o: o.first_batch))
     max_batch: int = field(default=DEFAULT_MAX_BATCH, metadata=_changes("search"))
     multiple_of: int = field(default=1, metadata=_changes("search"))
-    verify_steps: int = field(default=3, metadata=_changes("search"))
+    verify_steps: int = field(default=2, metadata=_changes("search"))
     strategy: str | Strategy = field(
         default="interpolate", metadata=_changes("search", shown=lambda o: o.make_strategy().name)
     )
@@ -87,7 +87,7 @@ class Options:
     scan_batches: int | None = field(default=64, metadata=_changes("search"))
     noise_scale: bool = field(default=False, metadata=_keeps("measured after the search, every time, never cached"))
     noise_passes: int = field(default=128, metadata=_keeps("it bounds the noise scale, measured every time"))
-    timed_steps: int = field(default=2, metadata=_changes("search"))
+    timed_steps: int = field(default=1, metadata=_changes("search"))
     cache: str | os.PathLike[str] | None = field(default=None, metadata=_keeps("it says where the answer is kept"))
 
     def __post_init__(self) -> None:

@@ -50,6 +50,7 @@ def safe_batch(
     unit: Unit,
     run: RunTrial,
     keep_within: float = 0.0,
+    steps: int | None = None,
 ) -> tuple[int, bool, list[str]]:
     """The largest size that *runs* under a cap of ``(1 - headroom) x budget``, verified there.
 
@@ -71,10 +72,13 @@ def safe_batch(
     A verification already among ``trials`` (a searcher may run it first, see
     ``batchfit.probe.finder.search_with``) is not run again; one within ``keep_within`` (a
     fraction) below the candidate is kept as the safe batch instead of verifying the candidate
-    (the frontier's lengths: 0 for ``find()``).
+    (the frontier's lengths: 0 for ``find()``). ``steps``: the verification's steps, when they
+    are more than ``options.verify_steps`` (its last steps then time the safe batch warm, see
+    ``batchfit.probe.timing``).
     """
     notes: list[str] = []
-    grid, headroom, verify_steps = options.grid(), options.headroom, options.verify_steps
+    grid, headroom = options.grid(), options.headroom
+    verify_steps = options.verify_steps if steps is None else steps
     largest = report.largest_fit
     cap: int | None = None
     if budget is None:

@@ -1,29 +1,37 @@
-"""The sizes the throughput answer rests on, timed warm and alike.
+"""The sizes the throughput answer rests on, timed warm and alike, for about three steps at the max.
 
 A search trial times one step, right after the previous trial's memory was released: page
 faults, allocator growth and the first use of each shape land in it, and how much depends on
 the size and on what ran before (the built-in GPT at 256 MiB on the CPU: batch 160's single
-search step ran 119 samples/s, the safe batch 144's warm steps 395). Ranking sizes by such
-rates names as "best" whichever size happened to be timed warm: the safe batch, which its
-verification times over several steps. So after the search the sizes the answer depends on
-are timed again, each in the same way: one untimed step, then ``timed_steps`` timed ones
-(`time_warm`):
+search step ran 119 samples/s, the safe batch 144's warm steps 395). So only warm steps are
+ranked (those after an untimed step of the same trial, `is_warm`), every size measured the same
+way: one untimed step, then ``timed_steps`` timed ones. What is timed, in order:
 
-1. the largest batch and the safe batch (the answer names both), unless a size already has
-   ``timed_steps`` warm steps in one trial: the safe batch's verification (one step that
-   allocates the optimizer state, then timed ones) is such a trial with the default
-   ``verify_steps=3``, and timing it again would only double the cost of its large steps (the
-   safe batch is timed after its verification; everything else before it, so that the
-   verification proves the safe batch in the state timing leaves behind);
-2. the knee's neighbourhood: halving below the smallest size within 5% of the best rate until a
-   size below it is slower than that, then bisecting (geometrically) between the two until they
-   are within `KNEE_BRACKET` of each other, while the phase's time lasts
-   (`timing_deadline`, counted from when step 1 is done: on a CPU the two largest sizes'
-   steps alone can outlast any share of a short search, and must not leave the knee untimed).
+1. the knee's neighbourhood (`time_knee`), after the search: first half the largest batch,
+   unless a warm rate up there is known (a GPU's search trials each run a warm step); then a
+   quarter of the knee until a size below it is slower than `KNEE_FRACTION` of the best, and the
+   geometric middle of the two until they are within `KNEE_BRACKET` of each other. While no
+   timed size reaches 95% of the largest batch's own search step (cold, so it can only
+   understate the top's rate), the rates still climb: the next size is the geometric middle of
+   the largest timed size and the largest batch. Sizes below the knee cost little; the phase
+   stops once it spent `KNEE_STEPS` steps of the largest batch (`knee_deadline`, at least
+   `MIN_TIMING_S`). With ``timed_steps=1`` its first size at or below a quarter of the largest
+   batch is timed over `SPREAD_STEPS` steps, so that the answer knows how far single steps
+   scatter (its ``spread``) for a fraction of a step at the top;
+2. the safe batch, the top of the curve, by its verification (``batchfit.probe.finder`` runs it
+   with ``1 + timed_steps`` steps when ``verify_steps`` asks fewer: a fresh optimizer's first
+   step, then warm ones), which costs no step of its own; with ``verify_steps=0`` a trial of its
+   own (`time_safe`). It comes last: the verification proves the safe batch in the state
+   everything else left behind (on the CPU each new batch shape keeps 512 KiB of address space
+   for its kernels; under a real allocator's wall, ``tests/test_real_oom.py``, timing after the
+   verification left the safe batch unable to train again in the same process). The largest
+   batch is not timed again: that would take ``1 + timed_steps`` steps at the largest size to
+   say what the safe batch, at most ``headroom`` below it, says where the rates flatten out.
+   When the safe batch's rate moves the knee up, past the sizes timed before it, the answer says
+   between which sizes it lies (`unpinned_notes`).
 
-Only warm steps (those after an untimed step of the same trial, `is_warm`) are compared
-with each other (``batchfit.report.throughput``); the knee is then a property of the model and
-the device, not of the search's path.
+Only warm steps are compared (``batchfit.report.throughput``); the knee is then a property of
+the model and the device, not of the search's path.
 """
 
 from __future__ import annotations
@@ -37,20 +45,32 @@ from batchfit.search import Grid
 
 #: The knee is bisected until the slower size below it is within this ratio of it.
 KNEE_BRACKET = 1.25
-#: The knee's neighbourhood may take this share of the probe's time so far, and at least
-#: `MIN_TIMING_S` seconds (the largest and the safe batch are timed in any case).
-TIMING_SHARE = 0.5
-MIN_TIMING_S = 5.0
+#: Until a slower size below the knee is timed, the next size is the knee divided by this.
+KNEE_STEP_DOWN = 4
+#: The knee's neighbourhood may take as long as this many steps at the largest batch took (its
+#: search trial's step), and at least `MIN_TIMING_S` seconds (on a small model a trial's own
+#: overhead, not its steps, decides).
+KNEE_STEPS = 3.0
+MIN_TIMING_S = 1.0
+#: Timed steps of the neighbourhood's first size while no size has this many: the spread needs two.
+SPREAD_STEPS = 2
 
-#: ``run(batch_size) -> Trial``: one trial of an untimed step and the timed ones, kind ``"time"``.
-RunTimed = Callable[[int], Trial]
+#: ``run(batch_size, timed_steps) -> Trial``: one trial of an untimed step, then ``timed_steps`` timed ones.
+RunTimed = Callable[[int, int], Trial]
 
 
-def timing_deadline(now: float, started: float, time_budget: float | None) -> float:
-    """When the knee's neighbourhood stops being timed: `TIMING_SHARE` of the time the
-    probe took so far, at least `MIN_TIMING_S`, and never past the probe's ``time_budget``."""
-    deadline = now + max(MIN_TIMING_S, TIMING_SHARE * (now - started))
+def knee_deadline(now: float, step_at_max_s: float | None, started: float, time_budget: float | None) -> float:
+    """When the knee's neighbourhood stops being timed: `KNEE_STEPS` steps at the largest batch
+    from ``now``, at least `MIN_TIMING_S`, never past the probe's ``time_budget``."""
+    deadline = now + max(MIN_TIMING_S, KNEE_STEPS * (step_at_max_s or 0.0))
     return deadline if time_budget is None else min(deadline, started + time_budget)
+
+
+def step_at_max(trials: list[Trial], largest: int) -> float | None:
+    """The median step time of the slowest fitting trial at or below ``largest`` (the largest
+    batch's search step, as a rule): what one step at the top of the curve costs."""
+    times = [t.step_time_s for t in trials if t.fits and t.batch_size <= largest and t.step_time_s]
+    return max(times, default=None)
 
 
 def knee_of(rates: dict[int, float]) -> int:
@@ -59,20 +79,36 @@ def knee_of(rates: dict[int, float]) -> int:
     return min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * best)
 
 
-def next_knee_size(rates: dict[int, float], grid: Grid) -> int | None:
+def next_knee_size(rates: dict[int, float], grid: Grid, top: int, top_rate: float | None = None) -> int | None:
     """The next size to time to pin the knee down, ``None`` once it is pinned (or cannot be).
 
-    The knee is the smallest timed size within `KNEE_FRACTION` of the best rate. Until a
-    slower size below it has been timed, the next size is half the knee (on the grid); then the
-    geometric middle between that slower size and the knee, until the two are within
-    `KNEE_BRACKET` of each other or no grid size lies between them.
+    Args:
+        rates: the warm rates so far, at sizes up to ``top``.
+        grid: the sizes a probe may run.
+        top: the largest batch.
+        top_rate: a lower bound on the rate at ``top`` (its search step's, cold), or ``None``.
+
+    While no size of ``rates`` up there is timed (none at ``top / 2`` or above) or none is within
+    `KNEE_FRACTION` of ``top_rate``, the rates still climb: the next size is half ``top``, then
+    the geometric middle of the largest timed size and ``top``. Then the
+    knee is the smallest timed size within `KNEE_FRACTION` of the best; until a slower size below
+    it has been timed, the next size is the knee over `KNEE_STEP_DOWN`; then the geometric middle
+    between that slower size and the knee, until the two are within `KNEE_BRACKET` of each other
+    or no grid size lies between them.
     """
-    if not rates:
-        return None
+    highest = max(rates, default=0)
+    best = max([*rates.values(), top_rate or 0.0])
+    climbing = not any(rate >= KNEE_FRACTION * best for rate in rates.values())
+    half = grid.floor(top // 2)
+    if highest < half or climbing:
+        if highest * KNEE_BRACKET >= top:
+            return None  # the knee is within the bracket of the top: the safe batch's rate says the rest
+        candidate = half if highest < half else grid.floor(math.isqrt(highest * top))
+        return candidate if highest < candidate < top and candidate >= grid.init else None
     knee = knee_of(rates)
     below = [size for size in rates if size < knee]
     if not below:
-        candidate = grid.floor(max(grid.init, knee // 2))
+        candidate = grid.floor(max(grid.init, knee // KNEE_STEP_DOWN))
     else:
         lower = max(below)
         if knee <= KNEE_BRACKET * lower:
@@ -85,56 +121,74 @@ def next_knee_size(rates: dict[int, float], grid: Grid) -> int | None:
     return candidate
 
 
-def time_warm(
+def top_rate_of(trials: list[Trial], largest: int) -> float | None:
+    """The largest batch's rate as its search trial timed it (``None``: not timed): cold on a CPU,
+    so a lower bound on its warm rate."""
+    return max((t.samples_per_s or 0.0 for t in trials if t.fits and t.batch_size == largest), default=None)
+
+
+def time_knee(
     trials: list[Trial],
-    sizes: list[int],
+    largest: int,
     grid: Grid,
     run: RunTimed,
     timed_steps: int,
-    start_neighbourhood: Callable[[], Callable[[], bool]] | None = None,
+    out_of_time: Callable[[], bool],
 ) -> list[str]:
-    """Time ``sizes`` (a size with a trial of ``timed_steps`` warm steps already is not timed
-    again), then, with ``start_neighbourhood``, the knee's neighbourhood, each by ``run``; the
-    trials land in ``trials`` (``run`` appends them). ``start_neighbourhood()`` is called once
-    ``sizes`` are timed and returns the ``out_of_time()`` that bounds the neighbourhood. Returns
+    """Time the knee's neighbourhood (see the module docs), each size by ``run``, until it is
+    pinned or ``out_of_time()``; the trials land in ``trials`` (``run`` appends them). Returns
     the notes a reader needs (a size that failed when timed, a knee left unpinned because time
-    ran out). The neighbourhood ranks no size above the largest of ``sizes`` (the largest batch):
-    on a GPU a search trial can fit warm above it and fail from scratch.
-
-    ``batchfit.probe.finder`` calls it twice: the largest batch and the neighbourhood before the
-    safe batch's verification, then the safe batch after it (its verification's steps usually
-    count): the verification is the last trial of new sizes, so the safe batch is proven in the
-    state the timing leaves behind.
-    """
-    notes: list[str] = []
-    failed: list[int] = []
-    for size in dict.fromkeys(sizes):  # in order, once each
-        if any(is_warm(t) and t.batch_size == size and len(t.step_times_s) >= timed_steps for t in trials):
-            continue  # already timed warm, as a "time" trial would
-        if not run(size).fits:
-            failed.append(size)
-    out_of_time = start_neighbourhood() if start_neighbourhood is not None else None
+    ran out). No size above ``largest`` is ranked: on a GPU a search trial can fit warm above it,
+    with the optimizer state kept, and fail from scratch."""
+    top_rate = top_rate_of(trials, largest)
     asked: set[int] = set()
-    ceiling = max(sizes, default=None)  # the largest batch: a size above it fitted warm, not from scratch
-    while out_of_time is not None:
-        rates = {s: r for s, r in warm_rates(trials).items() if ceiling is None or s <= ceiling}  # as Throughput.of
-        size = next_knee_size(rates, grid)
+    while True:
+        rates = {s: r for s, r in warm_rates(trials).items() if s <= largest}  # as Throughput.of
+        size = next_knee_size(rates, grid, largest, top_rate)
         if size is None or size in asked:  # asked already: its trial timed no warm step (a skipped update)
-            break
+            return []
         if out_of_time():
-            notes.append(
-                f"throughput: the knee is not pinned down below batch {knee_of(rates)}: the time for timing "
+            below = knee_of(rates) if rates else largest
+            return [
+                f"throughput: the knee is not pinned down below batch {below}: the time for timing "
                 "sizes warm ran out (each size timed is one more trial)"
-            )
-            break
+            ]
         asked.add(size)
-        if not run(size).fits:
-            failed.append(size)
-            break
-    if failed:
-        notes.append(
-            "throughput: batch "
-            + ", ".join(map(str, failed))
-            + " ran out of memory when timed again after the search, although it fitted before"
-        )
-    return notes
+        repeated = size > largest // KNEE_STEP_DOWN or any(
+            is_warm(t) and len(t.step_times_s) >= SPREAD_STEPS for t in trials
+        )  # the spread's second step where steps cost little
+        if not run(size, timed_steps if repeated else max(timed_steps, SPREAD_STEPS)).fits:
+            return [failed_note(size)]
+
+
+def timed_warm(trials: list[Trial], size: int, timed_steps: int) -> bool:
+    """Whether a trial of ``trials`` timed ``size`` warm with at least ``timed_steps`` steps."""
+    return any(is_warm(t) and t.batch_size == size and len(t.step_times_s) >= timed_steps for t in trials)
+
+
+def time_safe(trials: list[Trial], safe: int, run: RunTimed, timed_steps: int) -> list[str]:
+    """Time the safe batch warm unless its verification did (``verify_steps=0``, or a failed one)."""
+    if timed_warm(trials, safe, timed_steps) or run(safe, timed_steps).fits:
+        return []
+    return [failed_note(safe)]
+
+
+def failed_note(size: int) -> str:
+    return f"throughput: batch {size} ran out of memory when timed again after the search, although it fitted before"
+
+
+def unpinned_notes(trials: list[Trial], largest: int, safe: int, grid: Grid) -> list[str]:
+    """A note when the safe batch's rate, timed last, moved the knee above the sizes timed before
+    it: the knee then lies between the slower size below it and itself."""
+    rates = {s: r for s, r in warm_rates(trials).items() if s <= largest}
+    before = {s: r for s, r in rates.items() if s != safe}
+    if not rates or not before or knee_of(rates) == knee_of(before):
+        return []
+    knee = knee_of(rates)
+    below = [size for size in rates if size < knee]
+    if not below or next_knee_size(rates, grid, largest) is None:
+        return []
+    return [
+        f"throughput: the safe batch's rate, timed last, puts the knee at batch {knee}, above the sizes timed "
+        f"before it: it lies between batch {max(below)} and {knee}"
+    ]

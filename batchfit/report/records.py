@@ -152,7 +152,7 @@ class Settings:
     max_batch: Batch = 32768
     multiple_of: Batch = 1
     steps_per_trial: Batch | None = None
-    verify_steps: Count = 3
+    verify_steps: Count = 2
     headroom: Annotated[float, Range(0, 1)] = 0.10
     strategy: str = "interpolate"
     memory_limit_bytes: Bytes | None = None
