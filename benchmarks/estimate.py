@@ -4,6 +4,7 @@ Run from the repository root (transformers is optional; a case whose package is 
 
     python benchmarks/estimate.py                          # every case, about 3 minutes on 2 idle cores
     python benchmarks/estimate.py --case hf_bert@512MiB    # one case (repeat --case for more)
+    python benchmarks/estimate.py --large                  # only the 1.5B Llama for 80 GiB (cuda, bf16), timed twice
 
 ``estimate()`` runs ``find()``'s search on fake tensors (see its module docs); on the CPU the
 live-tensor meter counts fake storages as it counts real ones, so its answer should be ``find()``'s
@@ -32,6 +33,11 @@ the modelled CUDA rows, and one **big model** row: the built-in GPT (d_model 102
 16 heads, vocab 32000, sequence 1024; 185M parameters) built on the ``meta`` device, so no weight
 exists and no ``find()`` can run, estimated for ``memory_limit="80GiB", device="cuda"`` (default
 reserve: 1 GiB for the CUDA context, the top of its 0.5-1 GiB range).
+
+``--large`` runs only the issue-34 target instead: ``LlamaForCausalLM`` with 28 layers, d=2048 (1.57B
+parameters) on the meta device, sample ``(1, 2048)`` token ids and labels, estimated with
+``memory_limit="80GiB", device="cuda", amp="bf16"``, timed ``--runs`` times on a fresh model each
+(the call alone), with its trials and the verification's step count; JSON ``estimate-large-*.json``.
 
 Before the cases a tiny ``find()`` and ``estimate()`` run once to pay first-use costs (imports,
 the fake-tensor machinery); their times are reported apart. Benchmarks are not tests: nothing
@@ -169,6 +175,25 @@ def big_gpt() -> tuple[nn.Module, Any]:
     return model, {"input_ids": ids, "labels": ids.clone()}
 
 
+def large_llama() -> tuple[nn.Module, Any]:
+    """``LlamaForCausalLM`` on the meta device: 28 layers, d=2048, MLP 5632, 16 heads, vocab 32000, sequence 2048."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.zeros(1, 2048, dtype=torch.long)
+    return model, {"input_ids": ids, "labels": ids}
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -198,6 +223,8 @@ CASES: tuple[Case, ...] = (
     Case("hf_vit@512MiB", hf_vit, "512MiB", "transformers"),
 )
 BIG = Case("big_gpt@80GiB", big_gpt, "80GiB")
+#: ``--large``: the 1.5B Llama shape estimated for an 80 GiB CUDA card in bf16 (issue 34: under 5 s).
+LARGE = Case("llama_1.5b@80GiB", large_llama, "80GiB", "transformers")
 
 
 # Measuring ----------------------------------------------------------------------------------------------
@@ -371,6 +398,49 @@ def run_big() -> dict[str, Any]:
     }
 
 
+def run_large(runs: int) -> dict[str, Any]:
+    """``LARGE`` estimated ``runs`` times, each on a freshly built model: the wall time of the call alone."""
+    from batchfit.probe import Options
+
+    print(f"== {LARGE.name} (cuda, bf16), {runs} run(s)", flush=True)
+    walls, others, summaries = [], [], []
+    result = None
+    for _ in range(runs):
+        cpu_at_start = compare._cpu_snapshot()
+        result, wall, error = _build_and_time(
+            LARGE, lambda m, s: batchfit.estimate(m, s, memory_limit=LARGE.memory, device="cuda", amp="bf16")
+        )
+        others.append(compare.others_cpu_share(cpu_at_start))
+        walls.append(wall)
+        summaries.append(summary(result, wall, error))
+    trials = [] if result is None else [[t.batch_size, t.kind, t.fits, t.steps] for t in result.trials]
+    return {
+        "case": LARGE.name,
+        "model": (large_llama.__doc__ or "").strip().rstrip("."),
+        "memory": LARGE.memory,
+        "call": "estimate(model, sample, memory_limit='80GiB', device='cuda', amp='bf16')",
+        "wall_s": walls,
+        "best_wall_s": min(walls),
+        "others_cpu_share": others,
+        "verify_steps": Options().verify_steps,
+        "estimate_cuda": summaries[-1],
+        "trials": trials,
+        "label": "modelled, not validated; no find(): the weights are on the meta device",
+    }
+
+
+def print_large(large: dict[str, Any]) -> None:
+    e = large["estimate_cuda"]
+    print(f"\nlarge model, {large['label']}:")
+    print(f"  {large['model']}: {large['call']}, verify_steps={large['verify_steps']}")
+    walls = ", ".join(f"{wall:.2f} s" for wall in large["wall_s"])
+    shares = ", ".join("-" if share is None else f"{share:.0%}" for share in large["others_cpu_share"])
+    print(f"  max batch {e['max_batch']}, safe batch {e['safe_batch']}, {e['trials']} trials")
+    print(f"  wall {walls} (other processes' share of the cores: {shares})")
+    trials = " ".join(f"({b} {k} {'T' if f else 'F'} {n})" for b, k, f, n in large["trials"])
+    print(f"  trials (batch, kind, fits, steps): {trials}")
+
+
 def warm_up() -> dict[str, float]:
     """First-use costs (imports, the fake-tensor machinery) paid once, here, and reported."""
     model, sample = examples.mlp(in_features=16, hidden=16, depth=1)
@@ -455,6 +525,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--case", choices=names, action="append", help="only this case (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON file")
     parser.add_argument("--no-json", action="store_true")
+    parser.add_argument(
+        "--large",
+        action="store_true",
+        help=f"only {LARGE.name}: the 1.5B Llama shape for an 80 GiB CUDA card in bf16, timed (JSON: estimate-large-*)",
+    )
+    parser.add_argument("--runs", type=int, default=2, help="with --large: how many times to time it (default 2)")
     args = parser.parse_args(argv)
     with_transformers = importlib.util.find_spec("transformers") is not None
     if with_transformers:
@@ -478,6 +554,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "first use (a tiny mlp, paid once before the cases): "
         + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in first.items())
     )
+    if args.large:
+        large = run_large(args.runs)
+        print_large(large)
+        document = {"schema": "batchfit.estimate-large-benchmark/1", **meta, "first_use": first, "large_model": large}
+        if not args.no_json:
+            compare.write_results(document, args.out, "estimate-large")
+        return document
     selected = set(args.case or names)
     results, skipped = [], []
     for case in CASES:

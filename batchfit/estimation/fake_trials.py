@@ -21,6 +21,11 @@ How the parts fit:
   on the CPU: fake CUDA tensors cannot run autograd on a CPU-only build of torch. What torch decides
   by the device, the trace decides as the target's would: an optimizer that leaves ``foreach`` to
   torch steps with the foreach implementation on a GPU (`foreach_as_on`), not the CPU's loop.
+* Under a modelled allocator (CUDA, ROCm) the trials are *replayed* (`batchfit.estimation.replay`):
+  one step is traced at two batch sizes and a forward at a third, and each trial, kept optimizer or
+  from scratch, feeds the recorded storages (their bytes affine in the batch size) to the meter in
+  the traced order: the trials a trace gives, in milliseconds each. A model the recording cannot
+  predict (a path chosen by the batch size, bytes not affine in it) has every trial traced.
 * Models that do data-dependent work (``.item()``, ``nonzero``, masks checked on their values) stop
   a fake trace. Then a real probe runs on the CPU under the live meter, capped at
   `FALLBACK_CAP` of live tensors: within the cap it is the answer; above it the answer is
@@ -44,6 +49,7 @@ from torch import nn
 from batchfit.backends import EstimateTarget, LiveTensorMeter
 from batchfit.distributed import Solo
 from batchfit.errors import first_line
+from batchfit.estimation.replay import Replay, ReplayState, record
 from batchfit.interrupts import InterruptGuard
 from batchfit.probe import Options
 from batchfit.probe.batches import batch_size_of, map_tensors, tensor_leaves
@@ -209,6 +215,10 @@ class FakeProbe:
         self._stack: contextlib.ExitStack | None = None
         self._workload: Workload | None = None
         self._fake_mode: Any = None
+        #: The replay's templates once recorded (`batchfit.estimation.replay`), or why there are none.
+        self._replay: Replay | str | None = None
+        self._replay_state = ReplayState()
+        self._held: list[torch.Tensor] = []
         #: Ctrl-C deferred to safe points and never lost, the restore never cut short: as find()'s.
         self._interrupts = InterruptGuard(exits=(FakeProbe.__exit__, FakeProbe._undo))
 
@@ -249,6 +259,7 @@ class FakeProbe:
             budget = self.budget_bytes
             assert budget is not None
             held = [*self._model.parameters(), *self._model.buffers()] + [t for _, t in tensor_leaves(sample, "s")]
+            self._held, self._replay, self._replay_state = held, None, ReplayState()  # recorded anew for this meter
             self.meter = self.target.make_meter(budget, held)
             self.meter.interrupts = self._interrupts
             stack.enter_context(self.meter.active())
@@ -284,6 +295,12 @@ class FakeProbe:
         [`Prober.trial`][batchfit.probe.prober.Prober.trial] does."""
         assert self._workload is not None and self.meter is not None, "FakeProbe.trial() needs 'with FakeProbe(...)'"
         batch_size = positive_int("batch_size", batch_size)
+        if self._replay is None:
+            self._replay = self._record()
+            if isinstance(self._replay, Replay):
+                self.meter.scratch_ops.update(self._replay.scratch_ops)  # the note the traced trials would leave
+        if isinstance(self._replay, Replay):
+            return self._replayed(batch_size, steps, kind, fresh_optimizer, cap_bytes)
         if fresh_optimizer:
             self._optimizer = None
             self.meter.release()
@@ -302,6 +319,39 @@ class FakeProbe:
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
         # A fake step's wall time says nothing about a real one.
         return replace(run.trial, step_time_s=None, samples_per_s=None, step_times_s=())
+
+    def _replayed(
+        self, batch_size: int, steps: int | None, kind: TrialKind, fresh_optimizer: bool, cap_bytes: int | None
+    ) -> Trial:
+        """`trial` from the recorded templates (`batchfit.estimation.replay`): the same calls on the meter."""
+        assert isinstance(self._replay, Replay) and self.meter is not None
+        state = self._replay_state
+        if fresh_optimizer:
+            Replay.drop_state(self.meter, state)
+            self.meter.release(target_bytes=self.meter.allocated_bytes())  # the cache emptied; nothing to collect
+        if steps is None:
+            steps = self.options.steps_per_trial or (1 if state.warm else 2)
+        self._interrupts.check()
+        with self.meter.capped(cap_bytes):
+            trial, state_bytes = self._replay.trial(self.meter, state, batch_size, steps, kind)
+        self._interrupts.check()
+        self.optimizer_state_bytes = max(self.optimizer_state_bytes, state_bytes)
+        return trial
+
+    def _record(self) -> Replay | str:
+        """The templates a replay needs, from two traced steps and a forward (`record`), or why there are none."""
+        if self.mode != "train" or self.meter is None or not self.meter.layout_carries:
+            return "only a training step under a modelled allocator is replayed"
+        assert self._workload is not None
+        if self.meter.reserved_bytes() >= (self.budget_bytes or 0):
+            return "the fixed memory alone fills the budget: the first trial fails at once, traced"
+        grid = self.options.grid()
+        sizes = (grid.init, grid.init + grid.multiple_of, grid.init + 7 * grid.multiple_of)
+        with self._fake_mode:
+            replay, left = record(self._workload, self._held, sizes, self._interrupts)
+        for storage in left:  # kept by the model from its first step: counted as the traced trials would
+            self.meter._track(storage)
+        return replay
 
     def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
         weights, trainable = parameter_bytes(self._model)
