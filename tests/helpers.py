@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import batchfit
-from batchfit.probe.timing import SPREAD_STEPS
+from batchfit.probe.timing import SPREAD_BELOW, SPREAD_STEPS
 
 
 def exhaustive_boundary(model: nn.Module, sample: Any, limit: str | int, steps: int, beyond: int = 3) -> int:
@@ -107,8 +107,10 @@ def expected_steps(result: batchfit.Result, *, cold_after_release: bool) -> list
             steps = 2 if cold_after_release or not expected else 1
         elif trial.kind == "verify":  # when the throughput is timed, its warm steps are the safe batch's rate
             steps = max(result.settings.verify_steps, 1 + timed_steps) if timed_steps else result.settings.verify_steps
-        elif trial.kind == "time":  # one untimed step, then the timed ones (two while none was repeated: the spread)
-            repeated = any(earlier - 1 >= SPREAD_STEPS for earlier in expected)  # steps after the first are timed
+        elif trial.kind == "time":  # one untimed step, then the timed ones (two for the spread, see timing)
+            repeated = trial.batch_size > result.max_batch // SPREAD_BELOW or any(
+                earlier - 1 >= SPREAD_STEPS for earlier in expected  # steps after the first are timed
+            )
             steps = 1 + (timed_steps if repeated else max(timed_steps, SPREAD_STEPS))
         else:
             raise AssertionError(f"a trial of kind {trial.kind!r} in a find() result: add it to this table")

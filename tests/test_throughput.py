@@ -19,6 +19,7 @@ from batchfit.probe.timing import (
     KNEE_STEP_DOWN,
     KNEE_STEPS,
     MIN_TIMING_S,
+    SPREAD_BELOW,
     SPREAD_STEPS,
     knee_deadline,
     knee_of,
@@ -167,11 +168,11 @@ def test_time_knee_starts_below_the_largest_batch_and_pins_the_knee() -> None:
     trials = [_trial(1000, (1000 / curve[1000] * 1.3,), steps=1)]  # the largest batch's one cold step
     notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=1, out_of_time=lambda: False)
     timed = [t for t in trials if t.kind == "time"]
-    assert notes == [] and timed[0].batch_size == 1000 // 2
+    assert notes == [] and timed[0].batch_size == 1000 // KNEE_STEP_DOWN
     assert all(t.batch_size < 1000 for t in timed)  # the largest batch is not timed again
-    # The first size at or below a quarter of the largest is timed twice (the spread), every other
+    # The first size at or below an eighth of the largest is timed twice (the spread), every other
     # once: each after an untimed step.
-    first_small = next(i for i, t in enumerate(timed) if t.batch_size <= 1000 // KNEE_STEP_DOWN)
+    first_small = next(i for i, t in enumerate(timed) if t.batch_size <= 1000 // SPREAD_BELOW)
     assert [len(t.step_times_s) for t in timed] == [SPREAD_STEPS if i == first_small else 1 for i in range(len(timed))]
     rates = warm_rates(trials)
     knee = knee_of(rates)
@@ -231,7 +232,7 @@ def _check_warm_alike(result: batchfit.Result, timed_steps: int) -> None:
     first_timed = result.trials.index(timed[0]) if timed else len(result.trials)
     assert all(t.kind == "search" for t in result.trials[:first_timed])
     repeated = any(is_warm(t) and len(t.step_times_s) >= SPREAD_STEPS for t in result.trials[:first_timed])
-    small = [i for i, t in enumerate(timed) if t.batch_size <= result.max_batch // KNEE_STEP_DOWN]
+    small = [i for i, t in enumerate(timed) if t.batch_size <= result.max_batch // SPREAD_BELOW]
     spread_at = None if repeated or not small else small[0]
     counts = [max(timed_steps, SPREAD_STEPS) if i == spread_at else timed_steps for i in range(len(timed))]
     assert [(t.steps, len(t.step_times_s)) for t in timed] == [(1 + c, c) for c in counts]
@@ -297,3 +298,30 @@ def test_a_size_above_the_largest_batch_is_never_the_best() -> None:
     assert Throughput.of([largest, warm_above]).best_batch == 22  # without the bound: the defect
     bounded = Throughput.of([largest, warm_above], largest=21)
     assert bounded is not None and bounded.best_batch == 21 and dict(bounded.rates).keys() == {21}
+
+
+class _SeesTheMeter(torch.nn.Module):
+    """A model that records, at each forward, whether a dispatch mode (the CPU meter) watches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.watched: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.watched.append(torch._C._len_torch_dispatch_stack() > 0)
+        return self.linear(x)
+
+
+def test_a_timing_trial_times_its_steps_without_the_cpu_meter_and_measures_memory_in_the_first() -> None:
+    model = _SeesTheMeter()
+    with batchfit.Prober(model, torch.randn(2, 8), memory_limit="64MiB", device="cpu") as prober:
+        search = prober.trial(16, steps=3)
+        watched_search, model.watched = model.watched, []
+        timed = prober.trial(16, steps=3, kind="time")
+        watched_timed, model.watched = model.watched, []
+        again = prober.trial(16, steps=1)  # the optimizer state kept, as the timing trial's
+    assert search.fits and watched_search == [True, True, True]
+    assert watched_timed == [True, False, False]  # the untimed step metered, the timed ones plain
+    assert timed.fits and len(timed.step_times_s) == 2
+    assert timed.peak_bytes == again.peak_bytes  # its untimed step measured the memory

@@ -104,12 +104,13 @@ class CpuBackend(Backend):
                 "the meter does not see and the rest of the machine; batchfit.estimate() sizes a larger device"
             )
         return LiveTensorMeter(budget_bytes, total_host_bytes(), tensors=tensors, notes=said)
-
     # The CPU generator is saved and restored by the snapshot for every probe, whatever the device.
 
 
 class LiveTensorMeter(Meter):
     """Exact live-tensor accounting on the CPU, with an optional limit (see module docs)."""
+
+    observes_operations = True  # its bookkeeping runs inside every operation: see Meter.unobserved
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""The sizes the throughput answer rests on, timed warm and alike, for about three steps at the max.
+"""The sizes the throughput answer rests on, timed warm and alike, for about two steps at the max.
 
 A search trial times one step, right after the previous trial's memory was released: page
 faults, allocator growth and the first use of each shape land in it, and how much depends on
@@ -7,15 +7,15 @@ search step ran 119 samples/s, the safe batch 144's warm steps 395). So only war
 ranked (those after an untimed step of the same trial, `is_warm`), every size measured the same
 way: one untimed step, then ``timed_steps`` timed ones. What is timed, in order:
 
-1. the knee's neighbourhood (`time_knee`), after the search: first half the largest batch,
-   unless a warm rate up there is known (a GPU's search trials each run a warm step); then a
+1. the knee's neighbourhood (`time_knee`), after the search: first a quarter of the largest
+   batch, unless a warm rate up there is known (a GPU's search trials each run a warm step); then a
    quarter of the knee until a size below it is slower than `KNEE_FRACTION` of the best, and the
    geometric middle of the two until they are within `KNEE_BRACKET` of each other. While no
    timed size reaches 95% of the largest batch's own search step (cold, so it can only
    understate the top's rate), the rates still climb: the next size is the geometric middle of
    the largest timed size and the largest batch. Sizes below the knee cost little; the phase
    stops once it spent `KNEE_STEPS` steps of the largest batch (`knee_deadline`, at least
-   `MIN_TIMING_S`). With ``timed_steps=1`` its first size at or below a quarter of the largest
+   `MIN_TIMING_S`). With ``timed_steps=1`` its first size at or below an eighth of the largest
    batch is timed over `SPREAD_STEPS` steps, so that the answer knows how far single steps
    scatter (its ``spread``) for a fraction of a step at the top;
 2. the safe batch, the top of the curve, by its verification (``batchfit.probe.finder`` runs it
@@ -43,17 +43,20 @@ from batchfit.report import Trial
 from batchfit.report.throughput import KNEE_FRACTION, is_warm, warm_rates
 from batchfit.search import Grid
 
-#: The knee is bisected until the slower size below it is within this ratio of it.
-KNEE_BRACKET = 1.25
+#: The knee is bisected until the slower size below it is within this ratio of it: the true
+#: knee lies between the two, and the rates of sizes that close differ by about the noise of a step.
+KNEE_BRACKET = 1.5
 #: Until a slower size below the knee is timed, the next size is the knee divided by this.
 KNEE_STEP_DOWN = 4
 #: The knee's neighbourhood may take as long as this many steps at the largest batch took (its
 #: search trial's step), and at least `MIN_TIMING_S` seconds (on a small model a trial's own
 #: overhead, not its steps, decides).
-KNEE_STEPS = 3.0
+KNEE_STEPS = 2.0
 MIN_TIMING_S = 1.0
-#: Timed steps of the neighbourhood's first size while no size has this many: the spread needs two.
+#: Timed steps of the neighbourhood's first size at or below the largest batch over `SPREAD_BELOW`
+#: while no size has this many: the spread needs two, and steps that small cost little.
 SPREAD_STEPS = 2
+SPREAD_BELOW = 8
 
 #: ``run(batch_size, timed_steps) -> Trial``: one trial of an untimed step, then ``timed_steps`` timed ones.
 RunTimed = Callable[[int, int], Trial]
@@ -88,9 +91,9 @@ def next_knee_size(rates: dict[int, float], grid: Grid, top: int, top_rate: floa
         top: the largest batch.
         top_rate: a lower bound on the rate at ``top`` (its search step's, cold), or ``None``.
 
-    While no size of ``rates`` up there is timed (none at ``top / 2`` or above) or none is within
-    `KNEE_FRACTION` of ``top_rate``, the rates still climb: the next size is half ``top``, then
-    the geometric middle of the largest timed size and ``top``. Then the
+    While no size of ``rates`` up there is timed (none at ``top / KNEE_STEP_DOWN`` or above) or
+    none is within `KNEE_FRACTION` of ``top_rate``, the rates still climb: the next size is a
+    quarter of ``top``, then the geometric middle of the largest timed size and ``top``. Then the
     knee is the smallest timed size within `KNEE_FRACTION` of the best; until a slower size below
     it has been timed, the next size is the knee over `KNEE_STEP_DOWN`; then the geometric middle
     between that slower size and the knee, until the two are within `KNEE_BRACKET` of each other
@@ -99,11 +102,11 @@ def next_knee_size(rates: dict[int, float], grid: Grid, top: int, top_rate: floa
     highest = max(rates, default=0)
     best = max([*rates.values(), top_rate or 0.0])
     climbing = not any(rate >= KNEE_FRACTION * best for rate in rates.values())
-    half = grid.floor(top // 2)
-    if highest < half or climbing:
+    quarter = grid.floor(top // KNEE_STEP_DOWN)
+    if highest < quarter or climbing:
         if highest * KNEE_BRACKET >= top:
             return None  # the knee is within the bracket of the top: the safe batch's rate says the rest
-        candidate = half if highest < half else grid.floor(math.isqrt(highest * top))
+        candidate = quarter if highest < quarter else grid.floor(math.isqrt(highest * top))
         return candidate if highest < candidate < top and candidate >= grid.init else None
     knee = knee_of(rates)
     below = [size for size in rates if size < knee]
@@ -154,7 +157,7 @@ def time_knee(
                 "sizes warm ran out (each size timed is one more trial)"
             ]
         asked.add(size)
-        repeated = size > largest // KNEE_STEP_DOWN or any(
+        repeated = size > largest // SPREAD_BELOW or any(
             is_warm(t) and len(t.step_times_s) >= SPREAD_STEPS for t in trials
         )  # the spread's second step where steps cost little
         if not run(size, timed_steps if repeated else max(timed_steps, SPREAD_STEPS)).fits:

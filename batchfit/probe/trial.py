@@ -111,7 +111,7 @@ def run_trial(
     # A probe started under torch.no_grad() or inference_mode() still trains for real.
     with meter.tracking(), torch.inference_mode(False), torch.enable_grad(), ranks.deferred_sync(workload.model):
         try:
-            _run_steps(workload, meter, batch_size, steps, progress, times, ranks)
+            _run_steps(workload, meter, batch_size, steps, progress, times, ranks, plain=kind == "time")
         except PeerOutOfMemory as exc:  # another rank ran out of memory: this trial failed too
             failure = (str(exc), (None, None))
         except (RankFailedError, RanksTimeoutError):
@@ -193,10 +193,13 @@ def _run_steps(
     progress: _Progress,
     times: list[float],
     ranks: Solo,
+    plain: bool = False,
 ) -> None:
     """The steps themselves, every tensor of the trial in this frame (see the module docs). Step 1
     warms up (and allocates optimizer state); steps 2..N are timed, with the device synchronised at
-    their start and end only. With a single step, that step is timed. Training runs until `steps`
+    their start and end only. With a single step, that step is timed. ``plain``: a timing trial's
+    timed steps run without the meter's per-operation bookkeeping (`Meter.unobserved`), as a plain
+    loop runs them; its untimed step measured their memory. Training runs until `steps`
     steps really stepped the optimizer. Every phase ends in a meeting of the ranks (a no-op for one
     process). One function, not one per loop: the path from `find` to the model stays short."""
     progress.phase = "batch"
@@ -223,7 +226,8 @@ def _run_steps(
     try:
         while progress.steps < steps:
             timed = bool(stepped) or steps == 1
-            with _timed(meter, times, timed) as record:
+            unobserved = meter.unobserved() if plain and bool(stepped) else contextlib.nullcontext()
+            with unobserved, _timed(meter, times, timed) as record:
                 ran_before = len(stepped)
                 # The output forward hands back stays alive until the step ends, as in the loop it
                 # stands for (None where that loop frees it before backward: Workload.forward).
