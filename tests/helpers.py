@@ -105,8 +105,10 @@ def expected_steps(result: batchfit.Result, *, cold_after_release: bool) -> list
     for trial in fitting:
         if trial.kind == "search":  # two with a fresh optimizer (step 1 makes its state) or a cold device
             steps = 2 if cold_after_release or not expected else 1
-        elif trial.kind == "verify":  # when the throughput is timed, its warm steps are the safe batch's rate
-            steps = max(result.settings.verify_steps, 1 + timed_steps) if timed_steps else result.settings.verify_steps
+        elif trial.kind == "verify":  # when the throughput is timed, its warm steps are the safe batch's rate:
+            verify = result.settings.verify_steps  # on the CPU, whose meter slows every step, timed after it
+            extended = verify + timed_steps if not cold_after_release else max(verify, 1 + timed_steps)
+            steps = extended if timed_steps else verify
         elif trial.kind == "time":  # one untimed step, then the timed ones (two for the spread, see timing)
             repeated = trial.batch_size > result.max_batch // SPREAD_BELOW or any(
                 earlier - 1 >= SPREAD_STEPS for earlier in expected  # steps after the first are timed

@@ -237,12 +237,12 @@ def _check_warm_alike(result: batchfit.Result, timed_steps: int) -> None:
     counts = [max(timed_steps, SPREAD_STEPS) if i == spread_at else timed_steps for i in range(len(timed))]
     assert [(t.steps, len(t.step_times_s)) for t in timed] == [(1 + c, c) for c in counts]
     assert (throughput.spread is not None) == (max(counts, default=0) >= 2 or repeated)
-    # Then the safe batch's verification, last: one step with a fresh optimizer, then at least
-    # `timed_steps` warm ones, the safe batch's rate; no trial of its own.
+    # Then the safe batch's verification, last: `verify_steps` steps from a fresh optimizer under the
+    # meter, then (the CPU's meter slows every step) `timed_steps` without it, the safe batch's rate.
     verification = result.trials[-1]
     assert verification.kind == "verify" and verification.batch_size == result.safe_batch and verification.fits
-    assert verification.steps == max(settings.verify_steps, 1 + timed_steps)
-    assert len(verification.step_times_s) == verification.steps - 1 and is_warm(verification)
+    assert verification.steps == settings.verify_steps + timed_steps
+    assert len(verification.step_times_s) == timed_steps and is_warm(verification)
     assert result.max_batch not in {t.batch_size for t in timed}
     # Every rate compared comes from warm steps; no search trial's single cold step is among them.
     warm_sizes = {t.batch_size for t in result.trials if is_warm(t) and t.batch_size <= result.max_batch}
@@ -313,7 +313,7 @@ class _SeesTheMeter(torch.nn.Module):
         return self.linear(x)
 
 
-def test_a_timing_trial_times_its_steps_without_the_cpu_meter_and_measures_memory_in_the_first() -> None:
+def test_timed_steps_run_without_the_cpu_meter_after_the_steps_that_measure_memory() -> None:
     model = _SeesTheMeter()
     with batchfit.Prober(model, torch.randn(2, 8), memory_limit="64MiB", device="cpu") as prober:
         search = prober.trial(16, steps=3)
@@ -321,6 +321,9 @@ def test_a_timing_trial_times_its_steps_without_the_cpu_meter_and_measures_memor
         timed = prober.trial(16, steps=3, kind="time")
         watched_timed, model.watched = model.watched, []
         again = prober.trial(16, steps=1)  # the optimizer state kept, as the timing trial's
+        model.watched = []
+        verified = prober.trial(16, steps=3, kind="verify", fresh_optimizer=True)  # verify_steps=2, then one timed
+    assert verified.fits and model.watched == [True, True, False] and len(verified.step_times_s) == 1
     assert search.fits and watched_search == [True, True, True]
     assert watched_timed == [True, False, False]  # the untimed step metered, the timed ones plain
     assert timed.fits and len(timed.step_times_s) == 2

@@ -256,9 +256,12 @@ class SearchRun:
     def verify_steps(self) -> int:
         """The steps of the safe batch's verification: `verify_steps`, and when the throughput is
         timed at least `1 + timed_steps`, so that its warm steps are the safe batch's rate and it
-        needs no trial of its own (0: no verification)."""
+        needs no trial of its own; under a meter that slows every step, `timed_steps` more, timed
+        without it (`Prober.trial`). 0: no verification."""
         steps = self.options.verify_steps
-        return max(steps, 1 + self.options.timed_steps) if steps and self.timing else steps
+        if not steps or not self.timing:
+            return steps
+        return steps + self.options.timed_steps if self.prober.slows_steps else max(steps, 1 + self.options.timed_steps)
 
     def neighbourhood(self, largest: int) -> Callable[[], bool]:
         """The `out_of_time` of the timing of the knee's neighbourhood, from now (`knee_deadline`)."""

@@ -140,6 +140,11 @@ class Prober:
         return self._workload
 
     @property
+    def slows_steps(self) -> bool:
+        """Whether the meter's bookkeeping slows every step (``Meter.observes_operations``)."""
+        return self.meter is not None and self.meter.observes_operations
+
+    @property
     def layout_carries(self) -> bool:
         """Whether the optimizer kept between trials carries its memory layout (``Meter.layout_carries``)."""
         return self.meter is not None and self.meter.layout_carries
@@ -348,8 +353,14 @@ class Prober:
             steps = max(steps, 3 if self.compiled is not None and self.compiled.cudagraphs else 2)
         self._interrupts.check()
         kept, self._optimizer = self._optimizer, None
+        # A timing trial's steps after the first, and a verification's beyond `verify_steps`, are
+        # timed without a meter that slows every step; the steps before them measured their memory.
+        measured = 1 if kind == "time" else self.options.verify_steps if kind == "verify" else steps
+        plain_from = measured if self.slows_steps and 0 < measured < steps else None
         with self.meter.capped(cap_bytes):
-            run = run_trial(self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept, self.ranks)
+            run = run_trial(
+                self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept, self.ranks, plain_from
+            )
         del kept
         if run.output_kept is not None and not self._output_said:
             self._output_said = True

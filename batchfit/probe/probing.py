@@ -102,6 +102,12 @@ class ProbesTrials(Protocol):
         ...
 
     @property
+    def slows_steps(self) -> bool:
+        """Whether the meter's bookkeeping slows every step (the CPU's live-tensor meter): a timed
+        step then runs without it, after the steps it measures (`Meter.unobserved`)."""
+        ...
+
+    @property
     def times_warm(self) -> bool:
         """Whether its trials can time sizes warm after the search (`batchfit.probe.timing`): one
         process keeps running, unlike a job per trial or fake trials."""

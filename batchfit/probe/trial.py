@@ -90,6 +90,7 @@ def run_trial(
     grad_scale: float | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     ranks: Solo | None = None,
+    plain_from: int | None = None,
 ) -> TrialRun:
     """Run ``steps`` real steps at ``batch_size`` and return the record.
 
@@ -99,7 +100,8 @@ def run_trial(
     one that already stepped in an earlier trial (its state is live), ``None`` for a fresh one.
     ``ranks``: the processes that run the trial together; they meet after every phase
     (``batchfit.distributed.ranks``), so an out-of-memory on one fails the trial on all. The record is
-    this rank's: `Solo.combine` makes the group's.
+    this rank's: `Solo.combine` makes the group's. ``plain_from``: the steps from this one on (0-based)
+    run without the meter's per-operation bookkeeping and alone are timed (`Meter.unobserved`).
     """
     ranks = ranks if ranks is not None else Solo()
     before = meter.allocated_bytes()
@@ -111,7 +113,7 @@ def run_trial(
     # A probe started under torch.no_grad() or inference_mode() still trains for real.
     with meter.tracking(), torch.inference_mode(False), torch.enable_grad(), ranks.deferred_sync(workload.model):
         try:
-            _run_steps(workload, meter, batch_size, steps, progress, times, ranks, plain=kind == "time")
+            _run_steps(workload, meter, batch_size, steps, progress, times, ranks, plain_from)
         except PeerOutOfMemory as exc:  # another rank ran out of memory: this trial failed too
             failure = (str(exc), (None, None))
         except (RankFailedError, RanksTimeoutError):
@@ -193,13 +195,13 @@ def _run_steps(
     progress: _Progress,
     times: list[float],
     ranks: Solo,
-    plain: bool = False,
+    plain_from: int | None = None,
 ) -> None:
     """The steps themselves, every tensor of the trial in this frame (see the module docs). Step 1
     warms up (and allocates optimizer state); steps 2..N are timed, with the device synchronised at
-    their start and end only. With a single step, that step is timed. ``plain``: a timing trial's
-    timed steps run without the meter's per-operation bookkeeping (`Meter.unobserved`), as a plain
-    loop runs them; its untimed step measured their memory. Training runs until `steps`
+    their start and end only. With a single step, that step is timed. ``plain_from``: the steps from
+    this one on run without the meter's per-operation bookkeeping (`Meter.unobserved`), as a plain
+    loop runs them, and alone are timed; the steps before them measured their memory. Training runs until `steps`
     steps really stepped the optimizer. Every phase ends in a meeting of the ranks (a no-op for one
     process). One function, not one per loop: the path from `find` to the model stays short."""
     progress.phase = "batch"
@@ -225,8 +227,9 @@ def _run_steps(
     scaler = workload.grad_scaler(progress.grad_scale)
     try:
         while progress.steps < steps:
-            timed = bool(stepped) or steps == 1
-            unobserved = meter.unobserved() if plain and bool(stepped) else contextlib.nullcontext()
+            plain = plain_from is not None and progress.steps >= plain_from
+            timed = (bool(stepped) or steps == 1) and (plain_from is None or plain)
+            unobserved = meter.unobserved() if plain else contextlib.nullcontext()
             with unobserved, _timed(meter, times, timed) as record:
                 ran_before = len(stepped)
                 # The output forward hands back stays alive until the step ends, as in the loop it
