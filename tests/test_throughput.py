@@ -107,8 +107,8 @@ def test_the_knee_is_bracketed_on_any_saturating_curve(saturation: int, multiple
         assert curve[lower] < KNEE_FRACTION * best
         pinned = knee <= KNEE_BRACKET * lower or grid.floor(int((lower * knee) ** 0.5)) <= lower
         assert pinned or note == [
-            f"throughput: the safe batch's rate, timed last, puts the knee at batch {knee}, above the sizes timed "
-            f"before it: it lies between batch {lower} and {knee}"
+            f"throughput: the safe batch's rate, timed last, moved the knee up to batch {knee}: it lies between "
+            f"batch {lower} and {knee}"
         ]
         if saturation <= 10:  # a knee well below the safe batch is pinned before the verification
             assert pinned and note == []
@@ -213,8 +213,8 @@ def test_a_knee_the_safe_batch_moves_up_is_said_to_be_unpinned() -> None:
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     climbing = {250: 100.0, 500: 180.0, 900: 300.0}  # still climbing at the safe batch
     assert unpinned_notes(_warm_trials(climbing), 1000, 900, grid) == [
-        "throughput: the safe batch's rate, timed last, puts the knee at batch 900, above the sizes timed "
-        "before it: it lies between batch 500 and 900"
+        "throughput: the safe batch's rate, timed last, moved the knee up to batch 900: it lies between "
+        "batch 500 and 900"
     ]
     flat = {100: 280.0, 125: 290.0, 250: 296.0, 900: 300.0}
     assert unpinned_notes(_warm_trials(flat), 1000, 900, grid) == []

@@ -20,7 +20,8 @@ way: one untimed step, then ``timed_steps`` timed ones. What is timed, in order:
    scatter (its ``spread``) for a fraction of a step at the top;
 2. the safe batch, the top of the curve, by its verification (``batchfit.probe.finder`` runs it
    with ``1 + timed_steps`` steps when ``verify_steps`` asks fewer: a fresh optimizer's first
-   step, then warm ones), which costs no step of its own; with ``verify_steps=0`` a trial of its
+   step, then warm ones; under a meter that slows every step, the CPU's, ``timed_steps`` more,
+   timed without it), which costs no trial of its own; with ``verify_steps=0`` a trial of its
    own (`time_safe`). It comes last: the verification proves the safe batch in the state
    everything else left behind (on the CPU each new batch shape keeps 512 KiB of address space
    for its kernels; under a real allocator's wall, ``tests/test_real_oom.py``, timing after the
@@ -192,6 +193,6 @@ def unpinned_notes(trials: list[Trial], largest: int, safe: int, grid: Grid) -> 
     if not below or next_knee_size(rates, grid, largest) is None:
         return []
     return [
-        f"throughput: the safe batch's rate, timed last, puts the knee at batch {knee}, above the sizes timed "
-        f"before it: it lies between batch {max(below)} and {knee}"
+        f"throughput: the safe batch's rate, timed last, moved the knee up to batch {knee}: it lies between "
+        f"batch {max(below)} and {knee}"
     ]
