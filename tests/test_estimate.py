@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -139,9 +140,16 @@ DATA_DEPENDENT = {
 
 # 1. On the CPU the estimate is find()'s measurement, byte for byte ---------------------------------
 def _probed(result: batchfit.Result) -> list[batchfit.Trial]:
-    """The trials an estimate runs too: find() also times sizes warm after the search ("time"
-    trials, ``batchfit.probe.timing``), which fake tensors cannot."""
-    return [t for t in result.trials if t.kind != "time"]
+    """The trials an estimate runs too, as it runs them: find() also times sizes warm ("time"
+    trials, ``batchfit.probe.timing``) and, on the CPU, runs the safe batch's verification
+    `timed_steps` steps longer, timed without the meter, which fake tensors cannot (the memory is
+    its first `verify_steps` steps')."""
+    verify = result.settings.verify_steps
+    return [
+        replace(t, steps=verify) if t.kind == "verify" and t.steps > verify else t
+        for t in result.trials
+        if t.kind != "time"
+    ]
 
 
 # Seconds each: the MLP stays in the fast set, the rest run with the slow tests.

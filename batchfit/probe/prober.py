@@ -141,8 +141,10 @@ class Prober:
 
     @property
     def slows_steps(self) -> bool:
-        """Whether the meter's bookkeeping slows every step (``Meter.observes_operations``)."""
-        return self.meter is not None and self.meter.observes_operations
+        """Whether the meter's bookkeeping slows every step (``Meter.observes_operations``) and a
+        timed step may run without it: not under ``torch.compile``, whose guards would see the
+        dispatch mode go and compile again inside the timed step."""
+        return self.meter is not None and self.meter.observes_operations and not self._runs_compiled
 
     @property
     def layout_carries(self) -> bool:
