@@ -43,7 +43,7 @@ import batchfit  # noqa: E402
 from batchfit import examples  # noqa: E402
 from batchfit.probe.batches import batch_size_of, tile  # noqa: E402
 from batchfit.probe.workload import call_model, default_loss  # noqa: E402
-from batchfit.report.throughput import KNEE_FRACTION, best_timed  # noqa: E402
+from batchfit.report.throughput import best_timed, knee_of  # noqa: E402
 from batchfit.units import format_bytes, parse_memory_limit  # noqa: E402
 
 QUICK = compute.ComputeCase("gpt_small", parse_memory_limit("256MiB", None))
@@ -73,9 +73,8 @@ def plain_rate(case: compute.ComputeCase, batch_size: int, steps: int) -> tuple[
     return batch_size / statistics.median(times), times
 
 
-def knee_of(rates: dict[int, float]) -> tuple[int, int]:
-    best = max(rates, key=lambda size: rates[size])
-    return best, min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * rates[best])
+def best_and_knee(rates: dict[int, float]) -> tuple[int, int]:
+    return max(rates, key=lambda size: rates[size]), knee_of(rates)
 
 
 def run_case(case: compute.ComputeCase, plain_steps: int) -> dict[str, Any]:
@@ -118,7 +117,7 @@ def run_case(case: compute.ComputeCase, plain_steps: int) -> dict[str, Any]:
             }
         )
     plain_rates = {size: rate for size, (rate, _) in plain.items()}
-    answers = {"batchfit": knee_of(now), "before": knee_of(before), "plain": knee_of(plain_rates)}
+    answers = {"batchfit": best_and_knee(now), "before": best_and_knee(before), "plain": best_and_knee(plain_rates)}
     for name, (best, knee) in answers.items():
         print(f"{name:>9}: best {best}, knee {knee}")
     return {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -137,3 +138,25 @@ def plain_workload(model: nn.Module, sample: torch.Tensor, device: torch.device,
         new_optimizer=optimizer_factory(None),
         amp=None,
     )
+
+
+def hf_sample() -> dict[str, torch.Tensor]:
+    """Two seeded rows of 128 token ids (vocabulary 1000), as inputs and labels of a causal LM."""
+    ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def tiny_llama() -> tuple[nn.Module, Any]:
+    """A seeded two-layer `LlamaForCausalLM` from a config (grouped KV heads) and `hf_sample()`."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+        max_position_embeddings=128,
+    )
+    return transformers.LlamaForCausalLM(config), hf_sample()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ItemGate
+from helpers import ItemGate, hf_sample, tiny_llama
 from torch import nn
 
 import batchfit
@@ -30,31 +30,11 @@ def _one_thread() -> Any:
 
 
 # Models ------------------------------------------------------------------------------------------
-def _hf_sample() -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
 def _tiny_gpt2() -> tuple[nn.Module, Any]:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
-    return transformers.GPT2LMHeadModel(config), _hf_sample()
-
-
-def _tiny_llama() -> tuple[nn.Module, Any]:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=1000,
-        max_position_embeddings=128,
-    )
-    return transformers.LlamaForCausalLM(config), _hf_sample()
+    return transformers.GPT2LMHeadModel(config), hf_sample()
 
 
 def _tiny_bert() -> tuple[nn.Module, Any]:
@@ -69,7 +49,7 @@ def _tiny_bert() -> tuple[nn.Module, Any]:
         max_position_embeddings=128,
         num_labels=2,
     )
-    ids = _hf_sample()["input_ids"]
+    ids = hf_sample()["input_ids"]
     sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 1])}
     return transformers.BertForSequenceClassification(config), sample
 
@@ -88,7 +68,7 @@ EXACT: dict[str, tuple[Callable[[], tuple[nn.Module, Any]], str]] = {
     "cnn": (examples.cnn, "64MiB"),
     "gpt": (examples.gpt, "64MiB"),
     "hf-gpt2": (_tiny_gpt2, "128MiB"),
-    "hf-llama": (_tiny_llama, "128MiB"),
+    "hf-llama": (tiny_llama, "128MiB"),
     "hf-bert-padded": (_tiny_bert_padded, "64MiB"),
 }
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import tiny_llama
 from torch import nn
 
 import batchfit
@@ -50,22 +51,6 @@ def _same(replayed: batchfit.Result, traced: batchfit.Result) -> None:
     assert replayed.notes == traced.notes and replayed.assumptions == traced.assumptions
 
 
-def _tiny_llama() -> tuple[nn.Module, Any]:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=1000,
-        max_position_embeddings=128,
-    )
-    ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(0))
-    return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids.clone()}
-
-
 CASES: dict[str, tuple[Callable[[], tuple[nn.Module, Any]], dict[str, Any], str | None]] = {
     "gpt cuda": (examples.gpt, {"memory_limit": "160MiB", "device": "cuda", "reserve": 0}, None),
     "cnn cuda (scratch note)": (examples.cnn, {"memory_limit": "96MiB", "device": "cuda", "reserve": 0}, None),
@@ -74,7 +59,7 @@ CASES: dict[str, tuple[Callable[[], tuple[nn.Module, Any]], dict[str, Any], str 
         {"memory_limit": "480MiB", "device": "rocm", "reserve": 0},
         "expandable_segments:True",
     ),
-    "llama cuda bf16": (_tiny_llama, {"memory_limit": "192MiB", "device": "cuda", "reserve": 0, "amp": "bf16"}, None),
+    "llama cuda bf16": (tiny_llama, {"memory_limit": "192MiB", "device": "cuda", "reserve": 0, "amp": "bf16"}, None),
 }
 
 

@@ -22,7 +22,6 @@ from batchfit.probe.timing import (
     SPREAD_BELOW,
     SPREAD_STEPS,
     knee_deadline,
-    knee_of,
     next_knee_size,
     step_at_max,
     time_knee,
@@ -30,7 +29,7 @@ from batchfit.probe.timing import (
     unpinned_notes,
 )
 from batchfit.report import Throughput, Trial
-from batchfit.report.throughput import KNEE_FRACTION, is_warm, warm_rates
+from batchfit.report.throughput import KNEE_FRACTION, is_warm, knee_of, warm_rates
 from batchfit.search import Grid
 
 

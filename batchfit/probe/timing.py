@@ -41,7 +41,7 @@ import math
 from collections.abc import Callable
 
 from batchfit.report import Trial
-from batchfit.report.throughput import KNEE_FRACTION, is_warm, warm_rates
+from batchfit.report.throughput import KNEE_FRACTION, is_warm, knee_of, warm_rates
 from batchfit.search import Grid
 
 #: The knee is bisected until the slower size below it is within this ratio of it: the true
@@ -75,12 +75,6 @@ def step_at_max(trials: list[Trial], largest: int) -> float | None:
     batch's search step, as a rule): what one step at the top of the curve costs."""
     times = [t.step_time_s for t in trials if t.fits and t.batch_size <= largest and t.step_time_s]
     return max(times, default=None)
-
-
-def knee_of(rates: dict[int, float]) -> int:
-    """The smallest size whose rate is within `KNEE_FRACTION` of the best (``rates`` not empty)."""
-    best = max(rates.values())
-    return min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * best)
 
 
 def next_knee_size(rates: dict[int, float], grid: Grid, top: int, top_rate: float | None = None) -> int | None:
@@ -147,7 +141,7 @@ def time_knee(
     top_rate = top_rate_of(trials, largest)
     asked: set[int] = set()
     while True:
-        rates = {s: r for s, r in warm_rates(trials).items() if s <= largest}  # as Throughput.of
+        rates = warm_rates(trials, largest)  # as Throughput.of
         size = next_knee_size(rates, grid, largest, top_rate)
         if size is None or size in asked:  # asked already: its trial timed no warm step (a skipped update)
             return []
@@ -184,7 +178,7 @@ def failed_note(size: int) -> str:
 def unpinned_notes(trials: list[Trial], largest: int, safe: int, grid: Grid) -> list[str]:
     """A note when the safe batch's rate, timed last, moved the knee above the sizes timed before
     it: the knee then lies between the slower size below it and itself."""
-    rates = {s: r for s, r in warm_rates(trials).items() if s <= largest}
+    rates = warm_rates(trials, largest)
     before = {s: r for s, r in rates.items() if s != safe}
     if not rates or not before or knee_of(rates) == knee_of(before):
         return []

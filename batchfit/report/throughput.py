@@ -35,10 +35,13 @@ def warm_steps_by_size(trials: Sequence[Trial]) -> dict[int, list[float]]:
     return times
 
 
-def warm_rates(trials: Sequence[Trial]) -> dict[int, float]:
+def warm_rates(trials: Sequence[Trial], largest: int | None = None) -> dict[int, float]:
     """Samples/s per batch size from warm steps only: ``batch_size / median step time``. Across
     ranks a trial's times are the slowest rank's and its rate counts every rank's samples, so
-    the rate is scaled as the trials' own ``samples_per_s`` is."""
+    the rate is scaled as the trials' own ``samples_per_s`` is. ``largest``: no size above it
+    (see `Throughput.of`)."""
+    if largest is not None:
+        trials = [t for t in trials if t.batch_size <= largest]
     scale = {
         t.batch_size: (t.samples_per_s or 0.0) * (t.step_time_s or 0.0) / t.batch_size for t in trials if is_warm(t)
     }
@@ -47,6 +50,12 @@ def warm_rates(trials: Sequence[Trial]) -> dict[int, float]:
         for size, times in warm_steps_by_size(trials).items()
         if statistics.median(times) > 0
     }
+
+
+def knee_of(rates: dict[int, float]) -> int:
+    """The smallest size whose rate is within `KNEE_FRACTION` of the best (``rates`` not empty)."""
+    best = max(rates.values())
+    return min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * best)
 
 
 def best_timed(trials: Sequence[Trial]) -> dict[int, Trial]:
@@ -134,7 +143,7 @@ class Throughput:
                 if len(t.step_times_s) >= 2 and t.step_time_s
             ]
         best = max(rates, key=lambda size: rates[size])
-        knee = min(size for size, rate in rates.items() if rate >= KNEE_FRACTION * rates[best])
+        knee = knee_of(rates)
         spread = max(spreads) if spreads else None
         return cls(
             best_batch=best,
