@@ -141,10 +141,17 @@ class Prober:
 
     @property
     def slows_steps(self) -> bool:
-        """Whether the meter's bookkeeping slows every step (``Meter.observes_operations``) and a
-        timed step may run without it: not under ``torch.compile``, whose guards would see the
-        dispatch mode go and compile again inside the timed step."""
+        """Whether the meter's bookkeeping slows every step (``Meter.observes_operations``) and a timed step may
+        run without it: not under ``torch.compile``, whose guards would see the mode go and compile again."""
         return self.meter is not None and self.meter.observes_operations and not self._runs_compiled
+
+    @property
+    def times_first_step(self) -> bool:
+        """Whether a timing trial's first step, without a meter that slows it, times warm: no cold first
+        step after a release (``Backend.cold_after_release``), the optimizer's state kept. On the CPU it
+        ran 0.73-1.03x a warm step (``benchmarks/compute.py``), so no untimed step, and no memory measured."""
+        warm_first = not self.backend.cold_after_release and self._optimizer is not None
+        return self.slows_steps and warm_first and self.mode == "train"
 
     @property
     def layout_carries(self) -> bool:
@@ -353,12 +360,12 @@ class Prober:
             # Step 1 at a new shape may compile: the timed step must not. Under CUDA graphs
             # step 2 records the graph and only step 3 replays it, as training runs.
             steps = max(steps, 3 if self.compiled is not None and self.compiled.cudagraphs else 2)
+        # A timing trial's steps after the first (every one where `times_first_step`) and a
+        # verification's beyond `verify_steps` are timed without a meter that slows every step.
+        measured = {"time": 0 if self.times_first_step else 1, "verify": self.options.verify_steps}.get(kind, steps)
+        plain_from = measured if self.slows_steps and measured < steps else None
         self._interrupts.check()
         kept, self._optimizer = self._optimizer, None
-        # A timing trial's steps after the first, and a verification's beyond `verify_steps`, are
-        # timed without a meter that slows every step; the steps before them measured their memory.
-        measured = 1 if kind == "time" else self.options.verify_steps if kind == "verify" else steps
-        plain_from = measured if self.slows_steps and 0 < measured < steps else None
         with self.meter.capped(cap_bytes):
             run = run_trial(
                 self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept, self.ranks, plain_from
@@ -389,9 +396,8 @@ class Prober:
 
     @property
     def warm_steps(self) -> int:
-        """The fewest steps for an honest time: 2 where the first step after a release runs cold
-        (``Backend.cold_after_release``: on CUDA it pays ``cudaMalloc`` for every block, the first
-        use of each shape and lazily loaded kernels, none of which training pays per step)."""
+        """The fewest steps for an honest time: 2 where the first step after a release runs cold (CUDA's
+        pays ``cudaMalloc``, each shape's first use and lazy kernels: ``Backend.cold_after_release``)."""
         return 2 if self.backend.cold_after_release else 1
 
     @property
