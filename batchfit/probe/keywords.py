@@ -126,7 +126,7 @@ class AnswerOptions(TypedDict, total=False):
 
     timed_steps: int
     """Warm timed steps per size the throughput answer compares (after one untimed where a first step
-    runs cold, as on CUDA; 2 or more also measure their spread); 0 skips it. Default: 1."""
+    runs cold: on CUDA, and the CPU's first size; 2 or more also measure their spread); 0 skips it. Default: 1."""
     noise_scale: bool
     """Also measure the gradient noise scale from the sample's real batches, for the recommendation. Default: False."""
     noise_passes: int

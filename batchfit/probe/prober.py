@@ -104,8 +104,10 @@ class Prober:
         self.meter: Meter | None = None
         self.optimizer_state_bytes = 0
         self._grad_scale: float | None = None
-        #: The optimizer of the last trial, whose state is live (see ``trial.py``): handed on.
+        #: The optimizer of the last trial, whose state is live (see ``trial.py``): handed on; and
+        #: whether that trial's last step ran without the meter (`times_first_step`).
         self._optimizer: torch.optim.Optimizer | None = None
+        self._plain_last = False
         self._interrupts = InterruptGuard(exits=(Prober.__exit__, Prober._finish))
         #: The processes that probe together (``batchfit.distributed.ranks``): this one, or every rank.
         self.ranks: Solo = ranks_for(options.distributed, options.rank_timeout, model, self._interrupts)
@@ -148,9 +150,10 @@ class Prober:
     @property
     def times_first_step(self) -> bool:
         """Whether a timing trial's first step, without a meter that slows it, times warm: no cold first
-        step after a release (``Backend.cold_after_release``), the optimizer's state kept. On the CPU it
-        ran 0.73-1.03x a warm step (``benchmarks/compute.py``), so no untimed step, and no memory measured."""
-        warm_first = not self.backend.cold_after_release and self._optimizer is not None
+        step after a release (``Backend.cold_after_release``), the optimizer's state kept, and the last
+        trial ended in such a step (after the meter's steps the first plain one ran 3-18% slow on the CPU;
+        after a plain one, as fast as warm steps). Then no untimed step runs, and no memory is measured."""
+        warm_first = not self.backend.cold_after_release and self._optimizer is not None and self._plain_last
         return self.slows_steps and warm_first and self.mode == "train"
 
     @property
@@ -338,14 +341,11 @@ class Prober:
     ) -> Trial:
         """Run one real trial at ``batch_size``.
 
-        The optimizer of the previous trial is kept, state and all, and used again (the state
-        does not depend on the batch size, and a real run holds it from its first step on), so
-        ``steps`` defaults to ``steps_per_trial`` or, without one, to the fewest steps that show
-        the peak with the optimizer state live: one once an earlier trial stepped, else two.
-        ``fresh_optimizer``: drop the kept one first and start as a real run does (step 1
-        allocates the state). ``cap_bytes``: run under this lower limit (the safe batch's
-        verification runs under the budget less its headroom: ``Meter.capped``).
-        """
+        The previous trial's optimizer is kept, state and all, and used again (the state does not
+        depend on the batch size; a real run holds it from its first step on), so ``steps`` defaults
+        to ``steps_per_trial`` or the fewest steps that show the peak with the state live: one once a
+        trial stepped, else two. ``fresh_optimizer``: drop the kept one first, as a real run starts.
+        ``cap_bytes``: run under this lower limit (the safe batch's verification: ``Meter.capped``)."""
         if self._workload is None or self.meter is None:
             raise RuntimeError("Prober.trial() needs an active probe: use 'with Prober(...) as p:'")
         batch_size = positive_int("batch_size", batch_size)
@@ -374,7 +374,7 @@ class Prober:
         if run.output_kept is not None and not self._output_said:
             self._output_said = True
             self.notes += output_notes(run.output_kept, self.options)
-        self._optimizer = run.optimizer
+        self._optimizer, self._plain_last = run.optimizer, plain_from is not None and run.trial.fits
         self._interrupts.check()
         self._grad_scale = run.grad_scale
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)

@@ -6,9 +6,10 @@ the size and on what ran before (the built-in GPT at 256 MiB on the CPU: batch 1
 search step ran 119 samples/s, the safe batch 144's warm steps 395). So only warm steps are
 ranked (those after an untimed step of the same trial, `is_warm`), every size measured the same
 way: one untimed step, then ``timed_steps`` timed ones. Where a first step runs warm (the CPU's,
-without its meter, with the optimizer's state kept: `Prober.times_first_step`) only the timed
-ones, each a step a plain loop would run (the trial then records no memory; the search's trials
-measured it). What is timed, in order:
+without its meter, the optimizer's state kept, after a trial whose last step ran so too:
+`Prober.times_first_step`), only the timed ones, each a step a plain loop would run: every size
+after the first (the trial then records no memory; the search's trials measured it). What is
+timed, in order:
 
 1. the knee's neighbourhood (`time_knee`), after the search: first a quarter of the largest
    batch, unless a warm rate up there is known (a GPU's search trials each run a warm step); then a
