@@ -137,7 +137,7 @@ def run_trial(
             _flush_autograd(workload.device)
         _drop_grads(workload)
         # The state of an optimizer made here and kept for the next trial is no leak.
-        kept_bytes = _state_bytes(kept, meter) if kept is not None and not warm else 0
+        kept_bytes = state_bytes(kept, meter) if kept is not None and not warm else 0
         meter.release(target_bytes=before + kept_bytes)
         leaked = max(0, meter.allocated_bytes() - before - kept_bytes)
     except Exception as exc:
@@ -275,7 +275,7 @@ def _run_steps(
             progress.steps += 1
             progress.optimizer_ready = True
             if progress.steps == 1:
-                progress.optimizer_state_bytes = _state_bytes(optimizer, meter)
+                progress.optimizer_state_bytes = state_bytes(optimizer, meter)
     finally:
         hook.remove()
         if scaler is not None:  # read once (it synchronises), for the next trial to start from
@@ -303,7 +303,7 @@ def _timed(meter: Meter, times: list[float], timed: bool) -> Iterator[_Timing]:
         times.append(time.perf_counter() - start)
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer, meter: Meter) -> int:
+def state_bytes(optimizer: torch.optim.Optimizer, meter: Meter) -> int:
     """The memory the optimizer's state holds, as the meter counts it."""
     return meter.held_bytes(
         value for entries in optimizer.state.values() for value in entries.values() if isinstance(value, torch.Tensor)
