@@ -102,8 +102,6 @@ def expected_steps(result: batchfit.Result, *, cold_after_release: bool) -> list
     """
     timed_steps = batchfit.Options().timed_steps
     expected: list[int] = []
-    timed: list[int] = []  # the timed steps of each timing trial so far
-    plain_last = False  # whether the last trial's last step ran without the CPU meter
     fitting = [t for t in result.trials if t.fits]
     for trial in fitting:
         if trial.kind == "search":  # two with a fresh optimizer (step 1 makes its state) or a cold device
@@ -112,15 +110,14 @@ def expected_steps(result: batchfit.Result, *, cold_after_release: bool) -> list
             verify = result.settings.verify_steps  # on the CPU, whose meter slows every step, timed after it
             extended = verify + timed_steps if not cold_after_release else max(verify, 1 + timed_steps)
             steps = extended if timed_steps else verify
-        elif trial.kind == "time":  # the timed steps (two for the spread, see timing), after an untimed
-            # one where the first step runs cold (the CPU's runs warm after a trial that ended plain)
-            repeated = trial.batch_size > result.max_batch // SPREAD_BELOW or any(n >= SPREAD_STEPS for n in timed)
-            timed.append(timed_steps if repeated else max(timed_steps, SPREAD_STEPS))
-            steps = timed[-1] + (1 if cold_after_release or not plain_last else 0)
+        elif trial.kind == "time":  # one untimed step, then the timed ones (two for the spread, see timing)
+            repeated = trial.batch_size > result.max_batch // SPREAD_BELOW or any(
+                earlier - 1 >= SPREAD_STEPS for earlier in expected  # steps after the first are timed
+            )
+            steps = 1 + (timed_steps if repeated else max(timed_steps, SPREAD_STEPS))
         else:
             raise AssertionError(f"a trial of kind {trial.kind!r} in a find() result: add it to this table")
         expected.append(steps)
-        plain_last = not cold_after_release and trial.kind in {"time", "verify"} and bool(timed_steps)
     return expected
 
 

@@ -120,7 +120,7 @@ def test_every_prober_search_with_takes_is_one() -> None:
         JobPerTrial(["target.py"], 2, options),
         FakeProbe(model, sample, options, estimate_target("cpu"), 8 * 2**20),
     ]
-    assert len(members(ProbesTrials)) == 22
+    assert len(members(ProbesTrials)) == 21
     for prober in probers:
         check_member_by_member(prober, ProbesTrials)
     with probers[0] as entered:  # what search_with reads, read once the probe is set up

@@ -393,8 +393,7 @@ def test_probe_timed_steps_option_reaches_find(
     )  # fmt: skip
     assert code == 0, capsys.readouterr().err
     timed = [t for t in Result.from_json(out.read_text()).trials if t.kind == "time"]
-    # an untimed step first, then none: the CPU's first step after a plain one runs warm
-    assert [t.steps for t in timed] == [timed_steps + (i == 0) for i in range(len(timed))]
+    assert [t.steps for t in timed] == [1 + timed_steps] * len(timed)
     assert bool(timed) == bool(timed_steps)
     assert run_main(["probe", "batchfit.examples:gpt", "--timed-steps", "-1"]) == 2
 

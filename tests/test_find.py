@@ -45,9 +45,7 @@ def test_find_returns_the_exhaustive_boundary(name: str) -> None:
         assert result.best_throughput_batch in {t.batch_size for t in result.trials if t.fits}
         assert all(t.leaked_bytes == 0 for t in result.trials)
         fitted = [t for t in result.trials if t.fits]
-        measured = [t for t in fitted if t.peak_bytes is not None]  # the CPU's later timing trials measure none
-        assert all(t.peak_bytes <= result.budget_bytes for t in measured)
-        assert all(t.kind == "time" for t in fitted if t.peak_bytes is None)
+        assert all(t.peak_bytes <= result.budget_bytes for t in fitted)
         assert all(t.samples_per_s and t.samples_per_s > 0 for t in fitted)
         failed = [t for t in result.trials if not t.fits]
         assert failed and all(t.phase in {"batch", "forward", "backward", "step"} for t in failed)
@@ -63,10 +61,9 @@ def test_memory_equation_predicts_the_measured_peaks() -> None:
     assert memory.weights_bytes == sum(p.numel() * 4 for p in model.parameters())
     assert memory.gradient_bytes == memory.weights_bytes
     assert memory.optimizer_state_bytes >= 2 * memory.weights_bytes  # AdamW: two moments (+ steps)
-    measured = [t for t in result.trials if t.fits and t.batch_size >= 4 and t.peak_bytes is not None]
-    assert {"search", "verify"} <= {t.kind for t in measured}
-    for trial in measured:  # the CPU's timing trials measure no memory (`Prober.times_first_step`)
-        assert abs(memory.predict(trial.batch_size) - trial.peak_bytes) <= 0.05 * trial.peak_bytes
+    for trial in result.trials:
+        if trial.fits and trial.batch_size >= 4:
+            assert abs(memory.predict(trial.batch_size) - trial.peak_bytes) <= 0.05 * trial.peak_bytes
 
 
 def test_reaching_max_batch_says_the_boundary_was_not_reached() -> None:

@@ -367,7 +367,6 @@ class FakeProbe:
     #: A fake step's wall time says nothing about a real one: no size is timed after the search.
     times_warm = False
     slows_steps = False
-    times_first_step = False
 
     def settle_reserve(self) -> int | None:
         """The budget: an estimate's reserve is a given size, never measured again."""

@@ -197,11 +197,9 @@ class SearchRun:
         return self._keep(trial, cap_bytes)
 
     def timed(self, batch_size: int, timed_steps: int) -> Trial:
-        """A timing trial (`batchfit.probe.timing`): one untimed step, then `timed_steps` timed ones;
-        only the timed ones where the first step runs warm (`Prober.times_first_step`)."""
-        steps = timed_steps + (0 if self.prober.times_first_step else 1)
-        fresh = self._begin(batch_size, "time", steps)
-        trial = self.prober.trial(batch_size, steps=steps, kind="time", fresh_optimizer=fresh)
+        """A timing trial (`batchfit.probe.timing`): one untimed step, then `timed_steps` timed ones."""
+        fresh = self._begin(batch_size, "time", 1 + timed_steps)
+        trial = self.prober.trial(batch_size, steps=1 + timed_steps, kind="time", fresh_optimizer=fresh)
         return self._keep(trial, None)
 
     def oracle(self, batch_size: int, kind: TrialKind = "search", from_scratch: bool = False) -> Attempt:

@@ -254,7 +254,6 @@ class JobPerTrial:
     #: A fresh process per trial: no size can be timed warm after the search.
     times_warm = False
     slows_steps = False
-    times_first_step = False
     #: Each worker builds its own batches: the driver does not know which batch they were sized on.
     sized_on: SizedOn | None = None
 

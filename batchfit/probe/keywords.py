@@ -125,8 +125,8 @@ class AnswerOptions(TypedDict, total=False):
     """What `find` adds to its answer, and where it keeps it."""
 
     timed_steps: int
-    """Warm timed steps per size the throughput answer compares (after one untimed where a first step
-    runs cold: on CUDA, and the CPU's first size; 2 or more also measure their spread); 0 skips it. Default: 1."""
+    """Warm timed steps per size the throughput answer compares (after one untimed; 2 or more also
+    measure their spread); 0 skips it. Default: 1."""
     noise_scale: bool
     """Also measure the gradient noise scale from the sample's real batches, for the recommendation. Default: False."""
     noise_passes: int

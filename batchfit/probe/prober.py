@@ -104,10 +104,8 @@ class Prober:
         self.meter: Meter | None = None
         self.optimizer_state_bytes = 0
         self._grad_scale: float | None = None
-        #: The optimizer of the last trial, whose state is live (see ``trial.py``): handed on; and
-        #: whether that trial's last step ran without the meter (`times_first_step`).
+        #: The optimizer of the last trial, whose state is live (see ``trial.py``): handed on.
         self._optimizer: torch.optim.Optimizer | None = None
-        self._plain_last = False
         self._interrupts = InterruptGuard(exits=(Prober.__exit__, Prober._finish))
         #: The processes that probe together (``batchfit.distributed.ranks``): this one, or every rank.
         self.ranks: Solo = ranks_for(options.distributed, options.rank_timeout, model, self._interrupts)
@@ -143,18 +141,10 @@ class Prober:
 
     @property
     def slows_steps(self) -> bool:
-        """Whether the meter's bookkeeping slows every step (``Meter.observes_operations``) and a timed step may
-        run without it: not under ``torch.compile``, whose guards would see the mode go and compile again."""
+        """Whether the meter's bookkeeping slows every step (``Meter.observes_operations``) and a
+        timed step may run without it: not under ``torch.compile``, whose guards would see the
+        dispatch mode go and compile again inside the timed step."""
         return self.meter is not None and self.meter.observes_operations and not self._runs_compiled
-
-    @property
-    def times_first_step(self) -> bool:
-        """Whether a timing trial's first step, without a meter that slows it, times warm: no cold first
-        step after a release (``Backend.cold_after_release``), the optimizer's state kept, and the last
-        trial ended in such a step (after the meter's steps the first plain one ran 3-18% slow on the CPU;
-        after a plain one, as fast as warm steps). Then no untimed step runs, and no memory is measured."""
-        warm_first = not self.backend.cold_after_release and self._optimizer is not None and self._plain_last
-        return self.slows_steps and warm_first and self.mode == "train"
 
     @property
     def layout_carries(self) -> bool:
@@ -341,11 +331,14 @@ class Prober:
     ) -> Trial:
         """Run one real trial at ``batch_size``.
 
-        The previous trial's optimizer is kept, state and all, and used again (the state does not
-        depend on the batch size; a real run holds it from its first step on), so ``steps`` defaults
-        to ``steps_per_trial`` or the fewest steps that show the peak with the state live: one once a
-        trial stepped, else two. ``fresh_optimizer``: drop the kept one first, as a real run starts.
-        ``cap_bytes``: run under this lower limit (the safe batch's verification: ``Meter.capped``)."""
+        The optimizer of the previous trial is kept, state and all, and used again (the state
+        does not depend on the batch size, and a real run holds it from its first step on), so
+        ``steps`` defaults to ``steps_per_trial`` or, without one, to the fewest steps that show
+        the peak with the optimizer state live: one once an earlier trial stepped, else two.
+        ``fresh_optimizer``: drop the kept one first and start as a real run does (step 1
+        allocates the state). ``cap_bytes``: run under this lower limit (the safe batch's
+        verification runs under the budget less its headroom: ``Meter.capped``).
+        """
         if self._workload is None or self.meter is None:
             raise RuntimeError("Prober.trial() needs an active probe: use 'with Prober(...) as p:'")
         batch_size = positive_int("batch_size", batch_size)
@@ -360,12 +353,12 @@ class Prober:
             # Step 1 at a new shape may compile: the timed step must not. Under CUDA graphs
             # step 2 records the graph and only step 3 replays it, as training runs.
             steps = max(steps, 3 if self.compiled is not None and self.compiled.cudagraphs else 2)
-        # A timing trial's steps after the first (every one where `times_first_step`) and a
-        # verification's beyond `verify_steps` are timed without a meter that slows every step.
-        measured = {"time": 0 if self.times_first_step else 1, "verify": self.options.verify_steps}.get(kind, steps)
-        plain_from = measured if self.slows_steps and measured < steps else None
         self._interrupts.check()
         kept, self._optimizer = self._optimizer, None
+        # A timing trial's steps after the first, and a verification's beyond `verify_steps`, are
+        # timed without a meter that slows every step; the steps before them measured their memory.
+        measured = 1 if kind == "time" else self.options.verify_steps if kind == "verify" else steps
+        plain_from = measured if self.slows_steps and 0 < measured < steps else None
         with self.meter.capped(cap_bytes):
             run = run_trial(
                 self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept, self.ranks, plain_from
@@ -374,7 +367,7 @@ class Prober:
         if run.output_kept is not None and not self._output_said:
             self._output_said = True
             self.notes += output_notes(run.output_kept, self.options)
-        self._optimizer, self._plain_last = run.optimizer, plain_from is not None and run.trial.fits
+        self._optimizer = run.optimizer
         self._interrupts.check()
         self._grad_scale = run.grad_scale
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
@@ -396,8 +389,9 @@ class Prober:
 
     @property
     def warm_steps(self) -> int:
-        """The fewest steps for an honest time: 2 where the first step after a release runs cold (CUDA's
-        pays ``cudaMalloc``, each shape's first use and lazy kernels: ``Backend.cold_after_release``)."""
+        """The fewest steps for an honest time: 2 where the first step after a release runs cold
+        (``Backend.cold_after_release``: on CUDA it pays ``cudaMalloc`` for every block, the first
+        use of each shape and lazily loaded kernels, none of which training pays per step)."""
         return 2 if self.backend.cold_after_release else 1
 
     @property

@@ -108,12 +108,6 @@ class ProbesTrials(Protocol):
         ...
 
     @property
-    def times_first_step(self) -> bool:
-        """Whether a timing trial's first step, run without the meter, times as a warm one (no
-        untimed step first; `Prober.times_first_step`)."""
-        ...
-
-    @property
     def times_warm(self) -> bool:
         """Whether its trials can time sizes warm after the search (`batchfit.probe.timing`): one
         process keeps running, unlike a job per trial or fake trials."""

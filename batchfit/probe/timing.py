@@ -5,11 +5,7 @@ faults, allocator growth and the first use of each shape land in it, and how muc
 the size and on what ran before (the built-in GPT at 256 MiB on the CPU: batch 160's single
 search step ran 119 samples/s, the safe batch 144's warm steps 395). So only warm steps are
 ranked (those after an untimed step of the same trial, `is_warm`), every size measured the same
-way: one untimed step, then ``timed_steps`` timed ones. Where a first step runs warm (the CPU's,
-without its meter, the optimizer's state kept, after a trial whose last step ran so too:
-`Prober.times_first_step`), only the timed ones, each a step a plain loop would run: every size
-after the first (the trial then records no memory; the search's trials measured it). What is
-timed, in order:
+way: one untimed step, then ``timed_steps`` timed ones. What is timed, in order:
 
 1. the knee's neighbourhood (`time_knee`), after the search: first a quarter of the largest
    batch, unless a warm rate up there is known (a GPU's search trials each run a warm step); then a
@@ -63,8 +59,7 @@ MIN_TIMING_S = 1.0
 SPREAD_STEPS = 2
 SPREAD_BELOW = 8
 
-#: ``run(batch_size, timed_steps) -> Trial``: one trial of ``timed_steps`` timed steps (after an untimed one
-#: where a first step runs cold).
+#: ``run(batch_size, timed_steps) -> Trial``: one trial of an untimed step, then ``timed_steps`` timed ones.
 RunTimed = Callable[[int, int], Trial]
 
 

@@ -101,8 +101,7 @@ def run_trial(
     ``ranks``: the processes that run the trial together; they meet after every phase
     (``batchfit.distributed.ranks``), so an out-of-memory on one fails the trial on all. The record is
     this rank's: `Solo.combine` makes the group's. ``plain_from``: the steps from this one on (0-based)
-    run without the meter's per-operation bookkeeping and alone are timed (`Meter.unobserved`); with
-    0 the trial measures no memory and records no peak.
+    run without the meter's per-operation bookkeeping and alone are timed (`Meter.unobserved`).
     """
     ranks = ranks if ranks is not None else Solo()
     before = meter.allocated_bytes()
@@ -149,10 +148,8 @@ def run_trial(
                 f"context is no longer usable: {first_line(exc)}"
             ) from exc
         raise
-    # Steps that all ran without the meter measured no memory: their phases' peaks would be stale.
-    measured = plain_from is None or plain_from > 0
-    phase_peaks = _ordered(meter.phase_peaks()) if measured else ()
-    phase_reserved = _ordered(meter.phase_reserved_peaks()) if measured else ()
+    phase_peaks = _ordered(meter.phase_peaks())
+    phase_reserved = _ordered(meter.phase_reserved_peaks())
     common = {
         "batch_size": batch_size,
         "kind": kind,
@@ -231,7 +228,7 @@ def _run_steps(
     try:
         while progress.steps < steps:
             plain = plain_from is not None and progress.steps >= plain_from
-            timed = plain if plain_from is not None else bool(stepped) or steps == 1
+            timed = (bool(stepped) or steps == 1) and (plain_from is None or plain)
             unobserved = meter.unobserved() if plain else contextlib.nullcontext()
             with unobserved, _timed(meter, times, timed) as record:
                 ran_before = len(stepped)

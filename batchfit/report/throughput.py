@@ -22,10 +22,8 @@ KNEE_FRACTION = 0.95
 
 def is_warm(trial: Trial) -> bool:
     """Whether ``trial``'s timed steps ran warm: it fitted and ran an untimed step first (steps
-    2..N are timed; a one-step search trial times its only, cold step), or it is a timing trial
-    (``kind="time"``), which runs an untimed step first wherever a first step runs cold
-    (``Prober.times_first_step``)."""
-    return trial.fits and bool(trial.step_times_s) and (trial.steps >= 2 or trial.kind == "time")
+    2..N are timed; a one-step trial times its only, cold step)."""
+    return trial.fits and trial.steps >= 2 and bool(trial.step_times_s)
 
 
 def warm_steps_by_size(trials: Sequence[Trial]) -> dict[int, list[float]]:
