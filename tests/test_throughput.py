@@ -26,6 +26,7 @@ from batchfit.probe.timing import (
     step_at_max,
     time_knee,
     time_safe,
+    trial_cost,
     unpinned_notes,
 )
 from batchfit.report import Throughput, Trial
@@ -165,7 +166,7 @@ def test_time_knee_starts_below_the_largest_batch_and_pins_the_knee() -> None:
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
     trials = [_trial(1000, (1000 / curve[1000] * 1.3,), steps=1)]  # the largest batch's one cold step
-    notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=1, out_of_time=lambda: False)
+    notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=1, out_of_time=lambda size, steps: False)
     timed = [t for t in trials if t.kind == "time"]
     assert notes == [] and timed[0].batch_size == 1000 // KNEE_STEP_DOWN
     assert all(t.batch_size < 1000 for t in timed)  # the largest batch is not timed again
@@ -177,6 +178,32 @@ def test_time_knee_starts_below_the_largest_batch_and_pins_the_knee() -> None:
     knee = knee_of(rates)
     lower = max(b for b in rates if b < knee)
     assert curve[lower] < KNEE_FRACTION * max(rates.values()) and knee <= KNEE_BRACKET * lower + 1
+
+
+def test_time_knee_starts_no_trial_that_would_end_past_its_time() -> None:
+    # A curve still climbing at a quarter of the largest batch: the next sizes are above it. A trial
+    # the deadline cannot hold (here: any above 400 samples) is not started, and the note says so.
+    grid = Grid(init=2, maximum=4096, multiple_of=1)
+    curve = {b: 1000.0 * b / (b + 600) for b in range(1, 1001)}
+    trials = [_trial(1000, (1000 / curve[1000],), steps=1)]
+    asked: list[tuple[int, int]] = []
+
+    def out_of_time(size: int, steps: int) -> bool:
+        asked.append((size, steps))
+        return size > 400
+
+    notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=1, out_of_time=out_of_time)
+    timed = [t.batch_size for t in trials if t.kind == "time"]
+    assert timed == [250] and asked == [(250, 1), (500, 1)]  # 500, the middle of 250 and 1000, not run
+    assert notes == [
+        "throughput: the knee is not pinned down below batch 250: the time for timing sizes warm ran out "
+        "(each size timed is one more trial)"
+    ]
+
+
+def test_the_knee_deadline_counts_a_trial_by_its_size() -> None:
+    assert trial_cost(250, 2, 1000, step_at_max_s=1.2) == pytest.approx(0.6)
+    assert trial_cost(250, 2, 1000, step_at_max_s=None) == 0.0  # nothing timed at the top: no estimate
 
 
 def test_time_safe_times_a_safe_batch_its_verification_did_not() -> None:
@@ -191,7 +218,7 @@ def test_time_knee_says_when_time_ran_out_and_names_the_knee() -> None:
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
     trials: list[Trial] = [_trial(1000, (1.0, 1.0), steps=3, kind="time")]
-    notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=2, out_of_time=lambda: True)
+    notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=2, out_of_time=lambda size, steps: True)
     assert len(trials) == 1
     assert notes == [
         "throughput: the knee is not pinned down below batch 1000: the time for timing sizes warm ran out "
@@ -203,7 +230,7 @@ def test_time_knee_never_asks_twice_for_a_size_that_timed_no_warm_step() -> None
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
     trials: list[Trial] = [_trial(1000, (1.0, 1.0), steps=3, kind="time")]
-    time_knee(trials, 1000, grid, _timer(trials, curve, warm=False), timed_steps=2, out_of_time=lambda: False)
+    time_knee(trials, 1000, grid, _timer(trials, curve, warm=False), timed_steps=2, out_of_time=lambda size, steps: False)
     asked = [t.batch_size for t in trials[1:]]
     assert len(asked) == len(set(asked)) == 1  # its trial timed nothing warm: not asked again
 

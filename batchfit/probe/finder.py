@@ -30,7 +30,15 @@ from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
 from batchfit.probe.probing import FromInit, ProbesTrials, SearchPlan
 from batchfit.probe.safe_batch import safe_batch, safe_cap
-from batchfit.probe.timing import knee_deadline, step_at_max, time_knee, time_safe, unpinned_notes
+from batchfit.probe.timing import (
+    UNTIMED_STEPS,
+    knee_deadline,
+    step_at_max,
+    time_knee,
+    time_safe,
+    trial_cost,
+    unpinned_notes,
+)
 from batchfit.report import MemoryModel, Result, Settings, Throughput, Trial, TrialKind, Unit
 from batchfit.search import Attempt, SearchReport, confirm_from_scratch
 from batchfit.version import __version__
@@ -198,8 +206,8 @@ class SearchRun:
 
     def timed(self, batch_size: int, timed_steps: int) -> Trial:
         """A timing trial (`batchfit.probe.timing`): one untimed step, then `timed_steps` timed ones."""
-        fresh = self._begin(batch_size, "time", 1 + timed_steps)
-        trial = self.prober.trial(batch_size, steps=1 + timed_steps, kind="time", fresh_optimizer=fresh)
+        fresh = self._begin(batch_size, "time", UNTIMED_STEPS + timed_steps)
+        trial = self.prober.trial(batch_size, steps=UNTIMED_STEPS + timed_steps, kind="time", fresh_optimizer=fresh)
         return self._keep(trial, None)
 
     def oracle(self, batch_size: int, kind: TrialKind = "search", from_scratch: bool = False) -> Attempt:
@@ -263,12 +271,17 @@ class SearchRun:
             return steps
         return steps + self.options.timed_steps if self.prober.slows_steps else max(steps, 1 + self.options.timed_steps)
 
-    def neighbourhood(self, largest: int) -> Callable[[], bool]:
-        """The `out_of_time` of the timing of the knee's neighbourhood, from now (`knee_deadline`)."""
-        deadline = knee_deadline(
-            time.monotonic(), step_at_max(self.trials, largest), self.started, self.options.time_budget
-        )
-        return lambda: bool(self.prober.ranks.any(time.monotonic() > deadline))
+    def neighbourhood(self, largest: int) -> Callable[[int, int], bool]:
+        """The `out_of_time(size, timed_steps)` of the timing of the knee's neighbourhood, from now: whether a
+        trial of `timed` would end past `knee_deadline` (`trial_cost`: the timing's cost stays bounded)."""
+        at_max = step_at_max(self.trials, largest)
+        deadline = knee_deadline(time.monotonic(), at_max, self.started, self.options.time_budget)
+
+        def out_of_time(size: int, timed_steps: int) -> bool:
+            ends = time.monotonic() + trial_cost(size, UNTIMED_STEPS + timed_steps, largest, at_max)
+            return bool(self.prober.ranks.any(ends > deadline))
+
+        return out_of_time
 
     def nothing_fits(self, failed: NothingFitsError) -> NothingFitsError:
         """The search's `NothingFitsError`, told what the last trial said and the fixed memory's advice."""

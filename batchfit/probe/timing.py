@@ -14,10 +14,12 @@ way: one untimed step, then ``timed_steps`` timed ones. What is timed, in order:
    timed size reaches 95% of the largest batch's own search step (cold, so it can only
    understate the top's rate), the rates still climb: the next size is the geometric middle of
    the largest timed size and the largest batch. Sizes below the knee cost little; the phase
-   stops once it spent `KNEE_STEPS` steps of the largest batch (`knee_deadline`, at least
-   `MIN_TIMING_S`). With ``timed_steps=1`` its first size at or below an eighth of the largest
-   batch is timed over `SPREAD_STEPS` steps, so that the answer knows how far single steps
-   scatter (its ``spread``) for a fraction of a step at the top;
+   starts no trial that would end past `KNEE_STEPS` steps of the largest batch (`knee_deadline`,
+   at least `MIN_TIMING_S`; a trial's cost is estimated from its size, `trial_cost`), so a curve
+   that still climbs does not pull the timing up to the largest batch. With ``timed_steps=1``
+   its first size at or below an eighth of the largest batch is timed over `SPREAD_STEPS` steps,
+   so that the answer knows how far single steps scatter (its ``spread``) for a fraction of a
+   step at the top;
 2. the safe batch, the top of the curve, by its verification (``batchfit.probe.finder`` runs it
    with ``1 + timed_steps`` steps when ``verify_steps`` asks fewer: a fresh optimizer's first
    step, then warm ones; under a meter that slows every step, the CPU's, ``timed_steps`` more,
@@ -44,6 +46,10 @@ from batchfit.report import Trial
 from batchfit.report.throughput import KNEE_FRACTION, is_warm, knee_of, warm_rates
 from batchfit.search import Grid
 
+#: The untimed steps of a timing trial before its timed ones: the first step at a new size pays what a
+#: warm one does not (on the CPU, ``nn.TransformerEncoder``'s first plain step at a size ran 1.06-1.10x
+#: the steps after it, even right after another plain step).
+UNTIMED_STEPS = 1
 #: The knee is bisected until the slower size below it is within this ratio of it: the true
 #: knee lies between the two, and the rates of sizes that close differ by about the noise of a step.
 KNEE_BRACKET = 1.5
@@ -68,6 +74,12 @@ def knee_deadline(now: float, step_at_max_s: float | None, started: float, time_
     from ``now``, at least `MIN_TIMING_S`, never past the probe's ``time_budget``."""
     deadline = now + max(MIN_TIMING_S, KNEE_STEPS * (step_at_max_s or 0.0))
     return deadline if time_budget is None else min(deadline, started + time_budget)
+
+
+def trial_cost(size: int, steps: int, largest: int, step_at_max_s: float | None) -> float:
+    """What a trial of ``steps`` steps at ``size`` is expected to take: a step's time grows about
+    linearly with the batch on compute-bound steps, and a smaller one only overstates it."""
+    return steps * (step_at_max_s or 0.0) * size / largest
 
 
 def step_at_max(trials: list[Trial], largest: int) -> float | None:
@@ -131,10 +143,11 @@ def time_knee(
     grid: Grid,
     run: RunTimed,
     timed_steps: int,
-    out_of_time: Callable[[], bool],
+    out_of_time: Callable[[int, int], bool],
 ) -> list[str]:
     """Time the knee's neighbourhood (see the module docs), each size by ``run``, until it is
-    pinned or ``out_of_time()``; the trials land in ``trials`` (``run`` appends them). Returns
+    pinned or ``out_of_time(size, timed_steps)`` says the next trial would end past its time; the
+    trials land in ``trials`` (``run`` appends them). Returns
     the notes a reader needs (a size that failed when timed, a knee left unpinned because time
     ran out). No size above ``largest`` is ranked: on a GPU a search trial can fit warm above it,
     with the optimizer state kept, and fail from scratch."""
@@ -145,17 +158,18 @@ def time_knee(
         size = next_knee_size(rates, grid, largest, top_rate)
         if size is None or size in asked:  # asked already: its trial timed no warm step (a skipped update)
             return []
-        if out_of_time():
+        repeated = size > largest // SPREAD_BELOW or any(
+            is_warm(t) and len(t.step_times_s) >= SPREAD_STEPS for t in trials
+        )  # the spread's second step where steps cost little
+        steps = timed_steps if repeated else max(timed_steps, SPREAD_STEPS)
+        if out_of_time(size, steps):
             below = knee_of(rates) if rates else largest
             return [
                 f"throughput: the knee is not pinned down below batch {below}: the time for timing "
                 "sizes warm ran out (each size timed is one more trial)"
             ]
         asked.add(size)
-        repeated = size > largest // SPREAD_BELOW or any(
-            is_warm(t) and len(t.step_times_s) >= SPREAD_STEPS for t in trials
-        )  # the spread's second step where steps cost little
-        if not run(size, timed_steps if repeated else max(timed_steps, SPREAD_STEPS)).fits:
+        if not run(size, steps).fits:
             return [failed_note(size)]
 
 
