@@ -272,8 +272,8 @@ class SearchRun:
         return steps + self.options.timed_steps if self.prober.slows_steps else max(steps, 1 + self.options.timed_steps)
 
     def neighbourhood(self, largest: int) -> Callable[[int, int], bool]:
-        """The `out_of_time(size, timed_steps)` of the timing of the knee's neighbourhood, from now: whether a
-        trial of `timed` would end past `knee_deadline` (`trial_cost`: the timing's cost stays bounded)."""
+        """The `out_of_time(size, timed_steps)` of the timing of the knee's neighbourhood, from now: whether
+        that timing trial would end past `knee_deadline` (`trial_cost`), so the timing's cost stays bounded."""
         at_max = step_at_max(self.trials, largest)
         deadline = knee_deadline(time.monotonic(), at_max, self.started, self.options.time_budget)
 

@@ -77,8 +77,9 @@ def knee_deadline(now: float, step_at_max_s: float | None, started: float, time_
 
 
 def trial_cost(size: int, steps: int, largest: int, step_at_max_s: float | None) -> float:
-    """What a trial of ``steps`` steps at ``size`` is expected to take: a step's time grows about
-    linearly with the batch on compute-bound steps, and a smaller one only overstates it."""
+    """What a trial of ``steps`` steps at ``size`` is expected to take, scaled from a step at the
+    largest batch: a step's time grows about linearly with the batch where steps cost real compute
+    (a small batch's fixed costs are understated, but such a step costs little either way)."""
     return steps * (step_at_max_s or 0.0) * size / largest
 
 
