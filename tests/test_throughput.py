@@ -166,7 +166,7 @@ def test_time_knee_starts_below_the_largest_batch_and_pins_the_knee() -> None:
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
     trials = [_trial(1000, (1000 / curve[1000] * 1.3,), steps=1)]  # the largest batch's one cold step
-    notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=1, out_of_time=lambda size, steps: False)
+    notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=1, out_of_time=lambda *_: False)
     timed = [t for t in trials if t.kind == "time"]
     assert notes == [] and timed[0].batch_size == 1000 // KNEE_STEP_DOWN
     assert all(t.batch_size < 1000 for t in timed)  # the largest batch is not timed again
@@ -218,7 +218,7 @@ def test_time_knee_says_when_time_ran_out_and_names_the_knee() -> None:
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
     trials: list[Trial] = [_trial(1000, (1.0, 1.0), steps=3, kind="time")]
-    notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=2, out_of_time=lambda size, steps: True)
+    notes = time_knee(trials, 1000, grid, _timer(trials, curve), timed_steps=2, out_of_time=lambda *_: True)
     assert len(trials) == 1
     assert notes == [
         "throughput: the knee is not pinned down below batch 1000: the time for timing sizes warm ran out "
@@ -230,7 +230,7 @@ def test_time_knee_never_asks_twice_for_a_size_that_timed_no_warm_step() -> None
     grid = Grid(init=2, maximum=4096, multiple_of=1)
     curve = {b: 1000.0 * b / (b + 30) for b in range(1, 1001)}
     trials: list[Trial] = [_trial(1000, (1.0, 1.0), steps=3, kind="time")]
-    time_knee(trials, 1000, grid, _timer(trials, curve, warm=False), timed_steps=2, out_of_time=lambda size, steps: False)
+    time_knee(trials, 1000, grid, _timer(trials, curve, warm=False), timed_steps=2, out_of_time=lambda *_: False)
     asked = [t.batch_size for t in trials[1:]]
     assert len(asked) == len(set(asked)) == 1  # its trial timed nothing warm: not asked again
 
