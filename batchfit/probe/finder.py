@@ -206,8 +206,9 @@ class SearchRun:
 
     def timed(self, batch_size: int, timed_steps: int) -> Trial:
         """A timing trial (`batchfit.probe.timing`): one untimed step, then `timed_steps` timed ones."""
-        fresh = self._begin(batch_size, "time", UNTIMED_STEPS + timed_steps)
-        trial = self.prober.trial(batch_size, steps=UNTIMED_STEPS + timed_steps, kind="time", fresh_optimizer=fresh)
+        steps = UNTIMED_STEPS + timed_steps
+        fresh = self._begin(batch_size, "time", steps)
+        trial = self.prober.trial(batch_size, steps=steps, kind="time", fresh_optimizer=fresh)
         return self._keep(trial, None)
 
     def oracle(self, batch_size: int, kind: TrialKind = "search", from_scratch: bool = False) -> Attempt:
