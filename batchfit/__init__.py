@@ -1,7 +1,7 @@
 """batchfit: the largest batch your model trains with, and the fastest, measured by real steps.
 
-Public API: [`find`][batchfit.find], [`frontier`][batchfit.frontier], [`estimate`][batchfit.estimate],
-[`plan`][batchfit.plan], [`what_if`][batchfit.what_if], [`Prober`][batchfit.Prober],
+Public API: [`find`][batchfit.find], [`fit`][batchfit.fit], [`frontier`][batchfit.frontier],
+[`estimate`][batchfit.estimate], [`plan`][batchfit.plan], [`what_if`][batchfit.what_if], [`Prober`][batchfit.Prober],
 [`Options`][batchfit.Options], the result types and the errors. Integrations: ``batchfit.lightning``,
 ``batchfit.transformers``, ``batchfit.accelerate``; the CI gate: ``batchfit.testing``.
 
@@ -18,12 +18,13 @@ from batchfit._lazy import lazy_surface
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
-    from batchfit.api import find, frontier, noise_scale, plan
+    from batchfit.api import find, fit, frontier, noise_scale, plan
     from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
     from batchfit.estimation import Plan, WhatIf, estimate, what_if
     from batchfit.probe import Options, Prober
     from batchfit.report import (
         DeviceInfo,
+        Fit,
         Frontier,
         FrontierPoint,
         MemoryModel,
@@ -46,9 +47,11 @@ _EXPORTS = {
     "Options": "batchfit.probe",
     "Prober": "batchfit.probe",
     "find": "batchfit.api",
+    "fit": "batchfit.api",
     "plan": "batchfit.api",
     "frontier": "batchfit.api",
     "noise_scale": "batchfit.api",
+    "Fit": "batchfit.report",
     "Frontier": "batchfit.report",
     "FrontierPoint": "batchfit.report",
     "Surface": "batchfit.report",

@@ -9,14 +9,14 @@ core: the probe itself never prints and never imports a view. [`plan`][batchfit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchfit.estimation import Plan, check_target, plan_for
 from batchfit.probe import Options
 from batchfit.probe.keywords import FindOptions, FrontierOptions, NoiseOptions, split_hooks
 from batchfit.probe.options import options_from
-from batchfit.report import Frontier, NoiseScale, Result
+from batchfit.report import Fit, Frontier, NoiseScale, Placement, Result
 from batchfit.view.progress import Progress
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from batchfit.probe import PointCallback
     from batchfit.probe.keywords import FindKeywords, FrontierKeywords
 
-__all__ = ["find", "frontier", "noise_scale", "plan"]
+__all__ = ["find", "fit", "frontier", "noise_scale", "plan"]
 
 
 def find(model: nn.Module, sample: Any = None, **keywords: Unpack[FindKeywords]) -> Result:
@@ -75,6 +75,63 @@ def find(model: nn.Module, sample: Any = None, **keywords: Unpack[FindKeywords])
         result = find_with(model, sample, options, **shown.callbacks())
         shown.summary(result)
     return result
+
+
+def fit(
+    model: nn.Module,
+    sample: Any = None,
+    *,
+    target_batch: int,
+    checkpointing: str | Sequence[str] = "auto",
+    placement: Placement = "first",
+    accumulate: bool = True,
+    **keywords: Unpack[FindKeywords],
+) -> Fit:
+    """The activation-checkpointing policy that trains `target_batch` fastest, measured by real steps.
+
+    Weighs, with real steps, the fewest of the model's repeated blocks checkpointed that fit
+    `target_batch` in one step, against no checkpointing at a smaller micro-batch with gradient
+    accumulation (and all blocks with accumulation when nothing fits the target at once). The
+    model as it is and all blocks checkpointed are probed; their memory lines predict every k
+    between, which real trials then verify (about three per policy); the candidates are timed
+    alike, warm, and the fastest is recommended. The model comes back exactly as it was
+    (checkpointing undone), whatever happens, Ctrl-C included.
+
+    Args:
+        model: the `nn.Module` to probe, in one process.
+        sample: one batch, or a `DataLoader`, as [`find`][batchfit.find] takes it.
+        target_batch: the samples one optimizer step should see (micro-batch x accumulation).
+        checkpointing: `"auto"`: the blocks found by structure (the largest `nn.ModuleList` or
+            `nn.Sequential` of 2+ modules of one type: `transformer.h`, `model.layers`); or the
+            blocks' module names, in order.
+        placement: `"first"`: k blocks are the first k (their activations live longest, so
+            recomputing them lowers the peak most); `"evenly"`: spread over the N.
+        accumulate: allow gradient accumulation to reach the target; `False` asks for it in one step.
+        **keywords: [`find`][batchfit.find]'s options and hooks (not `cache` or `noise_scale`);
+            `timed_steps` counts per candidate, at least 2.
+
+    Returns:
+        The frozen [`Fit`][batchfit.Fit]: a row per policy measured (max, safe batch, memory
+        equation, samples/s where timed), the predicted max batch for every k, and the
+        `recommendation` with its `policy`. `batchfit.probe.recompute.apply_policy` applies it.
+
+    Raises:
+        ValueError: no repeated blocks and no names; a name that is no module; `mode` other than
+            `"train"`; with `accumulate=False`, a target no policy fits (the closest is named).
+        Exception: what [`find`][batchfit.find] raises.
+    """
+    hooks, given = split_hooks("fit", keywords, FindOptions)
+    options = Options(**given)
+    progress = hooks.pop("progress", False)
+    from batchfit.distributed import leads
+    from batchfit.probe import fit_with  # torch, once a probe runs
+
+    arguments: dict[str, Any] = {"checkpointing": checkpointing, "placement": placement, "accumulate": accumulate}
+    if not progress or not leads(options.distributed):
+        return fit_with(model, sample, target_batch, options, **arguments, **hooks)
+    told = (hooks.get(name) for name in ("callback", "on_trial_start", "on_start"))
+    with Progress(type(model).__name__, *told) as shown:
+        return fit_with(model, sample, target_batch, options, **arguments, **shown.callbacks())
 
 
 def frontier(

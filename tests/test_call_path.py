@@ -20,9 +20,8 @@ import batchfit
 from batchfit import examples
 from batchfit.backends import estimate_target
 from batchfit.estimation.fake_trials import FakeProbe
-from batchfit.probe.frontier import FromSurface
 from batchfit.probe.jobs import JobPerTrial
-from batchfit.probe.probing import FromInit, ProbesTrials, SearchPlan
+from batchfit.probe.probing import FromInit, FromLine, ProbesTrials, SearchPlan
 from batchfit.report import Surface
 from batchfit.search import make_strategy, search
 
@@ -129,7 +128,8 @@ def test_every_prober_search_with_takes_is_one() -> None:
 
 def test_the_search_plans_are_search_plans() -> None:
     surface = Surface.fit([(64, 1000.0, 10.0)], unit="allocated")
-    plans = [FromInit(make_strategy("binary")), FromSurface(surface, 64, 0.1, 0.0, True, [])]
+    line = FromLine(surface.fixed_bytes, surface.per_sample_bytes(64), 0.1, 0.0, True, [])
+    plans = [FromInit(make_strategy("binary")), line]
     for plan in plans:
         check_member_by_member(plan, SearchPlan)
     # find's plan is the pure search itself, no frame of its own between find and the model

@@ -16,6 +16,8 @@ they were, and the algorithm that turns trials into an answer.
   `safe_batch` and `notes`;
 * `frontier`: `frontier_with`, the largest batch per sequence length
   (one probe per length, each further one searched from the surface's prediction);
+* `recompute` and `fitting`: activation checkpointing of k of a model's repeated blocks, applied
+  and undone exactly, and `fit_with`, the policy that trains a target batch fastest;
 * `jobs`: a prober whose trials are fresh ``torchrun`` jobs (sharded models);
 * `noise`: `measure_noise`, the gradient noise scale of real batches;
 * `cache`: the result cache (``find(cache=DIR)``: `ResultCache`), keyed
@@ -36,6 +38,7 @@ from batchfit._lazy import lazy_surface
 
 if TYPE_CHECKING:
     from batchfit.probe.finder import find_with, search_with
+    from batchfit.probe.fitting import fit_with
     from batchfit.probe.frontier import PointCallback, check_lengths, frontier_with
     from batchfit.probe.jobs import JobPerTrial, run_worker_trial, write_verdict
     from batchfit.probe.noise import measure_noise
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "find_with": "batchfit.probe.finder",
     "search_with": "batchfit.probe.finder",
+    "fit_with": "batchfit.probe.fitting",
     "PointCallback": "batchfit.probe.frontier",
     "check_lengths": "batchfit.probe.frontier",
     "frontier_with": "batchfit.probe.frontier",

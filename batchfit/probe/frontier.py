@@ -32,8 +32,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -46,16 +45,14 @@ from batchfit.probe.finder import search_with, verdict
 from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
 from batchfit.probe.options import Options, check_takes_length
 from batchfit.probe.positions import position_limit
-from batchfit.probe.probing import Oracle, ProbesTrials
+from batchfit.probe.probing import FromLine, ProbesTrials
 from batchfit.probe.real_data import sequence_dims
-from batchfit.probe.safe_batch import STEP_DOWN, safe_cap
-from batchfit.report import Frontier, FrontierPoint, LongestLimit, MemoryModel, PhaseLine, Result, Surface, Trial, Unit
+from batchfit.report import Frontier, FrontierPoint, LongestLimit, Result, Surface
 from batchfit.search import Attempt, Grid, SearchReport, search_near
 from batchfit.search.near import HEDGE
 from batchfit.units import positive_int
 
 __all__ = [
-    "ANCHOR_MARGIN",
     "LENGTH_CEILING",
     "PointCallback",
     "ProberFactory",
@@ -69,11 +66,6 @@ __all__ = [
 ProberFactory = Callable[[Options], ProbesTrials]
 #: Called with each point once its length is done (the CLI's view draws it).
 PointCallback = Callable[[FrontierPoint], None]
-#: The verification that opens a further length aims this fraction below the safe batch the surface
-#: predicts: a verification that fails under the lowered cap is a wasted trial, one a little low is
-#: kept when the memory line's candidate is within ``STEP_DOWN`` (3%) above it.
-ANCHOR_MARGIN = 0.01
-
 #: How far the length-axis search may go when neither the model nor ``max_seq_len`` bounds it.
 LENGTH_CEILING = 2**20
 #: What a batch of the wrong length on the length axis was for, and how to do without it.
@@ -239,7 +231,8 @@ def frontier_with(
         predicted: list[float] = []
         plan = None  # the first length: find()'s search from init_batch
         if surface is not None:
-            plan = FromSurface(surface, s, options.headroom, hedge, bool(at_length.verify_steps), predicted)
+            line = (surface.fixed_bytes, surface.per_sample_bytes(s))
+            plan = FromLine(*line, options.headroom, hedge, bool(at_length.verify_steps), predicted)
         result = search_with(
             make_prober(at_length),
             at_length,
@@ -335,57 +328,6 @@ def _line_of(seq_len: int, result: Result, fixed: float) -> tuple[int, float, fl
         return None
     per_sample = (peak - fixed) / result.max_batch
     return (seq_len, fixed, per_sample) if per_sample > 0 else None
-
-
-@dataclass(frozen=True)
-class FromSurface:
-    """The search of a further length from the boundary the surface predicts at `seq_len` (a
-    `SearchPlan`; each prediction is appended to `predicted`), and the memory line that aims the
-    safe batch when that search measured only one fitting size.
-
-    The search's first trial is the safe batch's verification (where `verifies`), at the safe
-    batch the surface predicts (the largest under `(1 - headroom) x budget`): it verifies the safe
-    batch and gives the Newton step to the boundary its measured point, one trial for two jobs. So a
-    length whose prediction holds costs three trials (the verification, the boundary, one more), the
-    trials a `find()` must run there at the least. The verification is kept as the safe batch when
-    the memory line's own candidate is at most `STEP_DOWN` above it (not verified again)."""
-
-    surface: Surface
-    seq_len: int
-    headroom: float
-    hedge: float
-    verifies: bool
-    predicted: list[float]
-    keep_verified_within: float = STEP_DOWN
-
-    def search(
-        self, oracle: Oracle, grid: Grid, *, should_stop: Callable[[], bool], budget_bytes: int | None
-    ) -> SearchReport:
-        """`search_near` from the predicted boundary, its anchor the predicted safe batch's verification."""
-        surface, seq_len, budget = self.surface, self.seq_len, budget_bytes
-        guess = surface.largest_batch(seq_len, budget) if budget is not None else grid.init
-        self.predicted.append(guess)
-        anchor = None
-        if self.verifies and budget is not None:
-            aimed = (1 - ANCHOR_MARGIN) * surface.largest_batch(seq_len, safe_cap(budget, self.headroom))
-            safe = grid.floor(math.floor(min(aimed, guess)))
-            if grid.init <= safe < guess:
-                anchor = (safe, partial(oracle, kind="verify"))
-        slope = surface.per_sample_bytes(seq_len)
-        return search_near(oracle, grid, guess, slope, budget, should_stop, hedge=self.hedge, anchor=anchor)
-
-    def memory_hint(self, trials: list[Trial], budget: int | None, unit: Unit) -> MemoryModel | None:
-        """The surface's slope at `seq_len` through the largest fitting trial."""
-        slope = self.surface.per_sample_bytes(self.seq_len)
-        fitted = [t for t in trials if t.fits and t.peak_in(unit) is not None]
-        if not fitted or slope <= 0:
-            return None
-        top = max(fitted, key=lambda t: t.batch_size)
-        phase = max(top.phase_peaks_in(unit), key=lambda pair: pair[1], default=("forward", 0))[0]
-        line = PhaseLine(phase, (top.peak_in(unit) or 0) - slope * top.batch_size, slope)
-        return MemoryModel(
-            fixed_bytes=round(line.fixed_bytes), per_sample_bytes=slope, phase=line.phase, lines=(line,), unit=unit
-        )
 
 
 def _longest_at_batch_1(

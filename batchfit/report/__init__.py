@@ -16,10 +16,13 @@ Pure Python (no torch import): a result can be loaded and read on a machine with
 * `batchfit.report.text`: ``str(result)`` and a device's one-line description;
 * `batchfit.report.frontier`: [`Frontier`][batchfit.Frontier] (the largest batch per sequence length, the
   memory surface), with its text (`frontier_text`) and its image
-  (`frontier_plot`, matplotlib imported only when one is drawn).
+  (`frontier_plot`, matplotlib imported only when one is drawn);
+* `batchfit.report.checkpointing`: [`Fit`][batchfit.Fit] (the checkpointing policies measured and the one
+  to train with), with its text and image (`checkpointing_text`).
 """
 
 from batchfit._lazy import lazy_surface
+from batchfit.report.checkpointing import Fit, Placement, Policy, PolicyRow
 from batchfit.report.frontier import Frontier, FrontierPoint, LongestLimit, Surface
 from batchfit.report.memory import MemoryModel, PhaseLine
 from batchfit.report.noise import NoiseScale
@@ -32,6 +35,7 @@ from batchfit.report.throughput import Throughput
 __all__ = [
     "CacheHit",
     "DeviceInfo",
+    "Fit",
     "Frontier",
     "FrontierPoint",
     "LongestLimit",
@@ -39,6 +43,9 @@ __all__ = [
     "NoiseScale",
     "Phase",
     "PhaseLine",
+    "Placement",
+    "Policy",
+    "PolicyRow",
     "Recommendation",
     "Result",
     "Settings",

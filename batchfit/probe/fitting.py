@@ -1,0 +1,379 @@
+"""The checkpointing policy that trains a target batch fastest, found by real steps (`fit_with`).
+
+`fit_with` reads top to bottom as what [`batchfit.fit`][batchfit.fit] does:
+
+1. check the target, the blocks and the options before any trial;
+2. probe the model as it is (policy *none*): `find()`'s memory answer (its search, its verified
+   safe batch), nothing timed;
+3. when the target does not fit there: probe all N blocks checkpointed, its search started from
+   policy none's memory line (`FromLine`);
+4. the lines of the two ends predict every k in between, per block (checkpointing the first k
+   blocks lowers the peak by the same bytes per sample for each block: identical blocks, whose
+   activations live from forward to their backward). The fewest blocks whose predicted safe batch
+   holds the target is probed from its predicted line (the safe batch's verification, the
+   boundary, one more: three trials when the prediction holds); a miss moves one block up, and
+   a verified fit with the refitted line saying one block fewer fits too moves one block down,
+   until a measured miss and a measured fit are neighbours or the lines say no k between fits;
+5. time the candidates that reach the target in one `Prober`: no checkpointing at the
+   micro-batch its safe batch allows with accumulation; the fewest blocks at the target; all
+   blocks with accumulation when no policy fits the target at once. Each is a verification
+   under the safe cap with a fresh optimizer, then warm plain steps;
+6. recommend the candidate with the most samples/s, in `Result.recommendation`'s form.
+
+Every probe applies its policy around itself (`batchfit.probe.recompute.applied`) and the prober
+restores everything else, so the model comes back as it was whatever happens, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+
+from batchfit.probe.finder import search_with
+from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
+from batchfit.probe.options import Options
+from batchfit.probe.prober import Prober
+from batchfit.probe.probing import FromLine
+from batchfit.probe.recompute import Blocks, applied, find_blocks, policy_for
+from batchfit.probe.safe_batch import safe_cap
+from batchfit.probe.timing import UNTIMED_STEPS
+from batchfit.report import Fit, Placement, PolicyRow, Recommendation, Result, Trial
+from batchfit.report.recommendation_rules import split_global
+from batchfit.search.near import HEDGE
+from batchfit.units import format_bytes, positive_int
+
+__all__ = ["MIN_TIMED_STEPS", "fit_with"]
+
+#: Warm timed steps per candidate at least: the candidates' rates decide, and one step is noisy.
+MIN_TIMED_STEPS = 2
+#: Probes of a checkpointed k at most: each costs about three trials.
+MAX_PROBES = 4
+
+
+def fit_with(
+    model: nn.Module,
+    sample: Any,
+    target_batch: int,
+    options: Options,
+    *,
+    checkpointing: str | Sequence[str] = "auto",
+    placement: Placement = "first",
+    accumulate: bool = True,
+    callback: TrialCallback | None = None,
+    on_trial_start: StartCallback | None = None,
+    on_start: ProbeStartCallback | None = None,
+) -> Fit:
+    """[`fit`][batchfit.fit] for callers that hold an [`Options`][batchfit.Options] (see the module)."""
+    started = time.monotonic()
+    target = positive_int("target_batch", target_batch)
+    blocks = _checked(model, checkpointing, placement, accumulate, options)
+    free, notes = blocks.free, _notes(blocks)
+    n = len(free)
+    quiet = replace(options, timed_steps=0)
+    trials: list[Trial] = []
+
+    def told(trial: Trial) -> None:
+        trials.append(trial)
+        if callback is not None:
+            callback(trial)
+
+    results: dict[int, Result] = {}
+
+    def probe(k: int, line: tuple[float, float] | None) -> Result:
+        plan = None if line is None else FromLine(*line, options.headroom, HEDGE, bool(options.verify_steps), [])
+        with applied(model, policy_for(free, k, placement)):
+            results[k] = search_with(
+                Prober(model, sample, options=quiet),
+                quiet,
+                time.monotonic(),
+                callback=told,
+                on_trial_start=on_trial_start,
+                on_start=on_start if not results else None,
+                plan=plan,
+            )
+        return results[k]
+
+    # 2. The model as it is.
+    none = probe(0, None)
+    budget, unit = none.budget_bytes, none.budget_counts
+    lines = {0: _line(none, None)}
+    chosen_k: int | None = 0 if target <= none.safe_batch else None
+    if chosen_k is None and n:
+        # 3. Every block checkpointed, one trial at the largest batch that fits without: its line.
+        lines[n] = _all_line(model, sample, quiet, free, placement, none, lines[0][0], told, on_trial_start)
+        # 4. The fewest blocks that hold the target, each probed from the line the measured ones predict.
+        low, high = 0, n
+        if not _holds(lines[n], target, budget, options.headroom):
+            low = n - 1  # no k fits at once by the lines: all blocks, exactly, for the accumulation
+        for _ in range(MAX_PROBES):
+            k = _fewest(lines, low, high, target, budget, options.headroom)
+            if k in results:
+                break
+            lines[k] = _line(probe(k, _aim(_between(lines, *_around(lines, k), k), budget)), lines[0][0])
+            low, high = (low, k) if results[k].safe_batch >= target else (k, high)
+            if low == n or (high - low == 1 and high in results):
+                break
+        fitting = [k for k, r in results.items() if r.safe_batch >= target]
+        chosen_k = min(fitting) if fitting else None
+
+    # 5. The candidates that reach the target, timed alike.
+    candidates = _candidates(results, chosen_k, n, target, accumulate, options)
+    if not candidates:
+        raise ValueError(_unreachable(results, n, target, lines))
+    rates = _time(model, sample, quiet, free, placement, candidates, told, on_trial_start)
+
+    # 6. The answer.
+    rows = tuple(
+        _row(k, results[k], free, placement, *next(((m, a, rates.get(k)) for kk, m, a in candidates if kk == k), ()))
+        for k in sorted(results)
+    )
+    timed = [row for row in rows if row.samples_per_s is not None]
+    if not timed:
+        raise RuntimeError("no candidate trained under the safe cap when timed: see the trials passed to callback")
+    best = max(timed, key=lambda row: row.samples_per_s or 0.0)
+    predicted = tuple((k, _largest(_between(lines, *_around(lines, k), k), budget, results, k)) for k in range(n + 1))
+    return Fit(
+        target_batch=target,
+        blocks=free,
+        blocks_from=blocks.found_in,
+        rows=rows,
+        chosen=rows.index(best),
+        recommendation=_recommendation(best, timed, target),
+        predicted=predicted,
+        budget_bytes=budget,
+        budget_counts=unit,
+        device=none.device,
+        trials=len(trials),
+        elapsed_s=time.monotonic() - started,
+        notes=tuple(notes),
+    )
+
+
+def _checked(
+    model: nn.Module, checkpointing: Any, placement: Any, accumulate: Any, options: Options
+) -> Blocks:
+    """Every argument `fit` adds to `find`'s, checked before any trial; the blocks found."""
+    if placement not in ("first", "evenly"):
+        raise ValueError(f"placement must be 'first' or 'evenly', got {placement!r}")
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
+    if options.mode != "train":
+        raise ValueError(
+            f"fit() sizes training: checkpointing saves memory for backward, and mode={options.mode!r} runs none"
+        )
+    if options.cache is not None or options.noise_scale:
+        raise ValueError("fit() takes neither cache nor noise_scale: call find() for those")
+    if isinstance(checkpointing, str) and checkpointing != "auto":
+        raise ValueError(f"checkpointing must be 'auto' or a list of module names, got {checkpointing!r}")
+    return find_blocks(model, None if checkpointing == "auto" else checkpointing)
+
+
+def _notes(blocks: Blocks) -> list[str]:
+    if not blocks.already:
+        return []
+    shown = ", ".join(blocks.already[:3]) + (", ..." if len(blocks.already) > 3 else "")
+    return [
+        f"{len(blocks.already)} of the {len(blocks.names)} blocks were checkpointed already ({shown}): measured "
+        f"from there, as you run it; the policies choose among the other {len(blocks.free)}"
+    ]
+
+
+def _line(result: Result, fixed: float | None) -> tuple[float, float]:
+    """``(fixed bytes, bytes per sample)`` of a policy: its fitted equation; through its largest fit
+    with ``fixed`` (policy none's) where it fitted none (one fitting size)."""
+    if result.memory is not None and result.memory.per_sample_bytes > 0:
+        return float(result.memory.fixed_bytes), float(result.memory.per_sample_bytes)
+    trial = result.trial(result.max_batch)
+    peak = trial.peak_in(result.budget_counts) if trial is not None else None
+    base = fixed or 0.0
+    return base, max(1.0, ((peak or 0) - base) / result.max_batch)
+
+
+def _aim(line: tuple[float, float], budget: int | None) -> tuple[float, float] | None:
+    return None if budget is None else line
+
+
+def _between(lines: dict[int, tuple[float, float]], low: int, high: int, k: int) -> tuple[float, float]:
+    """The line at ``k`` interpolated between the measured lines at ``low`` and ``high``."""
+    if high == low:
+        return lines[low]
+    share = (k - low) / (high - low)
+    (f0, p0), (f1, p1) = lines[low], lines[high]
+    return f0 + share * (f1 - f0), p0 + share * (p1 - p0)
+
+
+def _around(lines: dict[int, tuple[float, float]], k: int) -> tuple[int, int]:
+    """The measured ks nearest ``k`` from below and above (the same one where ``k`` was measured)."""
+    return max(j for j in lines if j <= k), min((j for j in lines if j >= k), default=max(lines))
+
+
+def _fewest(
+    lines: dict[int, tuple[float, float]], low: int, high: int, target: int, budget: int | None, headroom: float
+) -> int:
+    """The fewest blocks above ``low`` whose safe batch the lines predict holds ``target``; ``high``
+    (known or predicted to hold it) when none below it does."""
+    for k in range(low + 1, high):
+        if _holds(_between(lines, *_around(lines, k), k), target, budget, headroom):
+            return k
+    return high
+
+
+def _holds(line: tuple[float, float], target: int, budget: int | None, headroom: float) -> bool:
+    """Whether the safe batch ``line`` predicts holds ``target``."""
+    fixed, per_sample = line
+    return budget is None or per_sample <= 0 or (safe_cap(budget, headroom) - fixed) / per_sample >= target
+
+
+def _all_line(
+    model: nn.Module,
+    sample: Any,
+    options: Options,
+    free: tuple[str, ...],
+    placement: Placement,
+    none: Result,
+    fixed: float,
+    told: TrialCallback,
+    on_trial_start: StartCallback | None,
+) -> tuple[float, float]:
+    """All blocks checkpointed: its line through one trial at the largest batch that fits without
+    (which fits with, on less memory), with policy none's fixed bytes: the per-block saving for every k."""
+    size = none.max_batch
+    if on_trial_start is not None:
+        on_trial_start(size, "search")
+    with Prober(model, sample, options=options) as prober, applied(model, policy_for(free, len(free), placement)):
+        trial = prober.trial(size, kind="search")
+    told(trial)
+    peak = trial.peak_in(none.budget_counts)
+    if not trial.fits or peak is None:
+        return fixed, _line(none, None)[1]
+    return fixed, max(1.0, (peak - fixed) / size)
+
+
+def _largest(line: tuple[float, float], budget: int | None, results: dict[int, Result], k: int) -> int:
+    """Policy k's largest batch: measured where it was probed, else where its line meets the budget."""
+    if k in results:
+        return results[k].max_batch
+    fixed, per_sample = line
+    if budget is None or per_sample <= 0:
+        return 0
+    return max(0, math.floor((budget - fixed) / per_sample))
+
+
+def _candidates(
+    results: dict[int, Result], chosen: int | None, n: int, target: int, accumulate: bool, options: Options
+) -> list[tuple[int, int, int]]:
+    """``(k, micro-batch, accumulation)`` of each way to the target worth timing."""
+    if chosen == 0:
+        return [(0, target, 1)]
+    out: list[tuple[int, int, int]] = []
+    if accumulate:
+        out.append((0, *split_global(target, results[0].safe_batch, 1, options.multiple_of)))
+    if chosen is not None:
+        out.append((chosen, target, 1))
+    elif accumulate and n in results and results[n].safe_batch > results[0].safe_batch:
+        out.append((n, *split_global(target, results[n].safe_batch, 1, options.multiple_of)))
+    return out
+
+
+def _time(
+    model: nn.Module,
+    sample: Any,
+    options: Options,
+    free: tuple[str, ...],
+    placement: Placement,
+    candidates: list[tuple[int, int, int]],
+    told: TrialCallback,
+    on_trial_start: StartCallback | None,
+) -> dict[int, float]:
+    """Each candidate's samples/s at its micro-batch, in one prober (the policy switched between
+    trials): a fresh optimizer, one untimed step, then warm plain steps. Each micro-batch is within
+    its policy's safe batch, which that policy's probe verified."""
+    steps = UNTIMED_STEPS + max(MIN_TIMED_STEPS, options.timed_steps)
+    rates: dict[int, float] = {}
+    with Prober(model, sample, options=options) as prober:
+        for k, micro, _ in candidates:
+            if on_trial_start is not None:
+                on_trial_start(micro, "time")
+            with applied(model, policy_for(free, k, placement)):
+                trial = prober.trial(micro, steps=steps, kind="time", fresh_optimizer=True)
+            told(trial)
+            if trial.fits and trial.samples_per_s:
+                rates[k] = trial.samples_per_s
+    return rates
+
+
+def _row(
+    k: int,
+    result: Result,
+    free: tuple[str, ...],
+    placement: Placement,
+    micro: int | None = None,
+    accumulation: int | None = None,
+    rate: float | None = None,
+) -> PolicyRow:
+    memory = result.memory
+    return PolicyRow(
+        policy=policy_for(free, k, placement),
+        max_batch=result.max_batch,
+        safe_batch=result.safe_batch,
+        safe_verified=result.safe_verified,
+        boundary_reached=result.boundary_reached,
+        fixed_bytes=None if memory is None else memory.fixed_bytes,
+        per_sample_bytes=None if memory is None else memory.per_sample_bytes,
+        trials=len(result.trials),
+        micro_batch=micro,
+        accumulation=accumulation,
+        samples_per_s=rate,
+    )
+
+
+def _recommendation(best: PolicyRow, timed: list[PolicyRow], target: int) -> Recommendation:
+    """`best` in `Result.recommendation`'s form, its reason naming the others' rates."""
+    micro, steps, rate = best.micro_batch or 1, best.accumulation or 1, best.samples_per_s or 0.0
+    split = f"{micro}" + (f" x {steps} accumulation steps" if steps > 1 else "")
+    others = "; ".join(
+        f"{row.policy.label} at {row.micro_batch}" + (f" x {row.accumulation}" if (row.accumulation or 1) > 1 else "")
+        + f": {row.samples_per_s:.1f} samples/s ({rate / (row.samples_per_s or rate) - 1:+.0%} for this one)"
+        for row in timed
+        if row is not best
+    )
+    if best.policy.k == 0 and len(timed) == 1:
+        reason = (
+            f"target {target} fits without checkpointing (safe batch {best.safe_batch}): nothing to recompute, "
+            f"{rate:.1f} samples/s"
+        )
+    else:
+        reason = f"{best.policy.label} trains target {target} as {split} at {rate:.1f} samples/s" + (
+            f", the fastest measured ({others})" if others else ""
+        )
+    return Recommendation(
+        batch_size=micro,
+        accumulation=steps,
+        world_size=1,
+        global_batch=micro * steps,
+        decided_by="target",
+        reason=reason,
+        max_batch=best.max_batch,
+        safe_batch=best.safe_batch,
+        best_batch=micro,
+        samples_per_s=rate,
+        target=target,
+        target_changed_by=micro * steps - target,
+    )
+
+
+def _unreachable(results: dict[int, Result], n: int, target: int, lines: dict[int, tuple[float, float]]) -> str:
+    """Why no policy reaches the target without accumulation, the closest, and what it would take."""
+    k = n if n in results else 0
+    closest = results[k]
+    label = "with all blocks checkpointed" if k else "as it is"
+    short = (target - closest.safe_batch) * lines[k][1]
+    return (
+        f"no policy fits target_batch {target} in one step: the closest, {label}, has a safe batch of "
+        f"{closest.safe_batch}; it would take about {format_bytes(short)} more memory, or accumulate=True"
+    )
