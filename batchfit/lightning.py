@@ -9,16 +9,15 @@ Lightning reads the batch size (``lightning_setattr``: the module, its ``hparams
 datamodule) and drops the loop's dataloaders as Lightning's tuner does, so that the fit loop
 rebuilds them and the run that follows really trains at that size. With ``target_batch`` it keeps
 the global batch instead, as micro-batch x gradient-accumulation steps x ranks
-([`batchfit.plan`][batchfit.plan]). ``noise_scale=True`` also measures the gradient noise scale from the run's
-train dataloader and logs it with the batch batchfit recommends (off by default: it costs passes).
+([`batchfit.plan`][batchfit.plan]), and with ``checkpointing`` also the checkpointing policy
+([`batchfit.fit`][batchfit.fit]). ``noise_scale=True`` also measures the gradient noise scale from the
+run's train dataloader and logs it with the batch batchfit recommends (off by default: it costs passes).
 
-What the probe must not change, it does not: ``self.log`` / ``self.log_dict`` are muted while
-it runs (Lightning would refuse a log call from ``on_fit_start``, and the probe's losses are not
-training metrics), torchmetrics states that ``training_step`` updates are put back, and drawing
-the batch runs under ``isolate_rng`` so the run's random stream is the one it would have been.
-
-Importing this module never needs Lightning; constructing [`BatchFit`][batchfit.lightning.BatchFit] without it raises an
-``ImportError`` that says what to install.
+What the probe must not change, it does not: ``self.log`` / ``self.log_dict`` are muted while it
+runs (Lightning refuses a log call from ``on_fit_start``; the probe's losses are no metrics),
+torchmetrics states ``training_step`` updates are put back, and the batch is drawn under
+``isolate_rng``. Importing this module never needs Lightning; constructing
+[`BatchFit`][batchfit.lightning.BatchFit] without it raises an ``ImportError`` saying what to install.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchfit.probe.options import find_options
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
 
     from batchfit.estimation import Plan
     from batchfit.probe.keywords import FindKeywords
-    from batchfit.report import Recommendation, Result
+    from batchfit.report import Fit, Recommendation, Result
 
 __all__ = ["INSTALL_HINT", "BatchFit"]
 
@@ -64,24 +63,23 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
 
     Args:
         memory_limit: as [`batchfit.find`][batchfit.find] takes it; positionally too (`BatchFit("24GiB")`).
-        batch_arg_name: the attribute the dataloaders read the batch size from, looked up where
-            Lightning's own ``BatchSizeFinder`` looks: the module, ``module.hparams``, the
-            datamodule and its ``hparams`` (every holder is set).
+        batch_arg_name: the attribute the dataloaders read the batch size from, where Lightning's
+            ``BatchSizeFinder`` looks: the module, its ``hparams``, the datamodule, its ``hparams``.
         target_batch: keep this global batch (over every rank and accumulation step): the batch size
             becomes the plan's micro-batch and ``trainer.accumulate_grad_batches`` its accumulation
             steps. ``None``: train with the safe batch, accumulation untouched.
+        checkpointing: with ``target_batch``, one process: ``"auto"`` (or block names) runs `batchfit.fit`
+            and applies the policy it recommends, with its micro-batch and accumulation (`fit`; logged).
         **find_kwargs: [`batchfit.find`][batchfit.find]'s other keywords
             ([`FindOptions`][batchfit.probe.keywords.FindOptions] and the hooks). ``optimizer`` and
             ``amp`` default to the trainer's (its first optimizer; ``"bf16-mixed"`` -> ``"bf16"``,
-            ``"16-mixed"`` -> ``"fp16"``). ``noise_scale=True`` measures the gradient noise scale from
-            the train dataloader at the size set, into `result`, and logs it to every logger
-            (``batchfit/noise_scale``, ``_low``, ``_high``, ``batchfit/recommended_batch``,
-            ``batchfit/recommended_global_batch``); too few batches for it is a warning, not a failed run.
+            ``"16-mixed"`` -> ``"fp16"``). ``noise_scale=True`` measures the gradient noise scale from the
+            train dataloader at the size set, into `result`, and logs it to every logger (``batchfit/noise_scale``,
+            ``_low``, ``_high``, ``batchfit/recommended_batch``, ``_global_batch``); too few batches: a warning.
 
-    After ``fit`` has started, `result` holds the probe's [`Result`][batchfit.Result],
-    [`plan`][batchfit.plan] the [`Plan`][batchfit.Plan] when ``target_batch`` was given, and
-    [`recommendation`][batchfit.report.result.Result.recommendation] the batch batchfit recommends
-    ([`recommend`][batchfit.report.result.Result.recommend]).
+    After ``fit`` has started, `result` holds the probe's [`Result`][batchfit.Result], `plan` the
+    [`Plan`][batchfit.Plan] with ``target_batch``, and [`recommendation`][batchfit.report.result.Result.recommendation]
+    the batch batchfit recommends ([`recommend`][batchfit.report.result.Result.recommend]).
 
     Raises:
         ImportError: Lightning is not installed.
@@ -95,6 +93,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         *,
         batch_arg_name: str = "batch_size",
         target_batch: int | None = None,
+        checkpointing: str | Sequence[str] | None = None,
         **find_kwargs: Unpack[FindKeywords],
     ) -> None:
         if _MISSING is not None:
@@ -108,8 +107,11 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             from batchfit.units import positive_int
 
             positive_int("target_batch", target_batch)
-        self.batch_arg_name = batch_arg_name
-        self.target_batch = target_batch
+        if checkpointing is not None and target_batch is None:  # the batch the policy must train
+            raise ValueError("BatchFit(checkpointing=...) needs target_batch")
+        self.batch_arg_name, self.target_batch, self.checkpointing = batch_arg_name, target_batch, checkpointing
+        #: With ``checkpointing``, the [`Fit`][batchfit.Fit] whose policy was applied.
+        self.fit: Fit | None = None
         given: dict[str, Any] = dict(find_kwargs)
         if memory_limit is not None:
             if "memory_limit" in given:
@@ -142,6 +144,8 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         if batch is None:
             rank_zero_warn("BatchFit: skipped, the trainer has no train batches (`limit_train_batches=0`?)")
             return
+        if self.checkpointing is not None:
+            return self._fit(trainer, pl_module, batch)
         self.result = self._probe(trainer, pl_module, batch)
         size = self._apply(trainer, pl_module, self.result)
         if self.noise_scale:
@@ -158,6 +162,26 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
 
         with _logging_muted(pl_module), _metrics_kept(pl_module):
             return batchfit.find(trainer.strategy.model, batch, **self._find_kwargs(trainer, pl_module))
+
+    def _fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """``fit()`` through ``training_step``; its policy applied for the run, its batch and accumulation set."""
+        from lightning.pytorch.utilities.parsing import lightning_setattr
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        from batchfit.api import fit
+        from batchfit.probe.recompute import keep_policy
+
+        if trainer.world_size > 1:
+            raise ValueError("BatchFit(checkpointing=...) sizes one process; drop it under a distributed strategy")
+        with _logging_muted(pl_module), _metrics_kept(pl_module):
+            kwargs = {**self._find_kwargs(trainer, pl_module), "checkpointing": self.checkpointing}
+            self.fit = fit(trainer.strategy.model, batch, target_batch=self.target_batch, **kwargs)
+        self.recommendation = chosen = self.fit.recommendation
+        applied = keep_policy(trainer.strategy.model, self.fit.policy)
+        lightning_setattr(pl_module, self.batch_arg_name, chosen.batch_size)
+        trainer.accumulate_grad_batches = chosen.accumulation
+        _reload_dataloaders(trainer)
+        rank_zero_info(f"BatchFit: applied {applied}; {chosen.split()}: {chosen.reason}")
 
     def _find_kwargs(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """``find()``'s keywords: the user's, the trainer's optimizer and precision, and the step."""
@@ -278,9 +302,8 @@ def _draw_batch(trainer: pl.Trainer) -> Any:
         except StopIteration:
             return None
         finally:
-            # Shut its workers down and leave the loop as on_fit_start found it: the loaders are
-            # rebuilt after the probe, and if the probe raises, Lightning's teardown must not
-            # meet a loader that was iterated and reset.
+            # Shut its workers down, the loop as on_fit_start found it: the loaders are rebuilt after
+            # the probe, and if it raises, Lightning's teardown must not meet an iterated loader.
             _forget_train_loader(loop)
         return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
 
@@ -294,9 +317,7 @@ def _first_optimizer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
 
     optimizers = list(trainer.optimizers) or _optimizers_in(pl_module.configure_optimizers())
     real = [o for o in optimizers if isinstance(o, torch.optim.Optimizer) and not isinstance(o, _MockOptimizer)]
-    if real:
-        return real[0]
-    return lambda params: torch.optim.SGD(params, lr=0.0)
+    return real[0] if real else lambda params: torch.optim.SGD(params, lr=0.0)
 
 
 def _optimizers_in(config: Any) -> list[Any]:
@@ -404,15 +425,14 @@ def _summary(name: str, size: int, result: Result, plan: Plan | None) -> str:
     from batchfit.units import format_bytes
 
     ranks = f" per rank ({result.world_size} ranks)" if result.world_size > 1 else ""
-    measured = (
-        f"largest batch that trained {result.max_batch}, safe batch {result.safe_batch} "
-        f"({result.settings.headroom:.0%} headroom of {format_bytes(result.budget_bytes)}){ranks}"
-    )
-    if plan is None:
-        return f"BatchFit: {name}={size}; {measured}"
+    if plan is not None:
+        name = f"{name}={size}, accumulate_grad_batches={plan.accumulation_steps} for the global batch " + (
+            f"{plan.global_batch} (target {plan.target_batch})"
+        )
     return (
-        f"BatchFit: {name}={size}, accumulate_grad_batches={plan.accumulation_steps} for the global batch "
-        f"{plan.global_batch} (target {plan.target_batch}); {measured}"
+        f"BatchFit: {name if plan is not None else f'{name}={size}'}; largest batch that trained {result.max_batch}, "
+        f"safe batch {result.safe_batch} ({result.settings.headroom:.0%} headroom of "
+        f"{format_bytes(result.budget_bytes)}){ranks}"
     )
 
 

@@ -18,14 +18,14 @@ import contextlib
 import dataclasses
 import random
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from batchfit.api import plan
 from batchfit.estimation import Plan
 from batchfit.probe.options import find_options
-from batchfit.report import Recommendation, Result
+from batchfit.report import Fit, Recommendation, Result
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +50,8 @@ class Autosized:
     which knows nothing of trainers.
 
     Attributes:
-        result: the probe's answer (``batchfit.find``), batch sizes per device.
+        result: the probe's answer (``batchfit.find``), batch sizes per device; ``None`` with
+            ``checkpointing`` (``fit`` holds the measurements).
         plan: with ``target_batch``, the split into micro-batch x accumulation steps x ranks that
             was applied; ``None`` without one.
         batch_size: the ``per_device_train_batch_size`` now set on ``trainer.args``.
@@ -63,9 +64,10 @@ class Autosized:
             times GPUs under single-process ``DataParallel``).
         recommendation: the batch batchfit recommends ([`recommend`][batchfit.report.result.Result.recommend],
             with ``target_batch`` when given; with the noise scale when measured): advice, not set.
+        fit: with ``checkpointing``, the [`Fit`][batchfit.Fit] whose policy was applied; ``applied`` says what.
     """
 
-    result: Result
+    result: Result | None
     plan: Plan | None
     batch_size: int
     accumulation_steps: int
@@ -73,6 +75,8 @@ class Autosized:
     previous_accumulation_steps: int
     data_parallel_size: int
     recommendation: Recommendation | None = None
+    fit: Fit | None = None
+    applied: str | None = None
 
     @property
     def global_batch(self) -> int:
@@ -84,16 +88,22 @@ class Autosized:
         return self.previous_batch_size * self.previous_accumulation_steps * self.data_parallel_size
 
     def __str__(self) -> str:
+        measured = self.result if self.result is not None else self.fit.rows[self.fit.chosen]  # type: ignore[union-attr]
         return (
             f"per_device_train_batch_size {self.previous_batch_size} -> {self.batch_size}, "
             f"gradient_accumulation_steps {self.previous_accumulation_steps} -> {self.accumulation_steps}, "
-            f"global batch {self.previous_global_batch} -> {self.global_batch} "
-            f"(probe: max batch {self.result.max_batch}, safe batch {self.result.safe_batch}"
-            f"{'' if self.result.safe_verified else ', not verified'})"
-        )
+            f"global batch {self.previous_global_batch} -> {self.global_batch} (probe: max batch {measured.max_batch}, "
+            f"safe batch {measured.safe_batch}{'' if measured.safe_verified else ', not verified'})"
+        ) + (f"; {self.applied}" if self.applied else "")
 
 
-def autosize(trainer: Trainer, *, target_batch: int | None = None, **find_kwargs: Unpack[FindKeywords]) -> Autosized:
+def autosize(
+    trainer: Trainer,
+    *,
+    target_batch: int | None = None,
+    checkpointing: str | Sequence[str] | None = None,
+    **find_kwargs: Unpack[FindKeywords],
+) -> Autosized:
     """Probe ``trainer`` with batchfit and set the batch it trains with. Call before ``trainer.train()``.
 
     What is probed is what ``train()`` will run, as far as it exists before ``train()``:
@@ -147,6 +157,10 @@ def autosize(trainer: Trainer, *, target_batch: int | None = None, **find_kwargs
         trainer: a ``transformers.Trainer`` (or subclass) with a ``train_dataset``.
         target_batch: a global batch to keep: set the micro-batch and the accumulation steps from
             ``batchfit.plan(result, target_batch=..., world_size=<data-parallel replicas>)``.
+        checkpointing: with ``target_batch``, in one process: ``"auto"`` (or the blocks' names) runs
+            [`batchfit.fit`][batchfit.fit] instead of ``find()``, applies the policy it recommends
+            before ``train()`` (all blocks by the model's own ``activation_checkpointing_enable()``,
+            k of them per block) and sets its micro-batch and accumulation; the log says what.
         **find_kwargs: [`batchfit.find`][batchfit.find]'s keywords
             ([`FindOptions`][batchfit.probe.keywords.FindOptions] and the hooks). ``step_fn``,
             ``optimizer`` and ``amp`` given here replace the trainer's. ``noise_scale=True`` measures
@@ -166,7 +180,8 @@ def autosize(trainer: Trainer, *, target_batch: int | None = None, **find_kwargs
         BatchfitError: batchfit's errors from ``find()`` (``NothingFitsError``, ...), unchanged.
     """
     transformers = _require_transformers()
-    from batchfit.api import find
+    from batchfit.api import find, fit
+    from batchfit.probe.recompute import keep_policy
 
     logger = transformers.utils.logging.get_logger(__name__)
     find_options("autosize", find_kwargs)  # a typo fails now, not after set-up
@@ -186,6 +201,9 @@ def autosize(trainer: Trainer, *, target_batch: int | None = None, **find_kwargs
             f"target_batch {target_batch} is not divisible by the {replicas} data-parallel replicas: every replica "
             "must get a whole share"
         )
+    if checkpointing is not None and (target_batch is None or replicas > 1 or noise_scale or _checkpointing_pending(trainer)):  # noqa: E501
+        raise ValueError("autosize(checkpointing=...) needs target_batch, one process, no noise_scale, and the "
+                         "trainer's own gradient_checkpointing off: it chooses which blocks to checkpoint")
     if _checkpointing_pending(trainer):
         logger.warning(
             "batchfit: the trainer enables activation checkpointing in train(), after this probe: the probe ran "
@@ -196,6 +214,7 @@ def autosize(trainer: Trainer, *, target_batch: int | None = None, **find_kwargs
 
     sample = first_batch(trainer)
     created = "optimizer" not in find_kwargs and trainer.optimizer is None
+    fitted: Fit | None = None
     try:
         kwargs: dict[str, Any] = {
             "step_fn": trainer_step_fn(trainer),
@@ -204,7 +223,10 @@ def autosize(trainer: Trainer, *, target_batch: int | None = None, **find_kwargs
         if "optimizer" not in find_kwargs:
             kwargs["optimizer"] = trainer.create_optimizer() if created else trainer.optimizer
         kwargs.update(find_kwargs)
-        result = find(trainer.model, sample, **kwargs)
+        if checkpointing is not None:
+            fitted = fit(trainer.model, sample, target_batch=target_batch, checkpointing=checkpointing, **kwargs)
+        else:
+            result = find(trainer.model, sample, **kwargs)
     finally:
         if created:
             # train() builds its optimizer (and the scheduler for the new step count) itself.
@@ -213,6 +235,17 @@ def autosize(trainer: Trainer, *, target_batch: int | None = None, **find_kwargs
 
     chosen_plan: Plan | None = None
     steps = previous_steps
+    if fitted is not None:  # fit() timed its candidates: its recommendation is the plan
+        recommended = fitted.recommendation
+        _set_batch(trainer, recommended.batch_size, recommended.accumulation)
+        applied = keep_policy(trainer.model, fitted.policy)
+        logger.info(f"batchfit: applied {applied}; {recommended.split()}: {recommended.reason}")
+        for note in fitted.notes:
+            logger.warning(f"batchfit: {note}")
+        return Autosized(
+            None, None, recommended.batch_size, recommended.accumulation, previous_batch, previous_steps, replicas,
+            recommended, fitted, applied,
+        )
     if target_batch is not None:
         chosen_plan = plan(result, target_batch=target_batch, world_size=replicas)
         batch, steps = chosen_plan.micro_batch, chosen_plan.accumulation_steps

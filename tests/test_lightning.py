@@ -185,6 +185,21 @@ def test_target_batch_keeps_the_global_batch() -> None:
     assert model.trained_batches == [plan.micro_batch] * (2 * plan.accumulation_steps)
 
 
+def test_checkpointing_applies_the_policy_fit_recommends_and_trains_with_it(infos: list[str]) -> None:
+    model = Classifier()
+    callback = BatchFit(memory_limit=LIMIT, target_batch=1000, checkpointing=["net.0", "net.3"])
+    fit = trainer(callback)
+    fit.fit(model)
+
+    assert callback.fit is not None and callback.result is None
+    chosen = callback.fit.recommendation
+    assert model.batch_size == chosen.batch_size and fit.accumulate_grad_batches == chosen.accumulation
+    assert chosen.batch_size * chosen.accumulation == 1000
+    assert all("forward" in model.get_submodule(name).__dict__ for name in callback.fit.policy.checkpointed)
+    assert model.trained_batches == [chosen.batch_size] * (2 * chosen.accumulation)
+    assert any(line.startswith("BatchFit: applied ") for line in infos)
+
+
 def test_batch_size_held_in_datamodule_hparams_under_bf16_mixed_precision() -> None:
     model, data = Classifier(batch_size=None), Data()
     callback = BatchFit(memory_limit=LIMIT)
@@ -225,6 +240,7 @@ def test_optimizer_and_loss_found_in_every_form_lightning_accepts() -> None:
         ({"max_batchsize": 8}, TypeError, "max_batchsize"),
         ({"noise_scale": 1}, TypeError, "noise_scale"),
         ({"noise_passes": 2}, ValueError, "noise_passes"),
+        ({"checkpointing": "auto"}, ValueError, "needs target_batch"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

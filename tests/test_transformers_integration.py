@@ -359,3 +359,24 @@ def test_too_few_batches_for_the_noise_scale_warn_and_autosize_goes_on(
     assert sized.result.noise_scale is None and logs.logs == []
     assert any("no noise scale measured" in record.getMessage() for record in caplog.records)
     assert sized.batch_size == sized.result.safe_batch == trainer.args.per_device_train_batch_size
+
+
+@pytest.mark.slow
+def test_checkpointing_applies_the_policy_fit_recommends_and_train_runs_with_it(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, samples=200)
+    sized = bft.autosize(trainer, memory_limit=LIMIT, target_batch=100, checkpointing="auto")
+    assert sized.fit is not None and sized.result is None and sized.applied is not None
+    recommended = sized.fit.recommendation
+    assert (sized.batch_size, sized.accumulation_steps) == (recommended.batch_size, recommended.accumulation)
+    assert trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps == 100
+    policy = sized.fit.policy
+    flagged = [n for n, m in trainer.model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    wrapped = [n for n, m in trainer.model.named_modules() if "forward" in m.__dict__]
+    assert set(policy.checkpointed) <= set(flagged) | set(wrapped)  # applied for train(), as the log says
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_checkpointing_needs_a_target_batch(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"autosize\(checkpointing=...\) needs target_batch"):
+        bft.autosize(make_trainer(tmp_path), memory_limit=LIMIT, checkpointing="auto")

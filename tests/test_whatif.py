@@ -54,7 +54,7 @@ def test_checkpointing_without_repeated_blocks_says_why() -> None:
 
 
 @pytest.mark.slow
-def test_hugging_face_checkpointing_uses_the_models_own_switch_and_switches_it_back() -> None:
+def test_hugging_face_checkpointing_uses_the_blocks_own_flag_and_switches_it_back() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
     model = transformers.GPT2LMHeadModel(config)
@@ -62,8 +62,9 @@ def test_hugging_face_checkpointing_uses_the_models_own_switch_and_switches_it_b
     table = batchfit.what_if(model, {"input_ids": ids, "labels": ids}, memory_limit="128MiB", options=["checkpointing"])
     row = table.row("checkpointing")
     assert row.max_batch is not None and row.max_batch > table.row("baseline").max_batch
-    assert "checkpointing_enable()" in (row.note or "")
-    assert not model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing") else True
+    assert row.note == "checkpointed the 2 blocks of transformer.h"
+    assert not model.is_activation_checkpointing
+    assert "gradient_checkpointing" not in model.transformer.h[0].__dict__
 
 
 @pytest.mark.slow

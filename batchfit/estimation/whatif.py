@@ -4,11 +4,11 @@
 model is, then once per alternative, and puts max batch and memory side by side:
 
 * ``amp=bf16``, ``amp=fp16``: the steps under autocast (activations in half precision);
-* ``checkpointing``: activation checkpointing. A Hugging Face model gets its own
-  ``gradient_checkpointing_enable()`` (non-reentrant); a plain module gets batchfit's wrapper:
-  every block of its largest ``nn.ModuleList`` / ``nn.Sequential`` (the repeated layers of a
-  network) runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, so its
-  activations are recomputed in backward instead of kept. Either way it is undone afterwards;
+* ``checkpointing``: activation checkpointing of every repeated block (the largest
+  ``nn.ModuleList`` / ``nn.Sequential`` of modules of one type), as [`batchfit.fit`][batchfit.fit]
+  applies it (`batchfit.probe.recompute`): a Hugging Face block by its own flag, any other under
+  ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, so its activations are recomputed in
+  backward instead of kept. It is undone afterwards;
 * ``optimizer=sgd`` (no state), ``optimizer=adamw`` (two moments per parameter, the default),
   ``optimizer=adafactor`` (factored second moments: ``torch.optim.Adafactor``).
 
@@ -19,7 +19,6 @@ An option that does not apply (checkpointing a model with no repeated blocks) sa
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from torch import nn
 
 from batchfit.errors import NothingFitsError
 from batchfit.probe.options import renamed
+from batchfit.probe.recompute import NO_BLOCKS, applied, find_blocks, policy_for
 from batchfit.units import format_bytes, parse_memory_limit
 
 __all__ = ["OPTIONS", "WhatIf", "WhatIfRow", "what_if"]
@@ -141,7 +141,7 @@ def what_if(
             kwargs["optimizer"] = _OPTIMIZERS[value]
         context: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if name == "checkpointing":
-            if not _hugging_face_checkpointing(model) and not _repeated_blocks(model):
+            if not _has_blocks(model):
                 rows.append(WhatIfRow(option, note=NO_BLOCKS))
                 continue
             context = checkpointing(model)
@@ -168,60 +168,17 @@ def what_if(
 
 @contextlib.contextmanager
 def checkpointing(model: nn.Module) -> Iterator[str]:
-    """Activation checkpointing on ``model`` for the block inside, undone afterwards; yields
-    what was done. ``ValueError`` when the model has nothing to checkpoint."""
-    prefix = _hugging_face_checkpointing(model)
-    if prefix is not None:
-        was = bool(getattr(model, f"is_{prefix}", False))
-        getattr(model, f"{prefix}_enable")(**{f"{prefix}_kwargs": {"use_reentrant": False}})
-        try:
-            yield f"the model's {prefix}_enable()"
-        finally:
-            if not was:
-                getattr(model, f"{prefix}_disable")()
-        return
-    blocks = _repeated_blocks(model)
-    if not blocks:
-        raise ValueError(NO_BLOCKS)
-    wrapped: list[nn.Module] = []
+    """Every repeated block of ``model`` checkpointed for the block inside (`batchfit.probe.recompute`:
+    a Hugging Face block by its own flag, any other by a wrapper), undone afterwards; yields what was
+    done. ``ValueError`` when the model has nothing to checkpoint."""
+    blocks = find_blocks(model)
+    with applied(model, policy_for(blocks.names, len(blocks.names))):
+        yield f"checkpointed the {len(blocks.names)} blocks of {blocks.found_in}"
+
+
+def _has_blocks(model: nn.Module) -> bool:
     try:
-        for block in blocks:
-            block.forward = functools.partial(_checkpointed, block.forward)  # an instance attribute, removed after
-            wrapped.append(block)
-        yield f"checkpointed {len(blocks)} blocks of the largest nn.ModuleList/nn.Sequential"
-    finally:
-        for block in wrapped:
-            del block.forward
-
-
-NO_BLOCKS = "no repeated blocks (an nn.ModuleList or nn.Sequential of 2+ modules) to checkpoint"
-
-
-def _hugging_face_checkpointing(model: nn.Module) -> str | None:
-    """The prefix of a Hugging Face model's own switch: transformers 5 names it
-    ``activation_checkpointing_*``, 4 ``gradient_checkpointing_*``; ``None`` for other models."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        return None
-    for prefix in ("activation_checkpointing", "gradient_checkpointing"):
-        if callable(getattr(model, f"{prefix}_enable", None)):
-            return prefix
-    return None
-
-
-def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import checkpoint
-
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
-def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of the model's largest ``nn.ModuleList`` / ``nn.Sequential`` (by parameters)
-    with at least two children: the repeated layers worth checkpointing."""
-    best: list[nn.Module] = []
-    best_size = 0
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
-            size = sum(p.numel() for p in module.parameters())
-            if size > best_size:
-                best, best_size = list(module), size
-    return best
+        find_blocks(model)
+    except ValueError:
+        return False
+    return True

@@ -24,7 +24,7 @@ from torch import nn
 
 from batchfit.report import Placement, Policy
 
-__all__ = ["NO_BLOCKS", "Blocks", "applied", "apply_policy", "find_blocks", "policy_for"]
+__all__ = ["NO_BLOCKS", "Blocks", "applied", "apply_policy", "find_blocks", "keep_policy", "policy_for"]
 
 NO_BLOCKS = (
     "no repeated blocks to checkpoint: no nn.ModuleList or nn.Sequential holds 2 or more modules of one type; "
@@ -170,3 +170,18 @@ def _checkpointed_already(module: nn.Module) -> bool:
     return type(module).__name__ == "CheckpointWrapper" or any(
         type(child).__name__ == "CheckpointWrapper" for child in module.children()
     )
+
+
+def keep_policy(model: nn.Module, policy: Policy) -> str:
+    """Apply ``policy`` for training (the integrations), and say what was applied: all blocks of a
+    Hugging Face model by its own switch (``activation_checkpointing_enable``, or
+    ``gradient_checkpointing_enable`` before transformers 5; non-reentrant), anything else as `apply_policy`."""
+    if policy.k == 0:
+        return "no activation checkpointing"
+    for prefix in ("activation_checkpointing", "gradient_checkpointing"):
+        switch = getattr(model, f"{prefix}_enable", None)
+        if policy.k == policy.blocks and callable(switch) and getattr(model, "supports_gradient_checkpointing", False):
+            switch(**{f"{prefix}_kwargs": {"use_reentrant": False}})
+            return f"activation checkpointing of all {policy.blocks} blocks (model.{prefix}_enable())"
+    apply_policy(model, policy)
+    return f"activation checkpointing of {policy.label}: {', '.join(policy.checkpointed)}"
