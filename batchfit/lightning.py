@@ -206,9 +206,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
 
         from batchfit.probe import measure_noise
 
-        kwargs = self._find_kwargs(trainer, pl_module)
-        options = find_options("BatchFit", kwargs)
-        loop = trainer.fit_loop
+        options, loop = find_options("BatchFit", self._find_kwargs(trainer, pl_module)), trainer.fit_loop
         with isolate_rng(), _logging_muted(pl_module), _metrics_kept(pl_module):
             _forget_train_loader(loop)
             loop.setup_data()
