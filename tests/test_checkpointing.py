@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -179,3 +182,37 @@ def test_ctrl_c_mid_fit_leaves_the_model_as_it_was() -> None:
     assert seen
     assert_same_state(before, state_of(model))
     assert attributes(model) == kept
+
+
+def drawn_fit() -> batchfit.Fit:
+    """A fit as `fit()` returns one for a 4-block model whose target needs 3 blocks checkpointed."""
+    from batchfit.report import DeviceInfo, Policy, PolicyRow, Recommendation
+
+    names = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    none = PolicyRow(Policy((), 4), 91, 81, True, True, 44_000_000, 2_900_000.0, 6, 81, 2, 210.5)
+    three = PolicyRow(Policy(names[:3], 4), 185, 164, True, True, 44_000_000, 1_450_000.0, 3, 162, 1, 171.8)
+    chosen = Recommendation(81, 2, 1, 162, "target", "the fastest measured", 91, 81, 81, samples_per_s=210.5,
+                            target=162, target_changed_by=0)  # fmt: skip
+    return batchfit.Fit(162, names, "blocks", (none, three), 0, chosen, ((0, 91), (1, 110), (2, 138), (3, 185),
+                        (4, 279)), 300 * 2**20, "allocated", DeviceInfo(type="cpu"), 9, 12.5)  # fmt: skip
+
+
+def test_a_fit_prints_its_table_and_chart_and_draws_its_picture(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    fit = drawn_fit()
+    text = str(fit)
+    assert "none" in text and "3 of 4 blocks (the first)" in text and "<- recommended" in text
+    chart = [line for line in text.splitlines() if line.startswith("    ")]
+    assert len(chart) == 5 and chart[3].count("#") > chart[2].count("=") > 0  # measured 185 drawn longer than 138
+    assert "81 x 2" in text and "global batch 162 = micro-batch 81 x 2 accumulation steps" in text
+    path = tmp_path / "fit.png"
+    assert fit.plot(path) == str(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(fit.to_json())["policy"]["checkpointed"] == []
+
+
+def test_a_fit_without_matplotlib_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"plotting a fit needs matplotlib: install the plot extra"):
+        drawn_fit().plot(tmp_path / "f.png")
+    assert not (tmp_path / "f.png").exists()

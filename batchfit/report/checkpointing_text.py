@@ -64,7 +64,7 @@ def fit_chart(fit: Fit) -> list[str]:
 def save_fit_plot(fit: Fit, path: str | os.PathLike[str], *, dpi: int = 120) -> str:
     """Draw the fit to ``path``: max batch against blocks checkpointed, samples/s of the timed
     candidates on a second axis. `PlotUnavailableError` without matplotlib."""
-    plt = require_matplotlib()
+    plt = require_matplotlib("a fit")
     figure, axis = plt.subplots(figsize=(7, 4.2))
     try:
         ks = [k for k, _ in fit.predicted]
@@ -74,17 +74,20 @@ def save_fit_plot(fit: Fit, path: str | os.PathLike[str], *, dpi: int = 120) -> 
         axis.plot(*measured, "o", color="tab:blue", label="max (measured)")
         axis.axhline(fit.target_batch, color="grey", linestyle="--", label=f"target {fit.target_batch}")
         axis.set_xlabel("blocks checkpointed")
+        axis.set_xticks(ks)
         axis.set_ylabel("batch size")
+        axis.set_ylim(bottom=0, top=1.15 * max([b for _, b in fit.predicted] + [fit.target_batch]))
         timed = [r for r in rows if r.samples_per_s is not None]
         if timed:
             rate_axis = axis.twinx()
             rate_axis.plot([r.policy.k for r in timed], [r.samples_per_s for r in timed], "s", color="tab:orange")
             for r in timed:
-                rate_axis.annotate(_split(r), (r.policy.k, r.samples_per_s), textcoords="offset points", xytext=(6, 4))
+                text = f"{_split(r)}: {r.samples_per_s:.1f}/s"
+                rate_axis.annotate(text, (r.policy.k, r.samples_per_s), textcoords="offset points", xytext=(6, -12))
             rate_axis.set_ylabel("samples/s at the target (squares)", color="tab:orange")
-            rate_axis.set_ylim(bottom=0)
-        axis.set_title(f"{fit.policy.label}: {fit.recommendation.split()}", fontsize=10)
-        axis.legend(loc="upper left", fontsize=8)
+            rate_axis.set_ylim(bottom=0, top=1.3 * max(r.samples_per_s or 0 for r in timed))
+        axis.set_title(f"recommended: {fit.policy.label}, {fit.recommendation.split()}", fontsize=9)
+        axis.legend(loc="lower right", fontsize=8)
         figure.tight_layout()
         figure.savefig(os.fspath(path), dpi=dpi)
     finally:

@@ -28,14 +28,14 @@ class PlotUnavailableError(ImportError):
     """matplotlib is not installed: the message says how to install it."""
 
 
-def require_matplotlib() -> Any:
+def require_matplotlib(what: str = "a frontier") -> Any:
     """The ``matplotlib.pyplot`` module on the Agg backend; `PlotUnavailableError` (an
     ``ImportError``) saying how to install it when matplotlib is missing. A front end calls it
     before a probe, so a missing extra is said before minutes of trials, not after."""
     try:
         import matplotlib
     except ImportError as exc:
-        raise PlotUnavailableError(f"plotting a frontier needs matplotlib: {PLOT_EXTRA}") from exc
+        raise PlotUnavailableError(f"plotting {what} needs matplotlib: {PLOT_EXTRA}") from exc
     matplotlib.use("Agg", force=True)  # files only: no display, no GUI toolkit
     import matplotlib.pyplot as plt
 
