@@ -18,7 +18,8 @@ Per case, under the case's memory cap, each on a freshly built (seeded) model:
   line says it fits, and the model as it is at its accumulation micro-batch: a plain training loop
   (AdamW, 2 warm-up steps, 4 timed), no batchfit; the recommended candidate's rate against the best.
 
-Benchmarks are not tests: nothing asserts a timing. JSON under ``benchmarks/results/checkpointing-cpu-*.json``.
+Benchmarks are not tests: nothing asserts a timing. JSON (each fit's document included) under
+``benchmarks/results/checkpointing-cpu-*.json``; each fit's picture beside it (``--plot``, matplotlib).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def plain_rate(model: nn.Module, sample: dict[str, torch.Tensor], size: int, ste
     return size * steps / (time.perf_counter() - started)
 
 
-def run_case(case: str) -> dict[str, Any]:
+def run_case(case: str, plot_to: Path | None) -> dict[str, Any]:
     model, sample = CASES[case]()
     started = time.perf_counter()
     found = batchfit.find(model, sample, memory_limit=CAPS[case])
@@ -120,6 +121,8 @@ def run_case(case: str) -> dict[str, Any]:
     fit = batchfit.fit(model, sample, target_batch=target, memory_limit=CAPS[case])
     fit_s = time.perf_counter() - started
     print(fit, flush=True)
+    if plot_to is not None:
+        print(f"drew {fit.plot(plot_to.with_name(f'{plot_to.stem}-{case}.png'))}")
     rows = []
     for row in fit.rows:
         names = json.dumps(list(row.policy.checkpointed))
@@ -151,6 +154,7 @@ def run_case(case: str) -> dict[str, Any]:
         "fit_s": fit_s, "fit_trials": fit.trials, "fit_over_find": fit_s / find_s, "rows": rows,
         "recommended": fit.policy.label, "split": fit.recommendation.split(), "rates_by_hand": hand,
         "recommended_by_hand_over_best": hand.get(key, float("nan")) / best, "notes": list(fit.notes),
+        "fit": fit.to_dict(),
     }  # fmt: skip
 
 
@@ -159,13 +163,15 @@ def main() -> None:
     parser.add_argument("--case", action="append", choices=sorted(CASES))
     parser.add_argument("--truth", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--plot", action="store_true", help="draw each fit beside the JSON (matplotlib)")
     args = parser.parse_args()
     if args.truth:
         case, names, size = args.truth
         print(json.dumps(truth(case, json.loads(names), int(size))))
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    results = [run_case(case) for case in args.case or sorted(CASES)]
+    path = Path(args.out) / f"checkpointing-cpu-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    results = [run_case(case, path if args.plot else None) for case in args.case or sorted(CASES)]
     head = f"{'case':<10} {'target':>6} {'find s':>7} {'fit s':>7} {'fit/find':>8}  {'recommended':<28}"
     print(f"\n{head} {'by hand/best':>12}")
     for r in results:
@@ -175,7 +181,6 @@ def main() -> None:
             print(f"    {row['policy']:<28} max {row['max']:>4} fits fresh: {row['max_fits_fresh']}, "
                   f"max+1 fits fresh: {row['max_plus_1_fits_fresh']}; trials {row['trials']}")
         print("    by hand (samples/s): " + ", ".join(f"{k} {v:.1f}" for k, v in r["rates_by_hand"].items()))
-    path = Path(args.out) / f"checkpointing-cpu-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"torch": torch.__version__, "results": results}, indent=2))
     print(f"\nwrote {path}")
 

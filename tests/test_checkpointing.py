@@ -13,7 +13,7 @@ from torch import nn
 
 import batchfit
 from batchfit import examples
-from batchfit.probe.recompute import NO_BLOCKS, applied, apply_policy, find_blocks, policy_for
+from batchfit.probe.recompute import NO_BLOCKS, applied, apply_policy, budget_policy, find_blocks, policy_for
 from tests.helpers import assert_same_state, state_of, tiny_llama
 
 
@@ -93,15 +93,16 @@ def test_a_policy_is_undone_when_the_block_inside_raises() -> None:
     assert attributes(model) == kept
 
 
-def test_fit_measures_each_policy_exactly_and_recommends_the_fastest() -> None:
+@pytest.mark.parametrize("placement", ["first", "evenly"])
+def test_fit_measures_each_policy_exactly_and_recommends_the_fastest(placement: str) -> None:
     model, sample = small_gpt()
     before, kept = state_of(model), attributes(model)
-    plain = batchfit.find(model, sample, memory_limit="24MiB", timed_steps=0)
-    fit = batchfit.fit(model, sample, target_batch=plain.safe_batch * 2, memory_limit="24MiB")
+    fit = batchfit.fit(model, sample, target_batch=62, memory_limit="24MiB", placement=placement)
     assert_same_state(before, state_of(model))
     assert attributes(model) == kept
-    assert fit.rows[0].policy.k == 0 and fit.rows[0].max_batch == plain.max_batch
+    assert fit.rows[0].policy.k == 0 and fit.rows[0].safe_batch < 62  # twice what fits as the model is
     assert len(fit.rows) >= 2 and [r.policy.k for r in fit.rows] == sorted(r.policy.k for r in fit.rows)
+    assert all(r.policy == policy_for(fit.blocks, r.policy.k, placement) for r in fit.rows)  # type: ignore[arg-type]
     for row in fit.rows:  # each measured max is the exact boundary under its policy
         with applied(model, row.policy), batchfit.Prober(model, sample, memory_limit="24MiB") as prober:
             assert prober.trial(row.max_batch).fits and not prober.trial(row.max_batch + 1).fits
@@ -216,3 +217,56 @@ def test_a_fit_without_matplotlib_says_how_to_install_it(tmp_path: Path, monkeyp
     with pytest.raises(ImportError, match=r"plotting a fit needs matplotlib: install the plot extra"):
         drawn_fit().plot(tmp_path / "f.png")
     assert not (tmp_path / "f.png").exists()
+
+
+def saved_bytes(model: nn.Module, sample: Any) -> int:
+    """Bytes of the tensors autograd saves for backward in one step of ``model``."""
+    total = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        total[0] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(**sample)["loss"]
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return total[0]
+
+
+@pytest.mark.slow
+def test_a_compile_budget_recompiles_the_module_alone_under_its_budget() -> None:
+    import torch._functorch.config as functorch_config
+
+    model, sample = small_gpt()
+    sample = {k: v.repeat(4, 1) for k, v in sample.items()}
+    yours = torch.compile(model, backend="aot_eager")
+    as_compiled = saved_bytes(yours, sample)
+    with applied(yours, budget_policy(10)) as runnable:  # budget 0.0: recompute all the partitioner can
+        assert runnable is not yours and functorch_config.activation_memory_budget == 0.0
+        assert saved_bytes(runnable, sample) < as_compiled / 4
+    assert functorch_config.activation_memory_budget == 1.0
+    assert saved_bytes(yours, sample) == as_compiled  # your compiled code, untouched
+    assert budget_policy(3).label == "compile budget 0.7" and budget_policy(3).k == 3
+    with pytest.raises(ValueError, match="use applied"):
+        apply_policy(yours, budget_policy(3))
+
+
+def test_a_compiled_model_on_the_cpu_is_fitted_by_its_blocks_and_says_why() -> None:
+    model, sample = small_gpt()
+    fit = batchfit.fit(torch.compile(model), sample, target_batch=4, memory_limit="24MiB")
+    assert fit.blocks[0] == "_orig_mod.blocks.0"
+    assert any("runs it eagerly" in note and "activation memory budget" in note for note in fit.notes)
+
+
+@pytest.mark.cuda
+def test_a_compiled_model_on_a_gpu_is_fitted_by_its_compile_budget() -> None:
+    model, sample = examples.gpt(vocab_size=2048, seq_len=128, d_model=256, n_layers=4, n_heads=4)
+    compiled = torch.compile(model.cuda())
+    plain = batchfit.find(compiled, sample, memory_limit="1GiB", timed_steps=0)
+    fit = batchfit.fit(compiled, sample, target_batch=2 * plain.safe_batch, memory_limit="1GiB")
+    assert fit.blocks_from == "torch.compile's activation memory budget"
+    assert any(row.policy.budget is not None for row in fit.rows)
+    for row in fit.rows:  # each measured max is the exact boundary under its budget, compiled
+        with applied(compiled, row.policy) as runnable, batchfit.Prober(runnable, sample, memory_limit="1GiB") as p:
+            assert p.trial(row.max_batch).fits and not p.trial(row.max_batch + 1).fits

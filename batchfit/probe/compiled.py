@@ -26,7 +26,7 @@ from torch import nn
 
 from batchfit.probe.batches import tensor_leaves
 
-__all__ = ["Compiled", "compile_notes", "compile_seconds", "compiled_info", "mark_batch_dynamic"]
+__all__ = ["Compiled", "compile_notes", "compile_seconds", "compiled_info", "mark_batch_dynamic", "recompiled"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,42 @@ def compiled_info(model: nn.Module) -> Compiled | None:
     return Compiled(dynamic=dynamic if isinstance(dynamic, bool) else None,
                     recompile_limit=int(torch._dynamo.config.recompile_limit),
                     cudagraphs=_uses_cudagraphs(context))  # fmt: skip
+
+
+def recompiled(model: nn.Module) -> nn.Module:
+    """A fresh ``torch.compile`` of a compiled model's module, with its backend (mode and options
+    inside it) and ``dynamic``, whose compiled code is its own: dynamo shares compiled code between
+    ``torch.compile`` calls whose backends compare equal (inductor's wrappers do, a backend named
+    by a string is one object), so a setting read at compile time (the activation memory budget)
+    would never reach it, and the user's compiled code is left as it was."""
+    import torch
+
+    backend = getattr(model, "dynamo_ctx", None)
+    backend = getattr(backend, "callback", None)
+    for _ in range(8):
+        inner = getattr(backend, "_torchdynamo_orig_backend", None)
+        if inner is None:
+            break
+        backend = inner
+    if backend is None:
+        raise ValueError("the model is not torch.compile'd: no compile backend to compile it again with")
+    info = compiled_info(model)
+    return torch.compile(model._orig_mod, backend=_OwnCache(backend), dynamic=None if info is None else info.dynamic)
+
+
+class _OwnCache:
+    """A compile backend that equals no other (object identity), so its compiled code is its own."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._backend(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # compiler_name, get_compiler_config, reset, ...
+        if name == "_backend":
+            raise AttributeError(name)
+        return getattr(self._backend, name)
 
 
 def _uses_cudagraphs(context: Any) -> bool:

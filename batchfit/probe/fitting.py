@@ -20,29 +20,45 @@
    under the safe cap with a fresh optimizer, then warm plain steps;
 6. recommend the candidate with the most samples/s, in `Result.recommendation`'s form.
 
+A ``torch.compile``'d model on a device whose probe runs compiled code (a GPU) gets the compile
+partitioner's activation memory budget instead of blocks, in steps of 0.1 from 1.0 down to 0.0,
+searched the same way (k steps below 1.0 for k blocks): each budget a fresh compile of the model's
+module under that setting, the user's compiled code untouched.
+
 Every probe applies its policy around itself (`batchfit.probe.recompute.applied`) and the prober
 restores everything else, so the model comes back as it was whatever happens, Ctrl-C included.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
+from batchfit.backends import backend_for, resolve_device
+from batchfit.probe.compiled import compiled_info
 from batchfit.probe.finder import search_with
 from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
 from batchfit.probe.probing import FromLine
-from batchfit.probe.recompute import Blocks, applied, find_blocks, policy_for
+from batchfit.probe.recompute import (
+    BUDGET_SOURCE,
+    BUDGET_STEPS,
+    Blocks,
+    applied,
+    budget_policy,
+    find_blocks,
+    policy_for,
+)
 from batchfit.probe.safe_batch import safe_cap
 from batchfit.probe.timing import UNTIMED_STEPS
-from batchfit.report import Fit, Placement, PolicyRow, Recommendation, Result, Trial
+from batchfit.report import Fit, Placement, Policy, PolicyRow, Recommendation, Result, Trial
 from batchfit.report.recommendation_rules import split_global
 from batchfit.search.near import HEDGE
 from batchfit.units import format_bytes, positive_int
@@ -71,9 +87,7 @@ def fit_with(
     """[`fit`][batchfit.fit] for callers that hold an [`Options`][batchfit.Options] (see the module)."""
     started = time.monotonic()
     target = positive_int("target_batch", target_batch)
-    blocks = _checked(model, checkpointing, placement, accumulate, options)
-    free, notes = blocks.free, _notes(blocks)
-    n = len(free)
+    choose, n, chosen_from, found_in, notes = _policies(model, checkpointing, placement, accumulate, options)
     quiet = replace(options, timed_steps=0)
     trials: list[Trial] = []
 
@@ -86,9 +100,9 @@ def fit_with(
 
     def probe(k: int, line: tuple[float, float] | None) -> Result:
         plan = None if line is None else FromLine(*line, options.headroom, HEDGE, bool(options.verify_steps), [])
-        with applied(model, policy_for(free, k, placement)):
+        with applied(model, choose(k)) as runnable:
             results[k] = search_with(
-                Prober(model, sample, options=quiet),
+                Prober(runnable, sample, options=quiet),
                 quiet,
                 time.monotonic(),
                 callback=told,
@@ -105,7 +119,7 @@ def fit_with(
     chosen_k: int | None = 0 if target <= none.safe_batch else None
     if chosen_k is None and n:
         # 3. Every block checkpointed, one trial at the largest batch that fits without: its line.
-        lines[n] = _all_line(model, sample, quiet, free, placement, none, lines[0][0], told, on_trial_start)
+        lines[n] = _all_line(model, sample, quiet, choose(n), none, lines[0][0], told, on_trial_start)
         # 4. The fewest blocks that hold the target, each probed from the line the measured ones predict.
         low, high = 0, n
         if not _holds(lines[n], target, budget, options.headroom):
@@ -125,11 +139,11 @@ def fit_with(
     candidates = _candidates(results, chosen_k, n, target, accumulate, options)
     if not candidates:
         raise ValueError(_unreachable(results, n, target, lines))
-    rates = _time(model, sample, quiet, free, placement, candidates, told, on_trial_start)
+    rates = _time(model, sample, quiet, choose, candidates, told, on_trial_start)
 
     # 6. The answer.
     rows = tuple(
-        _row(k, results[k], free, placement, *next(((m, a, rates.get(k)) for kk, m, a in candidates if kk == k), ()))
+        _row(choose(k), results[k], *next(((m, a, rates.get(k)) for kk, m, a in candidates if kk == k), ()))
         for k in sorted(results)
     )
     timed = [row for row in rows if row.samples_per_s is not None]
@@ -139,8 +153,8 @@ def fit_with(
     predicted = tuple((k, _largest(_between(lines, *_around(lines, k), k), budget, results, k)) for k in range(n + 1))
     return Fit(
         target_batch=target,
-        blocks=free,
-        blocks_from=blocks.found_in,
+        blocks=chosen_from,
+        blocks_from=found_in,
         rows=rows,
         chosen=rows.index(best),
         recommendation=_recommendation(best, timed, target),
@@ -154,10 +168,15 @@ def fit_with(
     )
 
 
-def _checked(
+def _policies(
     model: nn.Module, checkpointing: Any, placement: Any, accumulate: Any, options: Options
-) -> Blocks:
-    """Every argument `fit` adds to `find`'s, checked before any trial; the blocks found."""
+) -> tuple[Callable[[int], Policy], int, tuple[str, ...], str, list[str]]:
+    """Every argument `fit` adds to `find`'s, checked before any trial; then the policies: ``k ->
+    policy`` for k from 0 to N, N, the blocks they choose from, where those were found, notes.
+
+    A ``torch.compile``'d model on a device whose probe runs compiled code gets the compile
+    partitioner's activation memory budget in `BUDGET_STEPS` steps (with ``checkpointing="auto"``);
+    elsewhere (the CPU runs it eagerly) its blocks, and a note says so."""
     if placement not in ("first", "evenly"):
         raise ValueError(f"placement must be 'first' or 'evenly', got {placement!r}")
     if not isinstance(accumulate, bool):
@@ -170,7 +189,19 @@ def _checked(
         raise ValueError("fit() takes neither cache nor noise_scale: call find() for those")
     if isinstance(checkpointing, str) and checkpointing != "auto":
         raise ValueError(f"checkpointing must be 'auto' or a list of module names, got {checkpointing!r}")
-    return find_blocks(model, None if checkpointing == "auto" else checkpointing)
+    compiled = compiled_info(model) is not None
+    device = resolve_device(options.device, model)
+    if compiled and checkpointing == "auto" and backend_for(device).runs_compiled:
+        return functools.partial(budget_policy, steps=BUDGET_STEPS), BUDGET_STEPS, (), BUDGET_SOURCE, []
+    blocks = find_blocks(model, None if checkpointing == "auto" else checkpointing)
+    notes = _notes(blocks)
+    if compiled:
+        notes.append(
+            f"the model is torch.compile'd, but on {device.type} the probe runs it eagerly: its blocks were "
+            f"checkpointed instead of searching {BUDGET_SOURCE} (searched where compiled code runs, a GPU)"
+        )
+    free = blocks.free
+    return functools.partial(policy_for, free, placement=placement), len(free), free, blocks.found_in, notes
 
 
 def _notes(blocks: Blocks) -> list[str]:
@@ -233,19 +264,19 @@ def _all_line(
     model: nn.Module,
     sample: Any,
     options: Options,
-    free: tuple[str, ...],
-    placement: Placement,
+    most: Policy,
     none: Result,
     fixed: float,
     told: TrialCallback,
     on_trial_start: StartCallback | None,
 ) -> tuple[float, float]:
-    """All blocks checkpointed: its line through one trial at the largest batch that fits without
-    (which fits with, on less memory), with policy none's fixed bytes: the per-block saving for every k."""
+    """The policy that recomputes most (all blocks, or budget 0): its line through one trial at the
+    largest batch that fits without (which fits with, on less memory), with policy none's fixed
+    bytes: the saving per block (or budget step) for every k."""
     size = none.max_batch
     if on_trial_start is not None:
         on_trial_start(size, "search")
-    with Prober(model, sample, options=options) as prober, applied(model, policy_for(free, len(free), placement)):
+    with applied(model, most) as runnable, Prober(runnable, sample, options=options) as prober:
         trial = prober.trial(size, kind="search")
     told(trial)
     peak = trial.peak_in(none.budget_counts)
@@ -284,41 +315,48 @@ def _time(
     model: nn.Module,
     sample: Any,
     options: Options,
-    free: tuple[str, ...],
-    placement: Placement,
+    choose: Callable[[int], Policy],
     candidates: list[tuple[int, int, int]],
     told: TrialCallback,
     on_trial_start: StartCallback | None,
 ) -> dict[int, float]:
-    """Each candidate's samples/s at its micro-batch, in one prober (the policy switched between
-    trials): a fresh optimizer, one untimed step, then warm plain steps. Each micro-batch is within
-    its policy's safe batch, which that policy's probe verified."""
+    """Each candidate's samples/s at its micro-batch: a fresh optimizer, one untimed step, then warm
+    plain steps. Each micro-batch is within its policy's safe batch, which that policy's probe
+    verified. Policies of blocks share one prober (switched between trials); a budget runs its own
+    compiled module, in a prober of its own."""
     steps = UNTIMED_STEPS + max(MIN_TIMED_STEPS, options.timed_steps)
     rates: dict[int, float] = {}
+
+    def timed(prober: Prober, k: int, micro: int) -> None:
+        if on_trial_start is not None:
+            on_trial_start(micro, "time")
+        trial = prober.trial(micro, steps=steps, kind="time", fresh_optimizer=True)
+        told(trial)
+        if trial.fits and trial.samples_per_s:
+            rates[k] = trial.samples_per_s
+
+    if any(choose(k).budget is not None for k, _, _ in candidates):
+        for k, micro, _ in candidates:
+            with applied(model, choose(k)) as runnable, Prober(runnable, sample, options=options) as prober:
+                timed(prober, k, micro)
+        return rates
     with Prober(model, sample, options=options) as prober:
         for k, micro, _ in candidates:
-            if on_trial_start is not None:
-                on_trial_start(micro, "time")
-            with applied(model, policy_for(free, k, placement)):
-                trial = prober.trial(micro, steps=steps, kind="time", fresh_optimizer=True)
-            told(trial)
-            if trial.fits and trial.samples_per_s:
-                rates[k] = trial.samples_per_s
+            with applied(model, choose(k)):
+                timed(prober, k, micro)
     return rates
 
 
 def _row(
-    k: int,
+    policy: Policy,
     result: Result,
-    free: tuple[str, ...],
-    placement: Placement,
     micro: int | None = None,
     accumulation: int | None = None,
     rate: float | None = None,
 ) -> PolicyRow:
     memory = result.memory
     return PolicyRow(
-        policy=policy_for(free, k, placement),
+        policy=policy,
         max_batch=result.max_batch,
         safe_batch=result.safe_batch,
         safe_verified=result.safe_verified,

@@ -22,14 +22,30 @@ from typing import Any
 
 from torch import nn
 
+from batchfit.probe.compiled import recompiled
 from batchfit.report import Placement, Policy
 
-__all__ = ["NO_BLOCKS", "Blocks", "applied", "apply_policy", "find_blocks", "keep_policy", "policy_for"]
+__all__ = [
+    "BUDGET_SOURCE",
+    "BUDGET_STEPS",
+    "NO_BLOCKS",
+    "Blocks",
+    "applied",
+    "apply_policy",
+    "budget_policy",
+    "find_blocks",
+    "keep_policy",
+    "policy_for",
+]
 
 NO_BLOCKS = (
     "no repeated blocks to checkpoint: no nn.ModuleList or nn.Sequential holds 2 or more modules of one type; "
     "pass the blocks' names (checkpointing=['encoder.layers.0', ...])"
 )
+#: The steps between budget 1.0 and 0.0 a compiled model's policies choose from (0.1 apart).
+BUDGET_STEPS = 10
+#: Where a compiled model's policies come from (`Fit.blocks_from`).
+BUDGET_SOURCE = "torch.compile's activation memory budget"
 #: Absent, as opposed to an attribute whose value is None.
 _MISSING = object()
 
@@ -95,18 +111,37 @@ def policy_for(blocks: Sequence[str], k: int, placement: Placement = "first") ->
     return Policy(tuple(blocks[i] for i in picks), n, placement)
 
 
+def budget_policy(k: int, steps: int = BUDGET_STEPS) -> Policy:
+    """A compiled model's policy ``k`` steps below budget 1.0 (0: the model as it was compiled)."""
+    if not 0 <= k <= steps:
+        raise ValueError(f"k must be between 0 and {steps} budget steps, got {k}")
+    return Policy((), steps) if k == 0 else Policy((), steps, budget=round(1 - k / steps, 6))
+
+
 @contextlib.contextmanager
-def applied(model: nn.Module, policy: Policy) -> Iterator[None]:
-    """``policy`` on ``model`` for the block inside; every attribute put back on the way out."""
+def applied(model: nn.Module, policy: Policy) -> Iterator[nn.Module]:
+    """``policy`` on ``model`` for the block inside, which gets the module to run: ``model`` with
+    its blocks checkpointed (every attribute put back on the way out), or for a budget a fresh
+    compile of ``model``'s module (`batchfit.probe.compiled.recompiled`) under
+    ``torch._functorch.config.activation_memory_budget`` (the setting put back on the way out; the
+    user's compiled code untouched)."""
+    if policy.budget is not None:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=policy.budget):
+            yield recompiled(model)
+        return
     undo = apply_policy(model, policy)
     try:
-        yield
+        yield model
     finally:
         undo()
 
 
 def apply_policy(model: nn.Module, policy: Policy) -> Callable[[], None]:
     """Apply ``policy`` to ``model`` and return what undoes it exactly (the integrations keep it applied)."""
+    if policy.budget is not None:
+        raise ValueError("a compile budget is applied by compiling again, not to the model: use applied()")
     modules = dict(model.named_modules())
     saved: list[tuple[nn.Module, str, Any]] = []
 
@@ -176,6 +211,14 @@ def keep_policy(model: nn.Module, policy: Policy) -> str:
     """Apply ``policy`` for training (the integrations), and say what was applied: all blocks of a
     Hugging Face model by its own switch (``activation_checkpointing_enable``, or
     ``gradient_checkpointing_enable`` before transformers 5; non-reentrant), anything else as `apply_policy`."""
+    if policy.budget is not None:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = policy.budget
+        return (
+            f"torch._functorch.config.activation_memory_budget = {policy.budget:g} for what compiles from now on "
+            "(code the model compiled before keeps its own)"
+        )
     if policy.k == 0:
         return "no activation checkpointing"
     for prefix in ("activation_checkpointing", "gradient_checkpointing"):

@@ -28,26 +28,36 @@ SCHEMA = "batchfit.fit/1"
 
 @dataclass(frozen=True)
 class Policy:
-    """Which of a model's repeated blocks run under activation checkpointing.
+    """Which of a model's repeated blocks run under activation checkpointing, or, for a
+    ``torch.compile``'d model, the partitioner's activation memory budget.
 
     Attributes:
         checkpointed: the names of the blocks checkpointed (`model.named_modules()` names).
-        blocks: how many repeated blocks the policy chooses from (N).
+        blocks: how many repeated blocks the policy chooses from (N); for a budget, the steps
+            between budget 1.0 and 0.0.
         placement: how ``checkpointed`` was chosen among them.
+        budget: ``torch._functorch.config.activation_memory_budget`` the model is compiled under
+            (1.0 keeps what the partitioner keeps by default, 0.0 recomputes all it can); ``None``:
+            a policy of blocks.
     """
 
     checkpointed: tuple[str, ...]
     blocks: int
     placement: Placement = "first"
+    budget: float | None = None
 
     @property
     def k(self) -> int:
-        """How many blocks are checkpointed."""
+        """How many blocks are checkpointed; for a budget, how many steps it lies below 1.0."""
+        if self.budget is not None:
+            return round((1 - self.budget) * self.blocks)
         return len(self.checkpointed)
 
     @property
     def label(self) -> str:
-        """``none``, ``all 12 blocks`` or ``3 of 12 blocks (the first)``."""
+        """``none``, ``all 12 blocks``, ``3 of 12 blocks (the first)`` or ``compile budget 0.7``."""
+        if self.budget is not None:
+            return f"compile budget {self.budget:g}"
         if self.k == 0:
             return "none"
         if self.k == self.blocks:
@@ -88,13 +98,14 @@ class Fit:
 
     Attributes:
         target_batch: the samples one optimizer step should see (per process).
-        blocks: the repeated blocks the policies chose from, in order.
-        blocks_from: where they were found (``"transformer.h"``) or ``"given"``.
+        blocks: the repeated blocks the policies chose from, in order (empty for budgets).
+        blocks_from: where they were found (``"transformer.h"``), ``"given"``, or
+            ``"torch.compile's activation memory budget"`` for a compiled model's budgets.
         rows: the policies measured by real steps, fewest checkpointed first.
         chosen: the index in ``rows`` of the recommended policy.
         recommendation: the micro-batch and accumulation to train with under it, and why.
         predicted: ``(k, max batch)`` for every k from 0 to N blocks checkpointed (the first k, or
-            evenly): the memory lines of the rows measured, interpolated per block.
+            evenly; for budgets, k steps below 1.0): the memory lines of the rows measured, interpolated.
         budget_bytes, budget_counts, device: the memory every row was measured within, and where.
         trials: the real trials the whole fit ran; elapsed_s: how long it took.
         notes: what a reader should know (blocks you had checkpointed, a prediction that missed).

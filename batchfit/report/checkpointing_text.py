@@ -51,7 +51,7 @@ def fit_chart(fit: Fit) -> list[str]:
     """Max batch against blocks checkpointed as text bars (``#`` measured, ``=`` predicted), the target marked."""
     top = max([b for _, b in fit.predicted] + [fit.target_batch, 1])
     target_at = round(fit.target_batch / top * BAR_WIDTH)
-    lines = [f"max batch by blocks checkpointed (# measured, = predicted, | target {fit.target_batch})"]
+    lines = [f"max batch by {_axis(fit)} (# measured, = predicted, | target {fit.target_batch})"]
     measured = {row.policy.k for row in fit.rows}
     for k, batch in fit.predicted:
         bar = list(("#" if k in measured else "=") * round(batch / top * BAR_WIDTH))
@@ -73,7 +73,7 @@ def save_fit_plot(fit: Fit, path: str | os.PathLike[str], *, dpi: int = 120) -> 
         measured = ([r.policy.k for r in rows], [r.max_batch for r in rows])
         axis.plot(*measured, "o", color="tab:blue", label="max (measured)")
         axis.axhline(fit.target_batch, color="grey", linestyle="--", label=f"target {fit.target_batch}")
-        axis.set_xlabel("blocks checkpointed")
+        axis.set_xlabel(_axis(fit))
         axis.set_xticks(ks)
         axis.set_ylabel("batch size")
         axis.set_ylim(bottom=0, top=1.15 * max([b for _, b in fit.predicted] + [fit.target_batch]))
@@ -93,6 +93,13 @@ def save_fit_plot(fit: Fit, path: str | os.PathLike[str], *, dpi: int = 120) -> 
     finally:
         plt.close(figure)
     return os.fspath(path)
+
+
+def _axis(fit: Fit) -> str:
+    """What k counts: blocks, or budget steps of 0.1 below 1.0."""
+    if any(row.policy.budget is not None for row in fit.rows):
+        return f"compile budget steps below 1.0 (1/{fit.rows[0].policy.blocks} each)"
+    return "blocks checkpointed"
 
 
 def _equation(row: PolicyRow) -> str:
