@@ -154,6 +154,7 @@ def test_blocks_checkpointed_already_are_measured_from_there() -> None:
         ({"target_batch": 8, "accumulate": 1}, TypeError, "accumulate must be True or False"),
         ({"target_batch": 8, "cache": "/tmp/x"}, ValueError, "neither cache nor noise_scale"),
         ({"target_batch": 8, "headroom": 2}, ValueError, "headroom"),
+        ({"target_batch": 8, "distributed": True}, ValueError, "fit\\(\\) sizes one process"),
         ({"target_batch": 8, "memory_limt": "1GiB"}, TypeError, "did you mean 'memory_limit'"),
     ],
 )

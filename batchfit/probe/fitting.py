@@ -187,6 +187,8 @@ def _policies(
         )
     if options.cache is not None or options.noise_scale:
         raise ValueError("fit() takes neither cache nor noise_scale: call find() for those")
+    if options.distributed:
+        raise ValueError("fit() sizes one process: distributed=True is not supported yet; run it on one rank")
     if isinstance(checkpointing, str) and checkpointing != "auto":
         raise ValueError(f"checkpointing must be 'auto' or a list of module names, got {checkpointing!r}")
     compiled = compiled_info(model) is not None
