@@ -36,6 +36,7 @@ RAW_ROLE = re.compile(r":(?:py:)?(?:class|func|mod|meth|attr|exc|data|obj|const|
 PUBLIC: dict[str, tuple[str, ...]] = {
     "batchfit.accelerate.find_executable_batch_size": (),
     "batchfit.api.find": (),
+    "batchfit.api.fit": (),
     "batchfit.api.frontier": (),
     "batchfit.api.noise_scale": (),
     "batchfit.api.plan": (),
@@ -70,6 +71,9 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "world_size",
     ),
     "batchfit.ray.worker_batch": (),
+    "batchfit.report.checkpointing.Fit": ("plot", "policy", "row", "to_dict", "to_json"),
+    "batchfit.report.checkpointing.Policy": ("k", "label"),
+    "batchfit.report.checkpointing.PolicyRow": (),
     "batchfit.report.frontier.Frontier": (
         "fastest",
         "from_dict",
