@@ -14,6 +14,8 @@ Per case, under the case's memory cap, each on a freshly built (seeded) model:
   batchfit: a Hugging Face block's ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``,
   the model's own flag for the cache), and one ``Prober`` under the same cap runs two steps at the
   row's max (must fit) and at max + 1 (must not);
+* **in one step**: ``fit(..., accumulate=False)``: the fewest blocks that hold the target, whose rate
+  by hand is set against the best rate by hand over every k whose max reaches the target;
 * **rates by hand**: every k from 0 to N blocks (the first k) at the target in one step where its
   line says it fits, and the model as it is at its accumulation micro-batch: a plain training loop
   (AdamW, 2 warm-up steps, 4 timed), no batchfit; the recommended candidate's rate against the best.
@@ -149,12 +151,22 @@ def run_case(case: str, plot_to: Path | None) -> dict[str, Any]:
     none_key = f"none at {chosen.micro_batch} x {chosen.accumulation}"
     key = f"k={chosen.policy.k} at {target}" if chosen.policy.k else none_key
     best = max(hand.values())
+    # The same target in one step (accumulate=False): which k fit() picks, against every k by hand.
+    model, sample = CASES[case]()
+    started = time.perf_counter()
+    one = batchfit.fit(model, sample, target_batch=target, memory_limit=CAPS[case], accumulate=False)
+    one_s = time.perf_counter() - started
+    by_k = {key: rate for key, rate in hand.items() if key.startswith("k=")}
+    one_key = f"k={one.policy.k} at {target}"
     return {
         "case": case, "cap": CAPS[case], "target": target, "find_s": find_s, "find_trials": len(found.trials),
         "fit_s": fit_s, "fit_trials": fit.trials, "fit_over_find": fit_s / find_s, "rows": rows,
         "recommended": fit.policy.label, "split": fit.recommendation.split(), "rates_by_hand": hand,
         "recommended_by_hand_over_best": hand.get(key, float("nan")) / best, "notes": list(fit.notes),
         "fit": fit.to_dict(),
+        "one_step": {"fit_s": one_s, "trials": one.trials, "recommended": one.policy.label,
+                     "by_hand_over_best_k": by_k.get(one_key, float("nan")) / max(by_k.values()),
+                     "best_k_by_hand": max(by_k, key=by_k.__getitem__), "fit": one.to_dict()},
     }  # fmt: skip
 
 
@@ -181,6 +193,10 @@ def main() -> None:
             print(f"    {row['policy']:<28} max {row['max']:>4} fits fresh: {row['max_fits_fresh']}, "
                   f"max+1 fits fresh: {row['max_plus_1_fits_fresh']}; trials {row['trials']}")
         print("    by hand (samples/s): " + ", ".join(f"{k} {v:.1f}" for k, v in r["rates_by_hand"].items()))
+        one = r["one_step"]
+        print(f"    in one step (accumulate=False): {one['recommended']} in {one['fit_s']:.1f} s, "
+              f"{one['trials']} trials; by hand {one['by_hand_over_best_k']:.3f} of the best k "
+              f"({one['best_k_by_hand']})")
     path.write_text(json.dumps({"torch": torch.__version__, "results": results}, indent=2))
     print(f"\nwrote {path}")
 
