@@ -5,19 +5,21 @@
 1. check the target, the blocks and the options before any trial;
 2. probe the model as it is (policy *none*): `find()`'s memory answer (its search, its verified
    safe batch), nothing timed;
-3. when the target does not fit there: probe all N blocks checkpointed, its search started from
-   policy none's memory line (`FromLine`);
-4. the lines of the two ends predict every k in between, per block (checkpointing the first k
-   blocks lowers the peak by the same bytes per sample for each block: identical blocks, whose
-   activations live from forward to their backward). The fewest blocks whose predicted safe batch
-   holds the target is probed from its predicted line (the safe batch's verification, the
-   boundary, one more: three trials when the prediction holds); a miss moves one block up, and
-   a verified fit with the refitted line saying one block fewer fits too moves one block down,
-   until a measured miss and a measured fit are neighbours or the lines say no k between fits;
+3. when the target does not fit there: one trial with all N blocks checkpointed, at the largest
+   batch that fits without (it fits with, on less memory), gives that policy's bytes per sample
+   (the fixed bytes do not change);
+4. the two lines predict every k between, per block (checkpointing the first k blocks lowers the
+   peak by the same bytes per sample for each block: identical blocks, whose activations live from
+   forward to their backward). The fewest blocks whose predicted safe batch holds the target is
+   probed from its predicted line (`FromLine`: the safe batch's verification, the boundary, one
+   more: three trials when the prediction holds); a miss moves up, a verified fit whose refitted
+   line says fewer blocks would do moves down, until a measured miss and a measured fit are
+   neighbours or the lines say no k between fits. When no k fits the target at once by the lines,
+   all blocks are probed exactly instead (for its micro-batch with accumulation);
 5. time the candidates that reach the target in one `Prober`: no checkpointing at the
    micro-batch its safe batch allows with accumulation; the fewest blocks at the target; all
-   blocks with accumulation when no policy fits the target at once. Each is a verification
-   under the safe cap with a fresh optimizer, then warm plain steps;
+   blocks with accumulation when no policy fits the target at once. Each is a fresh optimizer,
+   one untimed step, then warm plain steps, at a micro-batch within its policy's verified safe batch;
 6. recommend the candidate with the most samples/s, in `Result.recommendation`'s form.
 
 A ``torch.compile``'d model on a device whose probe runs compiled code (a GPU) gets the compile
