@@ -271,3 +271,11 @@ def test_a_compiled_model_on_a_gpu_is_fitted_by_its_compile_budget() -> None:
     for row in fit.rows:  # each measured max is the exact boundary under its budget, compiled
         with applied(compiled, row.policy) as runnable, batchfit.Prober(runnable, sample, memory_limit="1GiB") as p:
             assert p.trial(row.max_batch).fits and not p.trial(row.max_batch + 1).fits
+
+
+def test_a_model_without_repeated_blocks_is_named_before_any_trial() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    ran: list[Any] = []
+    with pytest.raises(ValueError, match="no repeated blocks to checkpoint"):
+        batchfit.fit(model, torch.randn(2, 8), target_batch=8, callback=ran.append)
+    assert ran == []
