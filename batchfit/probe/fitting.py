@@ -5,9 +5,9 @@
 1. check the target, the blocks and the options before any trial;
 2. probe the model as it is (policy *none*): `find()`'s memory answer (its search, its verified
    safe batch), nothing timed;
-3. when the target does not fit there: one trial with all N blocks checkpointed, at the largest
-   batch that fits without (it fits with, on less memory), gives that policy's bytes per sample
-   (the fixed bytes do not change);
+3. when the target does not fit there: one trial with the first N - 1 blocks checkpointed, at the
+   largest batch that fits without (it fits with, on less memory), gives that policy's bytes per
+   sample (the fixed bytes do not change);
 4. the two lines predict every k between, per block (checkpointing the first k blocks lowers the
    peak by the same bytes per sample for each block: identical blocks, whose activations live from
    forward to their backward). The fewest blocks whose predicted safe batch holds the target is
@@ -120,17 +120,18 @@ def fit_with(
     lines = {0: _line(none, None)}
     chosen_k: int | None = 0 if target <= none.safe_batch else None
     if chosen_k is None and n:
-        # 3. Every block checkpointed, one trial at the largest batch that fits without: its line.
-        lines[n] = _all_line(model, sample, quiet, choose(n), none, lines[0][0], told, on_trial_start)
+        # 3. All blocks but the last checkpointed, one trial at the largest batch that fits without: its line.
+        far = max(1, n - 1)
+        lines[far] = _far_line(model, sample, quiet, choose(far), none, lines[0][0], told, on_trial_start)
         # 4. The fewest blocks that hold the target, each probed from the line the measured ones predict.
         low, high = 0, n
-        if not _holds(lines[n], target, budget, options.headroom):
+        if not _holds(_line_at(lines, n), target, budget, options.headroom):
             low = n - 1  # no k fits at once by the lines: all blocks, exactly, for the accumulation
         for _ in range(MAX_PROBES):
             k = _fewest(lines, low, high, target, budget, options.headroom)
             if k in results:
                 break
-            lines[k] = _line(probe(k, _aim(_between(lines, *_around(lines, k), k), budget)), lines[0][0])
+            lines[k] = _line(probe(k, _aim(_line_at(lines, k), budget)), lines[0][0])
             low, high = (low, k) if results[k].safe_batch >= target else (k, high)
             if low == n or (high - low == 1 and high in results):
                 break
@@ -152,7 +153,8 @@ def fit_with(
     if not timed:
         raise RuntimeError("no candidate trained under the safe cap when timed: see the trials passed to callback")
     best = max(timed, key=lambda row: row.samples_per_s or 0.0)
-    predicted = tuple((k, _largest(_between(lines, *_around(lines, k), k), budget, results, k)) for k in range(n + 1))
+    known = range(n + 1) if len(lines) > 1 else sorted(lines)  # one line predicts no other k
+    predicted = tuple((k, _largest(_line_at(lines, k), budget, results, k)) for k in known)
     return Fit(
         target_batch=target,
         blocks=chosen_from,
@@ -233,18 +235,17 @@ def _aim(line: tuple[float, float], budget: int | None) -> tuple[float, float] |
     return None if budget is None else line
 
 
-def _between(lines: dict[int, tuple[float, float]], low: int, high: int, k: int) -> tuple[float, float]:
-    """The line at ``k`` interpolated between the measured lines at ``low`` and ``high``."""
-    if high == low:
-        return lines[low]
+def _line_at(lines: dict[int, tuple[float, float]], k: int) -> tuple[float, float]:
+    """The line at ``k``: measured, or linear in k between the measured ks around it (beyond them,
+    from the two nearest)."""
+    if k in lines:
+        return lines[k]
+    ks = sorted(lines)
+    below, above = [j for j in ks if j < k], [j for j in ks if j > k]
+    low, high = (below[-1], above[0]) if below and above else (ks[-2], ks[-1]) if below else (ks[0], ks[1])
     share = (k - low) / (high - low)
     (f0, p0), (f1, p1) = lines[low], lines[high]
     return f0 + share * (f1 - f0), p0 + share * (p1 - p0)
-
-
-def _around(lines: dict[int, tuple[float, float]], k: int) -> tuple[int, int]:
-    """The measured ks nearest ``k`` from below and above (the same one where ``k`` was measured)."""
-    return max(j for j in lines if j <= k), min((j for j in lines if j >= k), default=max(lines))
 
 
 def _fewest(
@@ -253,7 +254,7 @@ def _fewest(
     """The fewest blocks above ``low`` whose safe batch the lines predict holds ``target``; ``high``
     (known or predicted to hold it) when none below it does."""
     for k in range(low + 1, high):
-        if _holds(_between(lines, *_around(lines, k), k), target, budget, headroom):
+        if _holds(_line_at(lines, k), target, budget, headroom):
             return k
     return high
 
@@ -264,7 +265,7 @@ def _holds(line: tuple[float, float], target: int, budget: int | None, headroom:
     return budget is None or per_sample <= 0 or (safe_cap(budget, headroom) - fixed) / per_sample >= target
 
 
-def _all_line(
+def _far_line(
     model: nn.Module,
     sample: Any,
     options: Options,
@@ -274,9 +275,11 @@ def _all_line(
     told: TrialCallback,
     on_trial_start: StartCallback | None,
 ) -> tuple[float, float]:
-    """The policy that recomputes most (all blocks, or budget 0): its line through one trial at the
-    largest batch that fits without (which fits with, on less memory), with policy none's fixed
-    bytes: the saving per block (or budget step) for every k."""
+    """A policy that recomputes nearly all (every block but the last, or budget 0.1): its line through
+    one trial at the largest batch that fits without (which fits with, on less memory), with policy
+    none's fixed bytes: the saving per block (or budget step) for every k. Not all blocks: the last
+    block's recompute runs at the start of backward, with every other block's input still held, so
+    all N save one block's activations less than N times one block's saving."""
     size = none.max_batch
     if on_trial_start is not None:
         on_trial_start(size, "search")

@@ -105,7 +105,8 @@ class Fit:
         chosen: the index in ``rows`` of the recommended policy.
         recommendation: the micro-batch and accumulation to train with under it, and why.
         predicted: ``(k, max batch)`` for every k from 0 to N blocks checkpointed (the first k, or
-            evenly; for budgets, k steps below 1.0): the memory lines of the rows measured, interpolated.
+            evenly; for budgets, k steps below 1.0): the memory lines of the rows measured, interpolated
+            (only k = 0 when the target fitted as the model is: nothing else was measured).
         budget_bytes, budget_counts, device: the memory every row was measured within, and where.
         trials: the real trials the whole fit ran; elapsed_s: how long it took.
         notes: what a reader should know (blocks you had checkpointed, a prediction that missed).
