@@ -92,8 +92,9 @@ def fit(
     Weighs, with real steps, the fewest of the model's repeated blocks checkpointed that fit
     `target_batch` in one step, against no checkpointing at a smaller micro-batch with gradient
     accumulation (and all blocks with accumulation when nothing fits the target at once). The
-    model as it is and all blocks checkpointed are probed; their memory lines predict every k
-    between, which real trials then verify (about three per policy); the candidates are timed
+    model as it is is probed, and one trial with all blocks but the last checkpointed gives the
+    saving per block; that line predicts every k, and the fewest blocks that hold the target are
+    probed exactly from it (three trials when the prediction holds); the candidates are timed
     alike, warm, and the fastest is recommended. The model comes back exactly as it was
     (checkpointing undone), whatever happens, Ctrl-C included.
 
