@@ -43,19 +43,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import batchfit  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import compute  # noqa: E402  (its models)
+
 CAPS = {"hf_gpt2": "400MiB", "hf_llama": "400MiB"}
 
 
 def hf_gpt2() -> tuple[nn.Module, Any]:
-    """``GPT2LMHeadModel`` from a config: 6 layers, d=256, vocab 2048, sequence 64."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=6, n_embd=256, n_head=4, vocab_size=2048, n_positions=64, bos_token_id=0, eos_token_id=0
-    )
-    ids = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
-    return GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids.clone()}
+    """``GPT2LMHeadModel`` from a config: `compute.hf_gpt2` with 6 layers, d=256, vocab 2048, sequence 64."""
+    return compute.hf_gpt2(n_layer=6, seq_len=64)
 
 
 def hf_llama() -> tuple[nn.Module, Any]:

@@ -73,15 +73,16 @@ def gpt() -> tuple[nn.Module, Any]:
     return examples.gpt(vocab_size=2048, seq_len=32, d_model=256, n_layers=4, n_heads=4)
 
 
-def hf_gpt2() -> tuple[nn.Module, Any]:
-    """A Hugging Face ``GPT2LMHeadModel`` from a config: 4 layers, d=256, vocab 2048, sequence 32."""
+def hf_gpt2(n_layer: int = 4, seq_len: int = 32) -> tuple[nn.Module, Any]:
+    """A Hugging Face ``GPT2LMHeadModel`` from a config: 4 layers, d=256, vocab 2048, sequence 32
+    (``benchmarks/checkpointing.py`` builds it with 6 layers at 64)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=32, bos_token_id=0, eos_token_id=0
+        n_layer=n_layer, n_embd=256, n_head=4, vocab_size=2048, n_positions=seq_len, bos_token_id=0, eos_token_id=0
     )
-    ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 2048, (2, seq_len), generator=torch.Generator().manual_seed(0))
     return GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids.clone()}
 
 

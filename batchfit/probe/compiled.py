@@ -19,6 +19,7 @@ result says so (``finder.Prober._runnable``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,16 +61,11 @@ def recompiled(model: nn.Module) -> nn.Module:
     would never reach it, and the user's compiled code is left as it was."""
     import torch
 
-    backend = getattr(model, "dynamo_ctx", None)
-    backend = getattr(backend, "callback", None)
-    for _ in range(8):
-        inner = getattr(backend, "_torchdynamo_orig_backend", None)
-        if inner is None:
-            break
-        backend = inner
-    if backend is None:
+    chain = list(_backends(getattr(model, "dynamo_ctx", None)))
+    if not chain:
         raise ValueError("the model is not torch.compile'd: no compile backend to compile it again with")
     info = compiled_info(model)
+    backend = chain[-1]  # the innermost: the user's backend
     return torch.compile(model._orig_mod, backend=_OwnCache(backend), dynamic=None if info is None else info.dynamic)
 
 
@@ -88,19 +84,26 @@ class _OwnCache:
         return getattr(self._backend, name)
 
 
+def _backends(context: Any) -> Iterator[Any]:
+    """The compile backend of a dynamo context and the ones it wraps, outermost first
+    (``_torchdynamo_orig_backend``; private in 2.13), at most 9 deep."""
+    backend = getattr(context, "callback", None)
+    for _ in range(9):
+        if backend is None:
+            return
+        yield backend
+        backend = getattr(backend, "_torchdynamo_orig_backend", None)
+
+
 def _uses_cudagraphs(context: Any) -> bool:
     """Whether the compile backend records CUDA graphs: inductor's mode options (the wrapper's
     ``config``, e.g. ``{"triton.cudagraphs": True}`` for ``"reduce-overhead"``), else inductor's
     global setting. The backend is reached through dynamo's wrappers (private in 2.13)."""
-    backend = getattr(context, "callback", None)
-    for _ in range(8):
+    for backend in _backends(context):
         config = getattr(backend, "config", None)
         if isinstance(config, dict):
             if "triton.cudagraphs" in config:
                 return bool(config["triton.cudagraphs"])
-            break
-        backend = getattr(backend, "_torchdynamo_orig_backend", None)
-        if backend is None:
             break
     try:
         import torch._inductor.config as inductor

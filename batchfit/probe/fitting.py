@@ -145,10 +145,8 @@ def fit_with(
     rates = _time(model, sample, quiet, choose, candidates, told, on_trial_start)
 
     # 6. The answer.
-    rows = tuple(
-        _row(choose(k), results[k], *next(((m, a, rates.get(k)) for kk, m, a in candidates if kk == k), ()))
-        for k in sorted(results)
-    )
+    ways = {k: (micro, accumulation) for k, micro, accumulation in candidates}
+    rows = tuple(_row(choose(k), results[k], *ways.get(k, (None, None)), rates.get(k)) for k in sorted(results))
     timed = [row for row in rows if row.samples_per_s is not None]
     if not timed:
         raise RuntimeError("no candidate trained under the safe cap when timed: see the trials passed to callback")
