@@ -24,9 +24,11 @@ if TYPE_CHECKING:
     from batchfit.probe import Options, Prober
     from batchfit.report import (
         DeviceInfo,
+        Evaluation,
         Fit,
         Frontier,
         FrontierPoint,
+        Generation,
         MemoryModel,
         PhaseLine,
         Recommendation,
@@ -60,6 +62,8 @@ _EXPORTS = {
     "WhatIf": "batchfit.estimation",
     "what_if": "batchfit.estimation",
     "DeviceInfo": "batchfit.report",
+    "Evaluation": "batchfit.report",
+    "Generation": "batchfit.report",
     "MemoryModel": "batchfit.report",
     "PhaseLine": "batchfit.report",
     "Recommendation": "batchfit.report",

@@ -68,6 +68,15 @@ is the same, and the function still gets ``batch_size`` as its first positional 
 
 The probes use fresh random draws, so with ``probe`` the real run's randomness differs from an
 undecorated run's unless the function seeds itself, as Accelerate's own example does.
+
+**Evaluation** is sized the same way, by a decorated evaluation function of its own (with
+``probe``: a few batches under ``torch.no_grad()``, then return), because its batch is not
+training's: no gradients and no activations kept for backward, so a larger one fits. Call it
+first where the run evaluates, after the optimizer has stepped: evaluation must fit beside the
+training state then live (the optimizer's moments), and that is what the probes then run beside.
+Each call searches again, so later evaluations call ``evaluate.__wrapped__(evaluate.batch_size)``.
+With a model and a batch in hand, ``batchfit.find(model, batch, eval=True)`` sizes both steps in
+one call (``result.eval_safe_batch``), with no search by restarts.
 """
 
 from __future__ import annotations
@@ -416,6 +425,10 @@ def find_executable_batch_size(
     the real run happens once. Without it the first size that completes wins, stepping down 10%
     after each out-of-memory as Accelerate does, or to what ``reduce_batch_size_fn`` returns (see
     the module docs for why, and for the differences from Accelerate).
+
+    An evaluation loop is sized by decorating it too (its batch is larger than training's): call it
+    once where the run evaluates, after an optimizer step, then reuse its size through
+    ``evaluate.__wrapped__(evaluate.batch_size)`` (each decorated call searches again).
     """
     if function is None:
         return functools.partial(  # type: ignore[return-value]

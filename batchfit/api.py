@@ -195,7 +195,7 @@ def frontier(
 
     # As find(): the algorithm never prints; the view is fed through the callbacks.
     # The lengths read once (a generator or np.arange too), as the algorithm reads them, for the header.
-    read = list(check_lengths(model, make_batch, seq_lens, max_seq_len)[0])
+    read = list(check_lengths(model, make_batch, seq_lens, max_seq_len, options.max_new_tokens or 0)[0])
     with FrontierProgress(type(model).__name__, read, on_point, callback, on_trial_start, on_start) as shown:
         answer = frontier_with(
             model,

@@ -12,6 +12,9 @@ the global batch instead, as micro-batch x gradient-accumulation steps x ranks
 ([`batchfit.plan`][batchfit.plan]), and with ``checkpointing`` also the checkpointing policy
 ([`batchfit.fit`][batchfit.fit]). ``noise_scale=True`` also measures the gradient noise scale from the
 run's train dataloader and logs it with the batch batchfit recommends (off by default: it costs passes).
+Where the validation loader reads a batch size of its own (``eval_batch_size`` or ``val_batch_size``,
+found where ``batch_size`` is), the same probe sizes the ``validation_step`` next to the training
+state (``find(eval=True)``) and sets it there too.
 
 What the probe must not change, it does not: ``self.log`` / ``self.log_dict`` are muted while it
 runs (Lightning refuses a log call from ``on_fit_start``; the probe's losses are no metrics),
@@ -22,12 +25,21 @@ torchmetrics states ``training_step`` updates are put back, and the batch is dra
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from batchfit.lightning_trainer import (
+    draw_batch,
+    first_optimizer,
+    forget_train_loader,
+    log_noise,
+    logging_muted,
+    loss_of,
+    metrics_kept,
+    on_device,
+    reload_dataloaders,
+)
 from batchfit.probe.options import find_options
 
 try:
@@ -47,7 +59,7 @@ if TYPE_CHECKING:
     from batchfit.probe.keywords import FindKeywords
     from batchfit.report import Fit, Recommendation, Result
 
-__all__ = ["INSTALL_HINT", "BatchFit"]
+__all__ = ["EVAL_BATCH_ARG_NAMES", "INSTALL_HINT", "BatchFit"]
 
 INSTALL_HINT = "pip install 'batchfit[lightning]'"
 
@@ -56,6 +68,9 @@ INSTALL_HINT = "pip install 'batchfit[lightning]'"
 _FROM_TRAINER = ("sample", "make_batch", "step_fn", "loss_fn", "criterion", "mode", "device")
 #: Lightning's mixed-precision settings and the autocast batchfit runs its steps under.
 _AMP = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
+#: Where a validation loader's own batch size is looked for when ``eval_batch_arg_name`` is not
+#: given, in this order (the names Lightning examples and datamodules use for it).
+EVAL_BATCH_ARG_NAMES = ("eval_batch_size", "val_batch_size")
 
 
 class BatchFit(_Callback):  # type: ignore[misc,valid-type]
@@ -65,6 +80,17 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         memory_limit: as [`batchfit.find`][batchfit.find] takes it; positionally too (`BatchFit("24GiB")`).
         batch_arg_name: the attribute the dataloaders read the batch size from, where Lightning's
             ``BatchSizeFinder`` looks: the module, its ``hparams``, the datamodule, its ``hparams``.
+        eval_batch_arg_name: the attribute the validation dataloader reads its batch size from,
+            looked up where ``batch_arg_name`` is. ``None`` (the default): ``eval_batch_size``, else
+            ``val_batch_size``, if either exists. When one is found, the probe also sizes evaluation
+            (``find(eval=True)``: ``validation_step`` when the module has one, else ``training_step``,
+            under ``torch.no_grad()`` with the model in ``eval()``, next to the optimizer state the run
+            keeps; on the first *train* batch, the one batch drawn) and sets its safe batch there
+            (``result.eval_safe_batch``). When none is found the validation loader is not sized: it
+            reads what it read before (often ``batch_size``: then the train batch set here, which
+            evaluation holds too, its step taking less memory), and the log says so. A name given here
+            must exist (refused at ``setup``). ``eval=False`` skips the evaluation probe; ``eval=True``
+            runs it even with nothing to set (the answer is in `result`, and a warning says it was not set).
         target_batch: keep this global batch (over every rank and accumulation step): the batch size
             becomes the plan's micro-batch and ``trainer.accumulate_grad_batches`` its accumulation
             steps. ``None``: train with the safe batch, accumulation untouched.
@@ -77,7 +103,8 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             train dataloader at the size set, into `result`, and logs it to every logger (``batchfit/noise_scale``,
             ``_low``, ``_high``, ``batchfit/recommended_batch``, ``_global_batch``); too few batches: a warning.
 
-    After ``fit`` has started, `result` holds the probe's [`Result`][batchfit.Result], `plan` the
+    After ``fit`` has started, `result` holds the probe's [`Result`][batchfit.Result] (with
+    ``result.evaluation`` when evaluation was sized), `plan` the
     [`Plan`][batchfit.Plan] with ``target_batch``, and [`recommendation`][batchfit.report.result.Result.recommendation]
     the batch batchfit recommends ([`recommend`][batchfit.report.result.Result.recommend]).
 
@@ -92,6 +119,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         /,
         *,
         batch_arg_name: str = "batch_size",
+        eval_batch_arg_name: str | None = None,
         target_batch: int | None = None,
         checkpointing: str | Sequence[str] | None = None,
         **find_kwargs: Unpack[FindKeywords],
@@ -101,8 +129,11 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
                 f"batchfit.lightning.BatchFit needs PyTorch Lightning (the 'lightning' package): {INSTALL_HINT}"
             ) from _MISSING
         super().__init__()
-        if not isinstance(batch_arg_name, str) or not batch_arg_name.isidentifier():
-            raise TypeError(f"batch_arg_name must be an attribute name, got {batch_arg_name!r}")
+        for name, value in (("batch_arg_name", batch_arg_name), ("eval_batch_arg_name", eval_batch_arg_name)):
+            if value is None and name == "eval_batch_arg_name":
+                continue  # looked for under EVAL_BATCH_ARG_NAMES
+            if not isinstance(value, str) or not value.isidentifier():
+                raise TypeError(f"{name} must be an attribute name, got {value!r}")
         if target_batch is not None:
             from batchfit.units import positive_int
 
@@ -118,6 +149,11 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
                 raise TypeError("BatchFit() got memory_limit twice: positionally and as a keyword")
             given["memory_limit"] = memory_limit
         self.find_kwargs = _checked_find_kwargs(given)
+        if checkpointing is not None and self.find_kwargs.get("eval"):
+            raise ValueError("BatchFit(checkpointing=...) sizes training only: drop eval=True")
+        self.eval_batch_arg_name = eval_batch_arg_name
+        #: The attribute the validation loader's batch size is set on (found at ``setup``), or ``None``.
+        self.eval_attribute: str | None = None
         # Measured here, from the loader, not by find().
         self.noise_scale: bool = self.find_kwargs.pop("noise_scale", False)
         #: The probe's answer, once ``fit`` has started.
@@ -132,6 +168,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         """Refuse, before any work, what the callback cannot do (only ``fit`` is probed)."""
         if stage == "fit":
             _check_fit(trainer, pl_module, self.batch_arg_name, self.target_batch)
+            self.eval_attribute = _eval_attribute(pl_module, self.eval_batch_arg_name)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Probe, then set the batch size (and accumulation) the run trains with."""
@@ -140,7 +177,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         if trainer.fast_dev_run:
             rank_zero_warn("BatchFit: skipped, `fast_dev_run` is enabled")
             return
-        batch = _draw_batch(trainer)
+        batch = draw_batch(trainer)
         if batch is None:
             rank_zero_warn("BatchFit: skipped, the trainer has no train batches (`limit_train_batches=0`?)")
             return
@@ -152,7 +189,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             self.result = self._measure_noise(trainer, pl_module, self.result, size)
         self.recommendation = self.result.recommend(target_batch=self.target_batch)
         if self.result.noise_scale is not None:
-            _log_noise(trainer, self.recommendation)
+            log_noise(trainer, self.recommendation)
 
     # the work ----------------------------------------------------------------------------------
     def _probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Result:
@@ -160,8 +197,13 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         gradient all-reduce), stepping through ``strategy.training_step`` as the fit loop does."""
         import batchfit
 
-        with _logging_muted(pl_module), _metrics_kept(pl_module):
-            return batchfit.find(trainer.strategy.model, batch, **self._find_kwargs(trainer, pl_module))
+        kwargs = self._find_kwargs(trainer, pl_module)
+        if self.find_kwargs.get("eval", self.eval_attribute is not None):  # the validation step too
+            kwargs["eval"] = True
+            if "eval_step" not in kwargs and (step := _validation_step(trainer, pl_module)) is not None:
+                kwargs["eval_step"] = step
+        with logging_muted(pl_module), metrics_kept(pl_module):
+            return batchfit.find(trainer.strategy.model, batch, **kwargs)
 
     def _fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """``fit()`` through ``training_step``; its policy applied for the run, its batch and accumulation set."""
@@ -173,28 +215,30 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
 
         if trainer.world_size > 1:
             raise ValueError("BatchFit(checkpointing=...) sizes one process; drop it under a distributed strategy")
-        with _logging_muted(pl_module), _metrics_kept(pl_module):
+        with logging_muted(pl_module), metrics_kept(pl_module):
             kwargs = {**self._find_kwargs(trainer, pl_module), "checkpointing": self.checkpointing}
             self.fit = fit(trainer.strategy.model, batch, target_batch=self.target_batch, **kwargs)
         self.recommendation = chosen = self.fit.recommendation
         applied = keep_policy(trainer.strategy.model, self.fit.policy)
         lightning_setattr(pl_module, self.batch_arg_name, chosen.batch_size)
         trainer.accumulate_grad_batches = chosen.accumulation
-        _reload_dataloaders(trainer)
+        reload_dataloaders(trainer)
         rank_zero_info(f"BatchFit: applied {applied}; {chosen.split()}: {chosen.reason}")
+        if self.eval_attribute is not None:
+            rank_zero_info(f"BatchFit: {self.eval_attribute} not sized: checkpointing sizes training only")
 
     def _find_kwargs(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """``find()``'s keywords: the user's, the trainer's optimizer and precision, and the step."""
         kwargs = dict(self.find_kwargs)
         if "optimizer" not in kwargs:
-            kwargs["optimizer"] = _first_optimizer(trainer, pl_module)
+            kwargs["optimizer"] = first_optimizer(trainer, pl_module)
         kwargs.setdefault("amp", _AMP.get(str(trainer.precision)))
         strategy = trainer.strategy
 
         def step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
             # ``model`` is strategy.model, the module find() was given: training_step reaches it
             # through the strategy, under the precision plugin's autocast, as in the fit loop.
-            return _loss_of(strategy.training_step(batch, 0))
+            return loss_of(strategy.training_step(batch, 0))
 
         return {**kwargs, "step_fn": step}
 
@@ -207,17 +251,17 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         from batchfit.probe import measure_noise
 
         options, loop = find_options("BatchFit", self._find_kwargs(trainer, pl_module)), trainer.fit_loop
-        with isolate_rng(), _logging_muted(pl_module), _metrics_kept(pl_module):
-            _forget_train_loader(loop)
+        with isolate_rng(), logging_muted(pl_module), metrics_kept(pl_module):
+            forget_train_loader(loop)
             loop.setup_data()
             try:
-                batches = _on_device(loop._combined_loader, trainer.strategy)
+                batches = on_device(loop._combined_loader, trainer.strategy)
                 noise = measure_noise(trainer.strategy.model, batches, options, micro_batch=size)
             except ValueError as exc:  # too few batches, say: advice is not worth failing the run for
                 rank_zero_warn(f"BatchFit: no noise scale measured: {exc}")
                 return result
             finally:
-                _forget_train_loader(loop)
+                forget_train_loader(loop)
         return dataclasses.replace(result, noise_scale=noise)
 
     def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, result: Result) -> int:
@@ -233,10 +277,26 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             size = self.plan.micro_batch
             trainer.accumulate_grad_batches = self.plan.accumulation_steps
         lightning_setattr(pl_module, self.batch_arg_name, size)
-        _reload_dataloaders(trainer)
-        rank_zero_info(_summary(self.batch_arg_name, size, result, self.plan))
+        evaluation, where = result.evaluation, self.eval_attribute
+        if evaluation is not None and where is not None:
+            lightning_setattr(pl_module, where, evaluation.safe_batch)
+        reload_dataloaders(trainer)
+        rank_zero_info(_summary(self.batch_arg_name, size, result, self.plan, where))
         if not result.safe_verified:
             rank_zero_warn(f"BatchFit: the safe batch {result.safe_batch} was not verified; see result.notes")
+        if evaluation is not None and where is None:
+            rank_zero_warn(
+                f"BatchFit: evaluation sized (eval safe batch {evaluation.safe_batch}) but not set: no attribute "
+                f"{' or '.join(map(repr, EVAL_BATCH_ARG_NAMES))} for the validation loader; see result.evaluation"
+            )
+        elif evaluation is None and where is None and _validates(trainer, pl_module):
+            rank_zero_info(
+                f"BatchFit: the validation loader's batch is not sized: no attribute "
+                f"{' or '.join(map(repr, EVAL_BATCH_ARG_NAMES))} (or eval_batch_arg_name) for it to read; it reads "
+                f"what it read before (the {self.batch_arg_name!r} set here, if that is what it reads)"
+            )
+        elif evaluation is not None and not evaluation.safe_verified:
+            rank_zero_warn(f"BatchFit: the eval safe batch {evaluation.safe_batch} was not verified")
         return size
 
 
@@ -280,145 +340,7 @@ def _check_fit(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, ta
         )
 
 
-# the pieces of a probe -----------------------------------------------------------------------------
-def _draw_batch(trainer: pl.Trainer) -> Any:
-    """The first batch of the train dataloader the fit loop will use (distributed sampler
-    included), on the model's device through the module's transfer hooks; ``None`` when there is
-    none. Under ``isolate_rng``: a shuffled loader draws its seeds from the global generator, and
-    the run must draw the same numbers it would have drawn without the callback."""
-    from lightning.pytorch.utilities.seed import isolate_rng
-
-    loop = trainer.fit_loop
-    with isolate_rng():
-        _forget_train_loader(loop)  # the user's dataloader as it is now, not one of a previous fit
-        loop.setup_data()
-        loader = loop._combined_loader
-        if loader is None:
-            return None
-        try:
-            batch, _, _ = next(iter(loader))
-        except StopIteration:
-            return None
-        finally:
-            # Shut its workers down, the loop as on_fit_start found it: the loaders are rebuilt after
-            # the probe, and if it raises, Lightning's teardown must not meet an iterated loader.
-            _forget_train_loader(loop)
-        return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
-
-
-def _first_optimizer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-    """The optimizer batchfit copies (class and hyperparameters; it never steps this one): the
-    first of ``configure_optimizers()``, as the strategy already built it for the run. Without a
-    real one (``configure_optimizers`` returned ``None``), plain SGD, which holds no state."""
-    import torch
-    from lightning.pytorch.core.optimizer import _MockOptimizer
-
-    optimizers = list(trainer.optimizers) or _optimizers_in(pl_module.configure_optimizers())
-    real = [o for o in optimizers if isinstance(o, torch.optim.Optimizer) and not isinstance(o, _MockOptimizer)]
-    return real[0] if real else lambda params: torch.optim.SGD(params, lr=0.0)
-
-
-def _optimizers_in(config: Any) -> list[Any]:
-    """The optimizers in what ``configure_optimizers`` may return: one, a list or tuple of them,
-    ``(optimizers, schedulers)``, a dict with ``"optimizer"``, or a list of such dicts."""
-    import torch
-
-    if isinstance(config, torch.optim.Optimizer):
-        return [config]
-    if isinstance(config, Mapping):
-        return _optimizers_in(config.get("optimizer"))
-    if isinstance(config, (list, tuple)):
-        return [optimizer for item in config for optimizer in _optimizers_in(item)]
-    return []
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    """The loss in what ``training_step`` returned: a tensor or a mapping with ``"loss"``."""
-    import torch
-
-    if isinstance(output, Mapping) and "loss" in output:
-        output = output["loss"]
-    if isinstance(output, torch.Tensor):
-        return output
-    if output is None:
-        raise ValueError(
-            "training_step returned None for the probe's batch (a skipped batch): BatchFit needs a loss to run "
-            "backward and the optimizer step"
-        )
-    raise TypeError(f"training_step must return a loss tensor or a dict with 'loss', got {type(output).__name__}")
-
-
-@contextlib.contextmanager
-def _logging_muted(pl_module: pl.LightningModule) -> Iterator[None]:
-    """``self.log`` and ``self.log_dict`` as no-ops while the probe runs ``training_step``.
-
-    Unmuted, Lightning raises (``on_fit_start`` may not log); and a log with ``sync_dist=True``
-    would start a collective inside the step, which a rank that ran out of memory never joins.
-    The probe's losses at batch sizes the run never trains with are no metrics anyway."""
-    saved = {name: pl_module.__dict__[name] for name in ("log", "log_dict") if name in pl_module.__dict__}
-    pl_module.log = _ignore  # type: ignore[method-assign]
-    pl_module.log_dict = _ignore  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for name in ("log", "log_dict"):
-            if name in saved:
-                setattr(pl_module, name, saved[name])
-            else:
-                delattr(pl_module, name)
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    """What a muted ``self.log`` does."""
-
-
-@contextlib.contextmanager
-def _metrics_kept(pl_module: pl.LightningModule) -> Iterator[None]:
-    """Put back the state of every torchmetrics ``Metric`` of the module after the probe: a
-    ``training_step`` that updates one (``self.train_acc(preds, y)``) would otherwise count the
-    probe's batches in the first epoch's value. batchfit restores registered tensors only, and
-    metric states are plain attributes."""
-    try:
-        from torchmetrics import Metric
-    except ImportError:
-        yield
-        return
-    metrics = [m for m in pl_module.modules() if isinstance(m, Metric)]
-    saved = [(m, copy.deepcopy(m.metric_state), m._update_count, m._computed) for m in metrics]
-    try:
-        yield
-    finally:
-        for metric, state, count, computed in saved:
-            for name, value in state.items():
-                setattr(metric, name, value)
-            metric._update_count, metric._computed = count, computed
-
-
-def _forget_train_loader(loop: Any) -> None:
-    """Shut down the fit loop's train loader and its fetcher (``setup_data`` made both) and drop
-    them, so that the next ``setup_data`` builds them anew."""
-    if loop._data_fetcher is not None:
-        loop._data_fetcher.teardown()
-        loop._data_fetcher = None
-    if loop._combined_loader is not None:
-        loop._combined_loader.reset()
-        loop._combined_loader = None
-
-
-def _reload_dataloaders(trainer: pl.Trainer) -> None:
-    """Make the fit loop rebuild its dataloaders at the new batch size, as Lightning's tuner does
-    (``tuner/batch_size_scaling.py``: ``_combined_loader = None``, for training and validation).
-
-    The tuner then calls ``setup_data()`` at once because it runs loops itself; here the fit loop
-    does it when it starts, where it would have without the callback, so the train loader's
-    sampler and workers draw their seeds from the random stream at the same point as they would
-    have (nothing between here and there reads the train loader: it is not built yet at
-    ``on_fit_start`` in a run without the callback either)."""
-    _forget_train_loader(trainer.fit_loop)
-    trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
-
-
-def _summary(name: str, size: int, result: Result, plan: Plan | None) -> str:
+def _summary(name: str, size: int, result: Result, plan: Plan | None, eval_name: str | None = None) -> str:
     """One line for the log: what was set, and the measurement behind it."""
     from batchfit.units import format_bytes
 
@@ -427,23 +349,54 @@ def _summary(name: str, size: int, result: Result, plan: Plan | None) -> str:
         name = f"{name}={size}, accumulate_grad_batches={plan.accumulation_steps} for the global batch " + (
             f"{plan.global_batch} (target {plan.target_batch})"
         )
+    evaluation, evaluated = result.evaluation, ""
+    if evaluation is not None:
+        evaluated = f"; evaluation: largest batch {evaluation.max_batch}, safe batch {evaluation.safe_batch}"
+        evaluated += f", set as {eval_name}={evaluation.safe_batch}" if eval_name is not None else ", not set"
     return (
         f"BatchFit: {name if plan is not None else f'{name}={size}'}; largest batch that trained {result.max_batch}, "
         f"safe batch {result.safe_batch} ({result.settings.headroom:.0%} headroom of "
-        f"{format_bytes(result.budget_bytes)}){ranks}"
+        f"{format_bytes(result.budget_bytes)}){ranks}{evaluated}"
     )
 
 
-def _on_device(loader: Any, strategy: Any) -> Iterator[Any]:
-    """The fit loop's train batches, moved to the device as the fit loop moves them (transfer hooks too)."""
-    for batch, _, _ in loader:
-        yield strategy.batch_to_device(batch, dataloader_idx=0)
+# evaluation --------------------------------------------------------------------------------------
+def _eval_attribute(pl_module: pl.LightningModule, name: str | None) -> str | None:
+    """The attribute the validation loader reads its batch size from, found where ``batch_size`` is
+    (``lightning_hasattr``): ``name`` when given (refused when missing, as ``batch_arg_name`` is),
+    else the first of `EVAL_BATCH_ARG_NAMES` that exists, else ``None``."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.utilities.parsing import lightning_hasattr
+
+    if name is None:
+        return next((found for found in EVAL_BATCH_ARG_NAMES if lightning_hasattr(pl_module, found)), None)
+    if not lightning_hasattr(pl_module, name):
+        raise MisconfigurationException(
+            f"BatchFit: no attribute {name!r} on the model, its hparams, the datamodule or its hparams; set "
+            "`eval_batch_arg_name` to the attribute your validation dataloader reads the batch size from"
+        )
+    return name
 
 
-def _log_noise(trainer: pl.Trainer, recommendation: Recommendation) -> None:
-    """The noise scale and the recommended batch to every logger, the recommendation's reason to the log."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+def _validates(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether the run validates at all: a ``validation_step`` and validation batches."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    for logger in trainer.loggers:  # rank zero's write
-        logger.log_metrics(recommendation.metrics(), step=trainer.global_step)
-    rank_zero_info(f"BatchFit: recommended {recommendation.split()}: {recommendation.reason}")
+    return is_overridden("validation_step", pl_module) and trainer.limit_val_batches != 0
+
+
+def _validation_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[Any, Any], Any] | None:
+    """The eval probe's step: ``strategy.validation_step(batch, 0)`` as the validation loop calls it
+    (under the precision plugin's autocast, through DDP's forward where it wraps the module), what it
+    returns held until the step ends; ``None`` without a ``validation_step`` (``find()`` then runs
+    the training step's forward and loss under ``torch.no_grad()``)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not is_overridden("validation_step", pl_module):
+        return None
+    strategy = trainer.strategy
+
+    def step(model: torch.nn.Module, batch: Any) -> Any:
+        return strategy.validation_step(batch, 0)
+
+    return step

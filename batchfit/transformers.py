@@ -2,7 +2,9 @@
 
 [`autosize`][batchfit.transformers.autosize] probes the trainer's own model with the trainer's own
 batch, loss and optimizer, then writes the safe batch where the ``Trainer`` reads it, so that the
-run that follows is the run that was measured. Hugging Face's ``auto_find_batch_size=True`` answers
+run that follows is the run that was measured. With an ``eval_dataset`` it also sizes the trainer's
+own evaluation step (``prediction_step``) next to the training state and sets
+``per_device_eval_batch_size``. Hugging Face's ``auto_find_batch_size=True`` answers
 a different question (the first size, shrinking by 10% per OOM from ``per_device_train_batch_size``,
 that survives a real run); batchfit finds the boundary itself, keeps headroom below it, and verifies
 the result.
@@ -14,30 +16,43 @@ then raises an ``ImportError`` that names ``pip install 'batchfit[transformers]'
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import random
-import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from batchfit.api import plan
 from batchfit.estimation import Plan
 from batchfit.probe.options import find_options
 from batchfit.report import Fit, Recommendation, Result
+from batchfit.transformers_trainer import (
+    INSTALL_HINT,
+    checkpointing_pending,
+    data_parallel_size,
+    first_batch,
+    loader_kept,
+    require_transformers,
+    set_batch,
+    trainer_amp,
+    trainer_eval_step,
+    trainer_step_fn,
+)
 
 if TYPE_CHECKING:
-    import torch
-    from torch import nn
     from transformers import Trainer
     from typing_extensions import Unpack
 
     from batchfit.probe.keywords import FindKeywords
 
-__all__ = ["Autosized", "autosize", "data_parallel_size", "first_batch", "trainer_amp", "trainer_step_fn"]
-
-INSTALL_HINT = "pip install 'batchfit[transformers]'"
+__all__ = [
+    "INSTALL_HINT",
+    "Autosized",
+    "autosize",
+    "data_parallel_size",
+    "first_batch",
+    "trainer_amp",
+    "trainer_eval_step",
+    "trainer_step_fn",
+]
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,10 @@ class Autosized:
         recommendation: the batch batchfit recommends ([`recommend`][batchfit.report.result.Result.recommend],
             with ``target_batch`` when given; with the noise scale when measured): advice, not set.
         fit: with ``checkpointing``, the [`Fit`][batchfit.Fit] whose policy was applied; ``applied`` says what.
+        eval_batch_size: the ``per_device_eval_batch_size`` now set on ``trainer.args``: the eval
+            step's safe batch (``result.eval_safe_batch``); ``None`` when evaluation was not sized.
+        previous_eval_batch_size: ``per_device_eval_batch_size`` before
+            [`autosize`][batchfit.transformers.autosize] (``None`` when evaluation was not sized).
     """
 
     result: Result | None
@@ -77,6 +96,8 @@ class Autosized:
     recommendation: Recommendation | None = None
     fit: Fit | None = None
     applied: str | None = None
+    eval_batch_size: int | None = None
+    previous_eval_batch_size: int | None = None
 
     @property
     def global_batch(self) -> int:
@@ -89,12 +110,15 @@ class Autosized:
 
     def __str__(self) -> str:
         measured = self.result if self.result is not None else self.fit.rows[self.fit.chosen]  # type: ignore[union-attr]
-        return (
+        text = (
             f"per_device_train_batch_size {self.previous_batch_size} -> {self.batch_size}, "
             f"gradient_accumulation_steps {self.previous_accumulation_steps} -> {self.accumulation_steps}, "
             f"global batch {self.previous_global_batch} -> {self.global_batch} (probe: max batch {measured.max_batch}, "
             f"safe batch {measured.safe_batch}{'' if measured.safe_verified else ', not verified'})"
-        ) + (f"; {self.applied}" if self.applied else "")
+        )
+        if self.eval_batch_size is not None:
+            text += f", per_device_eval_batch_size {self.previous_eval_batch_size} -> {self.eval_batch_size}"
+        return text + (f"; {self.applied}" if self.applied else "")
 
 
 def autosize(
@@ -127,6 +151,18 @@ def autosize(
     * **mixed precision**: ``args.bf16`` -> ``amp="bf16"``, ``args.fp16`` -> ``amp="fp16"``
       (`trainer_amp`): before ``train()`` Accelerate has not wrapped the model's forward in
       autocast yet, so batchfit does it.
+    * **evaluation**, when the trainer has an ``eval_dataset`` (or ``eval=True`` is passed;
+      ``eval=False`` skips it): in the same ``find()`` call (``eval=True``), the trainer's own
+      ``prediction_step`` (`trainer_eval_step`: its loss, the logits it keeps, a subclass's
+      override) under ``torch.no_grad()`` with the model in ``eval()``, next to the training
+      state that is live when ``train()`` evaluates (the optimizer's moments kept, gradients
+      freed). It is sized on the same first *train* batch (the eval collator's batches are
+      assumed to be alike; the train batch carries the labels the loss needs), so pad the eval
+      set as the train set for the bound to hold. Only one step is sized: the evaluation loop
+      also keeps every step's logits on the device until it ends unless
+      ``eval_accumulation_steps`` is set (the log says so). ``per_device_eval_batch_size`` is set
+      to ``result.eval_safe_batch``. Without an ``eval_dataset`` it is left alone, and with
+      ``checkpointing`` evaluation is not sized (``eval=True`` is refused there).
 
     Then ``trainer.args.per_device_train_batch_size`` is set to the safe batch (and the
     ``Trainer``'s own ``_train_batch_size``, which its dataloader reads, as its
@@ -171,15 +207,16 @@ def autosize(
 
     Returns:
         An [`Autosized`][batchfit.transformers.Autosized]: the probe's [`Result`][batchfit.Result], the plan, and the
-        batch size and accumulation steps now set.
+        batch size, accumulation steps and eval batch size now set.
 
     Raises:
         ImportError: transformers is not installed.
         TypeError: ``trainer`` is not a ``transformers.Trainer``, or its batch is not a mapping.
-        ValueError: the trainer uses DeepSpeed, or its train dataloader yields nothing.
+        ValueError: the trainer uses DeepSpeed, or its train dataloader yields nothing, or
+            ``eval=True`` comes with ``checkpointing``.
         BatchfitError: batchfit's errors from ``find()`` (``NothingFitsError``, ...), unchanged.
     """
-    transformers = _require_transformers()
+    transformers = require_transformers()
     from batchfit.api import find, fit
     from batchfit.probe.recompute import keep_policy
 
@@ -201,10 +238,21 @@ def autosize(
             f"target_batch {target_batch} is not divisible by the {replicas} data-parallel replicas: every replica "
             "must get a whole share"
         )
-    if checkpointing is not None and (target_batch is None or replicas > 1 or noise_scale or _checkpointing_pending(trainer)):  # noqa: E501
-        raise ValueError("autosize(checkpointing=...) needs target_batch, one process, no noise_scale, and the "
-                         "trainer's own gradient_checkpointing off: it chooses which blocks to checkpoint")
-    if _checkpointing_pending(trainer):
+    if checkpointing is not None and (
+        target_batch is None or replicas > 1 or noise_scale or checkpointing_pending(trainer)
+    ):
+        raise ValueError(
+            "autosize(checkpointing=...) needs target_batch, one process, no noise_scale, and the "
+            "trainer's own gradient_checkpointing off: it chooses which blocks to checkpoint"
+        )
+    if checkpointing is not None and find_kwargs.get("eval"):
+        raise ValueError(
+            "autosize(checkpointing=...) sizes training only: drop eval=True, or size the evaluation afterwards "
+            "with batchfit.find(mode='eval')"
+        )
+    # Evaluation is sized where the trainer has an eval set to evaluate, unless the caller said otherwise.
+    sizes_eval = checkpointing is None and bool(find_kwargs.get("eval", trainer.eval_dataset is not None))
+    if checkpointing_pending(trainer):
         logger.warning(
             "batchfit: the trainer enables activation checkpointing in train(), after this probe: the probe ran "
             "without it, so the batch found is smaller than the one checkpointing allows. Call "
@@ -222,6 +270,8 @@ def autosize(
         }
         if "optimizer" not in find_kwargs:
             kwargs["optimizer"] = trainer.create_optimizer() if created else trainer.optimizer
+        if sizes_eval:
+            kwargs.update(eval=True, eval_step=trainer_eval_step(trainer))
         kwargs.update(find_kwargs)
         if checkpointing is not None:
             fitted = fit(trainer.model, sample, target_batch=target_batch, checkpointing=checkpointing, **kwargs)
@@ -235,26 +285,35 @@ def autosize(
 
     chosen_plan: Plan | None = None
     steps = previous_steps
+    previous_eval = args.per_device_eval_batch_size
     if fitted is not None:  # fit() timed its candidates: its recommendation is the plan
         recommended = fitted.recommendation
-        _set_batch(trainer, recommended.batch_size, recommended.accumulation)
+        set_batch(trainer, recommended.batch_size, recommended.accumulation)
         applied = keep_policy(trainer.model, fitted.policy)
         logger.info(f"batchfit: applied {applied}; {recommended.split()}: {recommended.reason}")
         for note in fitted.notes:
             logger.warning(f"batchfit: {note}")
         return Autosized(
-            None, None, recommended.batch_size, recommended.accumulation, previous_batch, previous_steps, replicas,
-            recommended, fitted, applied,
+            None,
+            None,
+            recommended.batch_size,
+            recommended.accumulation,
+            previous_batch,
+            previous_steps,
+            replicas,
+            recommended,
+            fitted,
+            applied,
         )
     if target_batch is not None:
         chosen_plan = plan(result, target_batch=target_batch, world_size=replicas)
         batch, steps = chosen_plan.micro_batch, chosen_plan.accumulation_steps
     else:
         batch = result.safe_batch
-    _set_batch(trainer, batch, steps)
+    set_batch(trainer, batch, steps, result.eval_safe_batch)
     if noise_scale:
         try:
-            result = dataclasses.replace(result, noise_scale=_noise_of(trainer, kwargs, batch))
+            result = replace(result, noise_scale=_noise_of(trainer, kwargs, batch))
         except ValueError as exc:  # too few batches, say: advice is not worth failing the run for
             logger.warning(f"batchfit: no noise scale measured: {exc}")
 
@@ -267,8 +326,11 @@ def autosize(
         previous_accumulation_steps=previous_steps,
         data_parallel_size=replicas,
         recommendation=result.recommend(target_batch=target_batch),
+        eval_batch_size=result.eval_safe_batch,
+        previous_eval_batch_size=previous_eval if result.evaluation is not None else None,
     )
     logger.info(f"batchfit: {sized}")
+    _log_evaluation(logger, trainer, result)
     if chosen_plan is not None:
         logger.info(f"batchfit: {chosen_plan}")
     elif sized.global_batch != sized.previous_global_batch:
@@ -291,159 +353,30 @@ def autosize(
     return sized
 
 
-def trainer_step_fn(trainer: Trainer) -> Callable[[nn.Module, Any], torch.Tensor]:
-    """The probe's step: ``trainer.compute_loss(model, batch)`` as ``training_step`` calls it.
-
-    It runs under ``trainer.compute_loss_context_manager()`` (a subclass's autocast lives there)
-    and gets a shallow copy of the batch: ``compute_loss`` pops ``labels`` when a label smoother
-    or ``compute_loss_func`` is set, and a probe runs several steps on one batch.
-    ``num_items_in_batch`` is left out (the model averages the loss itself): it changes the loss's
-    scale, not the memory a step takes.
-    """
-
-    def step(model: nn.Module, batch: Any) -> torch.Tensor:
-        context = getattr(trainer, "compute_loss_context_manager", None)
-        with context() if context is not None else contextlib.nullcontext():
-            return trainer.compute_loss(model, dict(batch))
-
-    return step
-
-
-def trainer_amp(args: Any) -> str | None:
-    """batchfit's ``amp`` for the trainer's arguments: ``"bf16"``, ``"fp16"`` or ``None``."""
-    if getattr(args, "bf16", False):
-        return "bf16"
-    if getattr(args, "fp16", False):
-        return "fp16"
-    return None
-
-
-def data_parallel_size(trainer: Trainer) -> int:
-    """The replicas a global batch is spread over, as ``Trainer.get_total_train_batch_size``
-    counts them: ranks divided by the tensor/context/sequence-parallel sizes, times the GPUs of a
-    single-process ``DataParallel`` (whose per-process batch is per-device batch x GPUs)."""
-    args = trainer.args
-    ranks = int(args.world_size)
-    for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
-        size = getattr(trainer, name, None)
-        if callable(size):
-            ranks //= max(1, int(size()))
-    return max(1, ranks) * max(1, int(getattr(args, "n_gpu", 1) or 1))
-
-
-def first_batch(trainer: Trainer) -> dict[str, Any]:
-    """The first batch of the trainer's train dataloader, leaving no trace of the draw.
-
-    The random generators are put back (the sampler drew its seed from them), and the dataloader
-    is taken out of the Accelerator's list of prepared dataloaders again (``accelerator.prepare``
-    registers each one, and ``save_state`` walks that list).
-    """
-    with _loader_kept(trainer) as loader:
-        iterator = iter(loader)
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            raise ValueError("the trainer's train dataloader yielded no batch: the train dataset is empty") from None
-        finally:
-            del iterator
-    if not isinstance(batch, Mapping):
-        raise TypeError(
-            f"the trainer's train dataloader yields {type(batch).__name__}, not a mapping of tensors: "
-            "Trainer.compute_loss calls model(**batch)"
-        )
-    return dict(batch)
-
-
-@contextlib.contextmanager
-def _loader_kept(trainer: Trainer) -> Iterator[Any]:
-    """``trainer.get_train_dataloader()``, drawn from under `_rng_kept`, then taken out of the
-    Accelerator's list of prepared dataloaders again (``accelerator.prepare`` registers each one, and
-    ``save_state`` walks that list)."""
-    accelerator = getattr(trainer, "accelerator", None)
-    registry = getattr(accelerator, "_dataloaders", None)
-    registered = list(registry) if isinstance(registry, list) else None
-    try:
-        with _rng_kept():
-            yield trainer.get_train_dataloader()
-    finally:
-        if registered is not None and isinstance(getattr(accelerator, "_dataloaders", None), list):
-            accelerator._dataloaders[:] = registered  # type: ignore[union-attr]
-
-
 def _noise_of(trainer: Trainer, kwargs: dict[str, Any], micro_batch: int) -> Any:
     """The noise scale of the trainer's own train batches at ``micro_batch``, with the probe's
     step, optimizer and autocast (``kwargs``, ``find()``'s; what ``Options`` does not take is left out)."""
     from batchfit.probe import measure_noise
 
     options = find_options("autosize", kwargs)
-    with _loader_kept(trainer) as loader:
+    with loader_kept(trainer) as loader:
         return measure_noise(trainer.model, loader, options, micro_batch=micro_batch)
 
 
-@contextlib.contextmanager
-def _rng_kept() -> Iterator[None]:
-    """Put torch's CPU generator and the accelerator's generators (through its backend, as a probe
-    does), ``random`` and numpy's global generator back afterwards."""
-    import torch
-
-    from batchfit.backends import backend_for, default_device
-
-    accelerator = torch.device(default_device())
-    backend = backend_for(accelerator)
-    python_state = random.getstate()
-    numpy = sys.modules.get("numpy")
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    cpu_state = torch.get_rng_state()
-    device_state = backend.get_rng_state(accelerator)
-    try:
-        yield
-    finally:
-        random.setstate(python_state)
-        if numpy is not None:
-            numpy.random.set_state(numpy_state)
-        torch.set_rng_state(cpu_state)
-        backend.set_rng_state(accelerator, device_state)
-
-
-def _set_batch(trainer: Trainer, batch_size: int, accumulation_steps: int) -> None:
-    """Set the batch where the ``Trainer`` reads it.
-
-    ``TrainingArguments`` is a mutable dataclass (transformers 4.35 froze it for one release;
-    there ``dataclasses.replace`` is the way, and the trainer gets the new object). The
-    ``Trainer`` copies ``args.train_batch_size`` into ``_train_batch_size`` at construction and
-    builds its train dataloader from that copy, so it is set too, exactly as the ``Trainer``'s own
-    ``auto_find_batch_size`` does.
-    """
-    changes = {"per_device_train_batch_size": batch_size, "gradient_accumulation_steps": accumulation_steps}
-    try:
-        for name, value in changes.items():
-            setattr(trainer.args, name, value)
-    except dataclasses.FrozenInstanceError:
-        trainer.args = dataclasses.replace(trainer.args, **changes)
-    trainer._train_batch_size = trainer.args.train_batch_size
-
-
-def _checkpointing_pending(trainer: Trainer) -> bool:
-    """Whether ``train()`` will turn on activation checkpointing that the model does not have yet."""
+def _log_evaluation(logger: Any, trainer: Trainer, result: Result) -> None:
+    """What the log says of the evaluation: sized or not, an unverified safe batch, and the
+    logits the evaluation loop keeps on the device beyond the one step that was sized."""
+    evaluation = result.evaluation
+    if evaluation is None:
+        if trainer.eval_dataset is not None:
+            logger.info("batchfit: evaluation not sized (eval=False): per_device_eval_batch_size left as it was")
+        return
+    if not evaluation.safe_verified:
+        logger.warning(f"batchfit: the eval safe batch {evaluation.safe_batch} was not verified with extra steps")
     args = trainer.args
-    if not (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)):
-        return False
-    model = trainer.model
-    # transformers 5 names it is_activation_checkpointing (is_gradient_checkpointing is deprecated there).
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name) or hasattr(model, name):
-            return not bool(getattr(model, name))
-    return True
-
-
-def _require_transformers() -> Any:
-    """transformers (and accelerate, which its Trainer needs), or an ImportError that says how to get them."""
-    try:
-        import accelerate  # noqa: F401
-        import transformers
-        import transformers.utils.logging  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(
-            f"batchfit.transformers.autosize needs Hugging Face transformers and accelerate: {INSTALL_HINT} ({exc})"
-        ) from exc
-    return transformers
+    if not args.prediction_loss_only and args.eval_accumulation_steps is None:
+        logger.info(
+            "batchfit: the eval batch is sized for one evaluation step; the evaluation loop keeps every step's "
+            "logits on the device until it ends (eval_accumulation_steps is unset): set eval_accumulation_steps "
+            "for a long eval set"
+        )

@@ -192,6 +192,51 @@ def test_a_real_run_that_runs_out_of_memory_is_retried_lower(rig: Rig, caplog: p
     assert f"batch size {largest} ran out of memory" in caplog.text
 
 
+@pytest.mark.slow
+def test_an_evaluation_loop_is_sized_by_its_own_decorated_function_beside_the_training_state(rig: Rig) -> None:
+    """The module docs' evaluation use: a decorated evaluation loop, called once after an optimizer
+    step (AdamW's moments live, gradients freed), finds its own exact boundary, above training's;
+    later evaluations reuse it through ``__wrapped__`` without searching again."""
+    model = rig.model
+    train = find_executable_batch_size(starting_batch_size=64, headroom=0.0)(rig.with_probe())
+    train()
+    assert train.largest_fit is not None
+    with rig.meter.tracking():  # the run's state where it evaluates: one step taken, its moments kept
+        optimizer = torch.optim.AdamW(model.parameters())
+        F.cross_entropy(model(torch.randn(2, FEATURES)), torch.zeros(2, dtype=torch.long)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def evaluation_steps(batch_size: int, steps: int) -> int:
+        correct = 0
+        with rig.meter.tracking(), torch.no_grad():
+            inputs = torch.randn(batch_size, FEATURES, generator=torch.Generator().manual_seed(batch_size))
+            for _ in range(steps):
+                correct += int((model(inputs).argmax(dim=1) == 0).sum())
+        return correct
+
+    def evaluation_fits(batch_size: int) -> bool:
+        try:
+            evaluation_steps(batch_size, PROBE_STEPS)
+        except torch.OutOfMemoryError as exc:
+            exc.__traceback__ = None
+            return False
+        return True
+
+    @find_executable_batch_size(starting_batch_size=64)
+    def evaluate(batch_size: int, probe: bool = False) -> int:
+        rig.calls.append((batch_size, probe))
+        return evaluation_steps(batch_size, PROBE_STEPS if probe else REAL_STEPS)
+
+    evaluate()
+    size = evaluate.largest_fit
+    assert size is not None and size == evaluate.batch_size > train.largest_fit
+    assert evaluation_fits(size) and not evaluation_fits(size + 1)
+    calls = len(rig.calls)
+    evaluate.__wrapped__(evaluate.batch_size)  # a later evaluation: one call, no search
+    assert rig.calls[calls:] == [(size, False)]
+
+
 def test_multiple_of_finds_the_largest_multiple_that_fits(rig: Rig) -> None:
     train = find_executable_batch_size(starting_batch_size=128, multiple_of=16, headroom=0.0)(rig.with_probe())
     train()

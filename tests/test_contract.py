@@ -307,10 +307,11 @@ def test_a_dataloader_with_its_own_generators_gets_them_back() -> None:
 # 6. The same names for the same things -------------------------------------------------------------
 #: find()'s keywords that mean nothing for an estimate (nothing is timed, verified, interrupted
 #: from outside, spread over ranks or shown live; fake tensors carry no gradient noise; an estimate
-#: costs seconds and no device, so it keeps no result cache): every other one estimate() takes too.
+#: costs seconds and no device, so it keeps no result cache; an estimate sizes one mode, and
+#: ``estimate(mode="eval")`` is evaluation's): every other one estimate() takes too.
 NOT_FOR_AN_ESTIMATE = {
     "steps_per_trial", "verify_steps", "time_budget", "restore_rng", "distributed", "rank_timeout",
-    "on_trial_start", "on_start", "progress", "timed_steps", "noise_scale", "noise_passes", "cache",
+    "on_trial_start", "on_start", "progress", "timed_steps", "noise_scale", "noise_passes", "cache", "eval",
 }  # fmt: skip
 
 
@@ -329,9 +330,10 @@ def test_estimate_takes_finds_keywords_with_finds_defaults() -> None:
 #: scan), or that are not its to take: a point's tokens/s is its safe batch's warm steps (no extra
 #: timing per length), and the noise scale belongs to the data, not to a length (measure it with
 #: ``find(loader, noise_scale=True)`` or ``batchfit.noise_scale``); the result cache keeps a
-#: ``Result``, and a frontier is another answer (``batchfit.probe.cache``).
+#: ``Result``, and a frontier is another answer (``batchfit.probe.cache``); a frontier is one mode's
+#: (``frontier(mode="eval")`` is evaluation's).
 FRONTIER_SETS_PER_LENGTH = {"sample", "seq_len", "scan_batches", "timed_steps", "noise_scale", "noise_passes"}
-FRONTIER_SETS_PER_LENGTH |= {"cache"}
+FRONTIER_SETS_PER_LENGTH |= {"cache", "eval"}
 
 
 def test_frontier_takes_finds_keywords_with_finds_defaults() -> None:

@@ -84,7 +84,9 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "token_budget",
         "trials",
     ),
+    "batchfit.report.evaluation.Evaluation": (),
     "batchfit.report.frontier.FrontierPoint": ("tokens", "trials"),
+    "batchfit.report.generation.Generation": ("context_tokens", "of", "predict_bytes"),
     "batchfit.report.frontier.Surface": (
         "fit",
         "largest_batch",
@@ -106,6 +108,8 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "batchfit.report.records.Trial": ("capped_peak_bytes", "from_dict", "peak_in", "phase_peaks_in"),
     "batchfit.report.result.Result": (
         "from_dict",
+        "eval_max_batch",
+        "eval_safe_batch",
         "from_json",
         "global_max_batch",
         "global_safe_batch",

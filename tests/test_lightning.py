@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import batchfit  # noqa: E402
 import batchfit.lightning  # noqa: E402
+import batchfit.lightning_trainer  # noqa: E402
 from batchfit.lightning import INSTALL_HINT, BatchFit  # noqa: E402
 
 #: Live tensor bytes: the MLP below trains up to 220 samples under it (weights, gradients and AdamW
@@ -215,13 +216,13 @@ def test_optimizer_and_loss_found_in_every_form_lightning_accepts() -> None:
     sgd, adam = (torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1) for _ in range(2))
     schedule = torch.optim.lr_scheduler.StepLR(sgd, 1)
     for config in (sgd, [sgd, adam], ([sgd, adam], [schedule]), {"optimizer": sgd, "lr_scheduler": schedule}):
-        assert batchfit.lightning._optimizers_in(config)[0] is sgd
-    assert batchfit.lightning._optimizers_in([{"optimizer": sgd}, {"optimizer": adam}]) == [sgd, adam]
+        assert batchfit.lightning_trainer.optimizers_in(config)[0] is sgd
+    assert batchfit.lightning_trainer.optimizers_in([{"optimizer": sgd}, {"optimizer": adam}]) == [sgd, adam]
     loss = torch.tensor(1.0)
-    assert batchfit.lightning._loss_of(loss) is loss
-    assert batchfit.lightning._loss_of({"loss": loss, "logits": torch.zeros(2)}) is loss
+    assert batchfit.lightning_trainer.loss_of(loss) is loss
+    assert batchfit.lightning_trainer.loss_of({"loss": loss, "logits": torch.zeros(2)}) is loss
     with pytest.raises(ValueError, match="returned None"):
-        batchfit.lightning._loss_of(None)
+        batchfit.lightning_trainer.loss_of(None)
 
 
 @pytest.mark.parametrize(
@@ -231,6 +232,8 @@ def test_optimizer_and_loss_found_in_every_form_lightning_accepts() -> None:
         ({"memory_limit": "lots"}, ValueError, "lots"),
         ({"batch_arg_name": ""}, TypeError, "batch_arg_name"),
         ({"batch_arg_name": 3}, TypeError, "batch_arg_name"),
+        ({"eval_batch_arg_name": "val size"}, TypeError, "eval_batch_arg_name"),
+        ({"eval": "yes"}, TypeError, "eval"),
         ({"target_batch": 0}, ValueError, "target_batch"),
         ({"target_batch": 2.5}, TypeError, "target_batch"),
         ({"max_batch": 0}, ValueError, "max_batch"),
@@ -382,6 +385,104 @@ def test_too_few_batches_for_the_noise_scale_warn_and_the_run_goes_on(infos: lis
     assert callback.result is not None and callback.result.noise_scale is None
     assert not any(name.startswith("batchfit/") for metrics, _ in logger.metrics for name in metrics)
     assert model.trained_batches == [callback.result.safe_batch] * 2
+
+
+# Evaluation --------------------------------------------------------------------------------------
+class Validating(Classifier):
+    """A classifier with a validation loop whose loader reads ``eval_batch_size`` (``own_eval_batch``)
+    or the train ``batch_size``, as a module with one batch size does; records what the probe and the
+    real validation loop fed ``validation_step``. ``batch_size=None``: a datamodule holds both."""
+
+    def __init__(self, own_eval_batch: bool = True, batch_size: int | None = 4) -> None:
+        super().__init__(batch_size)
+        if own_eval_batch:
+            self.eval_batch_size = 4
+        self.validation_calls: list[int] = []
+        self.validated: list[int] = []  # the real validation loop's batches only
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.validation_calls.append(len(x))
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(), batch_size=getattr(self, "eval_batch_size", self.batch_size))
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.validated.append(len(batch[0]))
+
+
+class ValidatingData(Data):
+    """A datamodule that holds both sizes in its hparams, the validation one as ``val_batch_size``."""
+
+    def __init__(self, batch_size: int = 4, val_batch_size: int = 4) -> None:
+        super().__init__(batch_size)
+        self.save_hyperparameters()
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(), batch_size=self.hparams.val_batch_size)
+
+
+def _validating_fit(callback: BatchFit, model: Validating, **kwargs: Any) -> pl.Trainer:
+    """Two steps, each followed by two validation batches (no sanity check, so every batch is the run's)."""
+    fit = trainer(callback, limit_val_batches=2, val_check_interval=1, num_sanity_val_steps=0)
+    fit.fit(model, **kwargs)
+    return fit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["module", "datamodule"])
+def test_the_validation_loaders_batch_is_sized_and_set_where_it_reads_it(where: str, infos: list[str]) -> None:
+    model = Validating(own_eval_batch=where == "module", batch_size=4 if where == "module" else None)
+    data = ValidatingData() if where == "datamodule" else None
+    callback = BatchFit(memory_limit=LIMIT)
+    _validating_fit(callback, model, datamodule=data)
+
+    result = callback.result
+    assert result is not None and result.evaluation is not None and result.evaluation.safe_verified
+    eval_batch = result.eval_safe_batch
+    # No gradients, no activations kept for backward: evaluation fits more than the train batch.
+    assert result.safe_batch < eval_batch < result.eval_max_batch < ROWS
+    assert callback.eval_attribute == ("eval_batch_size" if where == "module" else "val_batch_size")
+    if data is None:
+        assert model.eval_batch_size == eval_batch and model.batch_size == result.safe_batch
+    else:
+        assert data.hparams.val_batch_size == eval_batch and data.hparams.batch_size == result.safe_batch
+    # The probe's evaluation ran validation_step; the run validated and trained at the sizes set.
+    assert result.eval_max_batch in model.validation_calls
+    assert model.validated == [eval_batch] * 4 and model.trained_batches == [result.safe_batch] * 2
+    assert model.at_first_step["metric_updates"] == 0
+    assert any(f"set as {callback.eval_attribute}={eval_batch}" in message for message in infos), infos
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("evaluate", [None, True])
+def test_without_an_eval_attribute_the_validation_loader_is_not_sized(
+    evaluate: bool | None, infos: list[str]
+) -> None:
+    model = Validating(own_eval_batch=False)  # its validation loader reads batch_size, the train batch
+    callback = BatchFit(memory_limit=LIMIT, **({} if evaluate is None else {"eval": evaluate}))
+    if evaluate:  # sized when asked for, but there is nowhere to set it
+        with pytest.warns(UserWarning, match="evaluation sized .* but not set"):
+            _validating_fit(callback, model)
+        assert callback.result.evaluation is not None and callback.result.eval_safe_batch > callback.result.safe_batch
+    else:
+        _validating_fit(callback, model)
+        assert callback.result.evaluation is None and model.validation_calls == model.validated  # no eval probe
+        assert any("validation loader's batch is not sized" in message for message in infos), infos
+    assert callback.eval_attribute is None
+    assert model.validated == [callback.result.safe_batch] * 4
+
+
+def test_a_named_eval_attribute_must_exist_and_checkpointing_sizes_training_only() -> None:
+    model = Validating()
+    with pytest.raises(MisconfigurationException, match="no attribute 'valid_batch'.*eval_batch_arg_name"):
+        _validating_fit(BatchFit(memory_limit=LIMIT, eval_batch_arg_name="valid_batch"), model)
+    assert model.trained_batches == [] and model.validation_calls == []
+    with pytest.raises(ValueError, match="sizes training only"):
+        BatchFit(target_batch=1000, checkpointing="auto", eval=True)
 
 
 # Two ranks -------------------------------------------------------------------------------------

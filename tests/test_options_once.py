@@ -198,6 +198,14 @@ def _changed(name: str, default: Any) -> Any:
     raise AssertionError(f"no other value known for {name} ({kind})")
 
 
+#: What an option belongs with: generation's options need mode="generate", eval_step an evaluation.
+COMPANIONS: dict[str, dict[str, Any]] = {
+    "max_new_tokens": {"mode": "generate", "max_new_tokens": 8},
+    "generate_fn": {"mode": "generate", "max_new_tokens": 8},
+    "eval_step": {"eval": True},
+}
+
+
 def _key(options: Options) -> str:
     from batchfit.probe.keys import cache_key
     from batchfit.report import DeviceInfo
@@ -212,7 +220,7 @@ def test_an_option_that_can_change_the_answer_is_keyed_or_says_why_not(name: str
     option = OPTIONS[name]
     said = option.metadata
     assert ("section" in said) != ("unchanged" in said), f"{name}: say whether it changes the answer, and why not"
-    base = Options()
+    base = Options(**COMPANIONS.get(name, {}))
     other = replace(base, **{name: _changed(name, option.default)})
     if "unchanged" in said:
         assert said["unchanged"]  # the reason, in words

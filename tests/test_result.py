@@ -224,8 +224,8 @@ def test_a_headroom_of_one_and_a_half_is_refused(result: batchfit.Result) -> Non
 
 def test_an_unknown_mode_is_refused(result: batchfit.Result) -> None:
     _refused(
-        _corrupted(result, ("settings.mode", "eval")),
-        "field 'settings.mode' must be one of 'train', 'inference', got str 'eval'",
+        _corrupted(result, ("settings.mode", "serve")),
+        "field 'settings.mode' must be one of 'train', 'inference', 'eval', 'generate', got str 'serve'",
     )
     _refused(
         _corrupted(result, ("settings.amp", "fp8")),

@@ -380,3 +380,115 @@ def test_checkpointing_applies_the_policy_fit_recommends_and_train_runs_with_it(
 def test_checkpointing_needs_a_target_batch(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"autosize\(checkpointing=...\) needs target_batch"):
         bft.autosize(make_trainer(tmp_path), memory_limit=LIMIT, checkpointing="auto")
+
+
+# Evaluation --------------------------------------------------------------------------------------
+GPT2_LIMIT = "24MiB"  # a 2-layer GPT-2 at length 32: trains up to 28, evaluates up to 136 (live tensors)
+GPT2_LENGTH = 32
+
+
+class Texts(torch.utils.data.Dataset):
+    """``n`` token sequences of length 32 for a causal LM (the labels are the inputs)."""
+
+    def __init__(self, n: int) -> None:
+        self.ids = torch.randint(0, 512, (n, GPT2_LENGTH), generator=torch.Generator().manual_seed(n))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ones = torch.ones(GPT2_LENGTH, dtype=torch.long)
+        return {"input_ids": self.ids[index], "attention_mask": ones, "labels": self.ids[index]}
+
+
+class Evaluating(Trainer):
+    """Records the batch of every ``prediction_step`` call: the probe's evaluation steps and the run's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.predicted: list[int] = []
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        self.predicted.append(int(inputs["input_ids"].shape[0]))
+        return super().prediction_step(model, inputs, *args, **kwargs)
+
+
+def gpt2_trainer(tmp_path: Path, eval_samples: int | None = 160) -> Evaluating:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=GPT2_LENGTH, bos_token_id=0, eos_token_id=0
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=1, report_to=[], save_strategy="no", logging_strategy="no",
+        per_device_train_batch_size=2, per_device_eval_batch_size=2, disable_tqdm=True,
+    )  # fmt: skip
+    return Evaluating(
+        model=GPT2LMHeadModel(config),
+        args=args,
+        train_dataset=Texts(64),
+        eval_dataset=Texts(eval_samples) if eval_samples else None,
+    )
+
+
+@pytest.mark.slow
+def test_autosize_sizes_evaluation_with_the_trainers_prediction_step_and_sets_the_eval_batch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer = gpt2_trainer(tmp_path)
+    caplog.set_level(logging.INFO, logger="batchfit.transformers")
+    sized = bft.autosize(trainer, memory_limit=GPT2_LIMIT)
+
+    result = sized.result
+    assert result.evaluation is not None and result.evaluation.safe_verified
+    eval_batch = result.eval_safe_batch
+    # No gradients, no activations kept for backward: evaluation fits several times the train batch.
+    assert result.safe_batch < 2 * result.safe_batch < eval_batch < result.eval_max_batch < 160
+    assert trainer.args.per_device_eval_batch_size == sized.eval_batch_size == eval_batch
+    assert sized.previous_eval_batch_size == 2 and sized.batch_size == result.safe_batch
+    assert f"per_device_eval_batch_size 2 -> {eval_batch}" in str(sized)
+    assert any("eval_accumulation_steps" in record.getMessage() for record in caplog.records)
+    # The probe's evaluation steps went through the trainer's own prediction_step.
+    assert eval_batch in trainer.predicted and result.eval_max_batch in trainer.predicted
+    assert trainer.optimizer is None and trainer.state.global_step == 0
+
+    trainer.predicted.clear()
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert trainer.predicted == [eval_batch, 160 - eval_batch]  # the run evaluates at the size set
+    assert metrics["eval_loss"] > 0
+
+
+def test_evaluation_is_sized_when_the_trainer_has_an_eval_set_unless_told_otherwise(
+    tmp_path: Path, spy: dict[str, Any]
+) -> None:
+    trainer = make_trainer(tmp_path)
+    with pytest.raises(Stop):
+        bft.autosize(trainer)  # no eval_dataset: training only
+    assert "eval" not in spy and "eval_step" not in spy
+
+    trainer.eval_dataset = FixedLength(8)
+    spy.clear()
+    with pytest.raises(Stop):
+        bft.autosize(trainer)
+    assert spy["eval"] is True
+    loss, logits, labels = spy["eval_step"](trainer.model, spy["sample"])  # the trainer's prediction_step
+    assert loss.ndim == 0 and logits.shape == (2, 2) and torch.equal(labels, spy["sample"]["labels"])
+
+    spy.clear()
+    with pytest.raises(Stop):
+        bft.autosize(trainer, eval=False)
+    assert spy["eval"] is False and "eval_step" not in spy
+
+    mine = lambda model, batch: model(**batch)  # noqa: E731
+    spy.clear()
+    with pytest.raises(Stop):
+        bft.autosize(make_trainer(tmp_path), eval=True, eval_step=mine)  # asked for, without an eval set
+    assert spy["eval"] is True and spy["eval_step"] is mine
+    assert trainer.args.per_device_eval_batch_size == 8  # nothing set when the probe did not finish
+
+
+def test_checkpointing_sizes_training_only(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="sizes training only"):
+        bft.autosize(make_trainer(tmp_path), memory_limit=LIMIT, target_batch=100, checkpointing="auto", eval=True)

@@ -45,6 +45,8 @@ FLAGS: dict[str, dict[str, Any]] = {
     "seq_len": {"type": positive_int, "metavar": "N"},
     "scan_batches": {"type": scan_batches, "metavar": "N|all"},
     "timed_steps": {"type": count, "metavar": "N"},
+    "max_new_tokens": {"type": positive_int, "metavar": "N"},
+    "eval": {"action": "store_true"},
     "noise_scale": {"action": "store_true"},
     "noise_passes": {"type": int_at_least(4), "metavar": "N"},
     "cache": {"metavar": "DIR"},

@@ -164,7 +164,9 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
             lines: list[str] = []
             if args.target_batch is not None or args.target_tokens is not None:
                 lines.append(plan_line(outcome, args.target_batch, **targets))
-            if not args.quiet:  # --quiet keeps its one line; the recommendation is in --json too
+            # --quiet keeps its one line; the recommendation is in --json too. It is a batch to train
+            # with: a probe of inference, evaluation or generation has its safe batch as its answer.
+            if not args.quiet and outcome.settings.mode == "train":
                 lines += recommendation_lines(outcome, args.target_batch, **targets)
             # Within COLUMNS as the view's lines are; --quiet's lines stay whole, for scripts.
             for line in lines:

@@ -41,7 +41,15 @@ import torch
 from batchfit.errors import first_line
 
 #: Keys a target mapping may carry besides ``model`` and ``sample``: keywords of ``find()``.
-EXTRA_KEYS: tuple[str, ...] = ("optimizer", "loss_fn", "make_batch", "step_fn", "criterion")
+EXTRA_KEYS: tuple[str, ...] = (
+    "optimizer",
+    "loss_fn",
+    "make_batch",
+    "step_fn",
+    "criterion",
+    "generate_fn",
+    "eval_step",
+)
 
 
 class TargetError(ValueError):

@@ -21,6 +21,7 @@ from batchfit.estimation.fake_trials import FakeProbe, Untraceable
 from batchfit.estimation.frontier import estimate_frontier
 from batchfit.probe import Options, find_with, search_with
 from batchfit.probe.checks import check_work
+from batchfit.probe.finder import described
 from batchfit.probe.keywords import EstimateOptions
 from batchfit.probe.options import options_from, renamed
 from batchfit.probe.positions import check_seq_len
@@ -158,7 +159,7 @@ def estimate(
         result, said = _extrapolate(model, sample, options, budget, untraceable, started)
         # Real steps ran instead: the fake trace's own assumption no longer holds.
         assumptions = [line for line in assumptions if line != FAKE_TRACE] + [said]
-    return marked(result, sized_on)
+    return marked(described(result, sample, options), sized_on)
 
 
 def _frontier(

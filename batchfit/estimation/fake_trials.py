@@ -242,19 +242,14 @@ class FakeProbe:
             self._workload = _FakeWorkload(
                 model=self._model,
                 device=torch.device("cpu"),
-                mode=self.mode,
                 sample=sample,
                 sample_size=self._sample_size,
-                make_batch=self.options.batch_maker(),
-                loss_fn=self.options.loss_fn,
-                step_fn=self.options.step_fn,
-                criterion=self.options.criterion,
                 new_optimizer=foreach_as_on(
                     self.target.device_type,
                     optimizer_factory(self.options.optimizer, parameter_of=swap.fake_of),
                     self.foreach_switched,
                 ),
-                amp=self.options.amp,
+                **Workload.settings_of(self.options),
             )
             budget = self.budget_bytes
             assert budget is not None

@@ -7,7 +7,7 @@ through here, so every entry point agrees on what a batch is.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -129,3 +129,12 @@ def tile(sample: Any, batch_size: int, sample_size: int) -> Any:
         return tensor.index_select(0, index.to(tensor.device))
 
     return map_tensors(sample, grow)
+
+
+def spread(batch: Any) -> tuple[Sequence[Any], Mapping[str, Any]]:
+    """The arguments a batch is called with: `model(x)`, `model(*x)` or `model(**x)`."""
+    if isinstance(batch, Mapping):
+        return (), batch
+    if isinstance(batch, (tuple, list)):
+        return batch, {}
+    return (batch,), {}

@@ -15,8 +15,10 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from batchfit.probe.batches import check_has_values
+from batchfit.probe.generation import check_generation
 from batchfit.probe.keywords import check_hooks
 from batchfit.probe.options import Options
+from batchfit.probe.positions import check_generation_length
 from batchfit.probe.workload import split_pair
 from batchfit.report import MemoryModel, Trial, Unit
 from batchfit.units import format_bytes
@@ -36,6 +38,10 @@ def check_work(model: Any, sample: Any, options: Options) -> None:
         )
     if options.criterion is not None and sample is not None:
         split_pair(sample)  # (inputs, targets) or a clear error now, not in a trial
+    if options.mode == "generate":
+        assert options.max_new_tokens is not None
+        check_generation(model, options.generate_fn)
+        check_generation_length(model, sample, options.seq_len, options.max_new_tokens)
 
 
 def check_materialised(model: nn.Module, sample: Any) -> None:

@@ -27,6 +27,7 @@ from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCall
 from batchfit.probe.noise import check_noise_data, measure_noise
 from batchfit.probe.notes import equation_notes, non_monotone, ranks_notes, throughput_notes, trial_notes
 from batchfit.probe.options import Options
+from batchfit.probe.positions import prompt_length
 from batchfit.probe.prober import Prober
 from batchfit.probe.probing import FromInit, ProbesTrials, SearchPlan
 from batchfit.probe.safe_batch import safe_batch, safe_cap
@@ -39,7 +40,7 @@ from batchfit.probe.timing import (
     trial_cost,
     unpinned_notes,
 )
-from batchfit.report import MemoryModel, Result, Settings, Throughput, Trial, TrialKind, Unit
+from batchfit.report import Evaluation, Generation, MemoryModel, Result, Settings, Throughput, Trial, TrialKind, Unit
 from batchfit.search import Attempt, SearchReport, confirm_from_scratch
 from batchfit.version import __version__
 
@@ -73,10 +74,48 @@ def find_with(
         result = search_with(
             prober, options, started, callback=callback, on_trial_start=on_trial_start, on_start=on_start
         )
+        result = described(result, sample, options)
+        if options.eval:  # the evaluation step, in what the training state leaves free: a probe of its own
+            evaluated = find_with(
+                model, sample, evaluation_options(options), callback=callback, on_trial_start=on_trial_start
+            )
+            notes = (*result.notes, *(f"eval: {note}" for note in evaluated.notes if note not in result.notes))
+            result = replace(result, evaluation=evaluation_of(evaluated), notes=notes)
     if options.noise_scale:  # it depends on the weights, which the cache's key leaves out: measured every time
         noise = measure_noise(model, sample, options, micro_batch=result.safe_batch)
         result = replace(result, noise_scale=noise, elapsed_s=time.monotonic() - started)
     return result if cache is None or hit is not None else cache.store(result)
+
+
+def evaluation_options(options: Options) -> Options:
+    """``find(eval=True)``'s options for its evaluation probe: ``mode="eval"``, nothing added to the answer
+    (the noise scale and the cache are the training answer's)."""
+    return replace(options, mode="eval", eval=False, noise_scale=False, cache=None)
+
+
+def evaluation_of(result: Result) -> Evaluation:
+    """The `Evaluation` record of a `mode="eval"` probe's ``result``."""
+    return Evaluation(
+        max_batch=result.max_batch,
+        safe_batch=result.safe_batch,
+        best_throughput_batch=result.best_throughput_batch,
+        safe_verified=result.safe_verified,
+        boundary_reached=result.boundary_reached,
+        throughput=result.throughput,
+        memory=result.memory,
+        trials=result.trials,
+    )
+
+
+def described(result: Result, sample: Any, options: Options) -> Result:
+    """``result`` with what its mode adds: a generation probe's `Generation` (the prompt, ``seq_len``
+    when given, is read off the sample's token ids)."""
+    if options.mode != "generate":
+        return result
+    assert options.max_new_tokens is not None
+    prompt = options.seq_len if options.seq_len is not None else prompt_length(sample)
+    generation = Generation.of(result.trials, result.memory, result.throughput, prompt, options.max_new_tokens)
+    return replace(result, generation=generation)
 
 
 def search_with(

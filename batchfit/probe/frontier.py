@@ -41,7 +41,7 @@ from torch import nn
 from batchfit.backends import backend_for, resolve_device
 from batchfit.errors import annotate
 from batchfit.probe.batches import META_BATCH, check_has_values, tensor_leaves
-from batchfit.probe.finder import search_with, verdict
+from batchfit.probe.finder import described, search_with, verdict
 from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
 from batchfit.probe.options import Options, check_takes_length
 from batchfit.probe.positions import position_limit
@@ -80,9 +80,11 @@ def check_lengths(
     make_batch: Any,
     seq_lens: Any,
     max_seq_len: Any,
+    new_tokens: int = 0,
 ) -> tuple[tuple[int, ...], int | None, tuple[int, str] | None]:
     """The lengths, sorted; the ceiling of the length axis; the model's position limit and where
-    it was read. Every error names the argument, before any trial."""
+    it was read (less ``new_tokens``, which a generation adds to every prompt). Every error names
+    the argument, before any trial."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if make_batch is None or not callable(make_batch):
@@ -99,6 +101,8 @@ def check_lengths(
     if max_seq_len is not None:
         max_seq_len = positive_int("max_seq_len", max_seq_len)
     limit = position_limit(model)
+    if limit is not None and new_tokens:
+        limit = (limit[0] - new_tokens, f"{limit[1]}, less max_new_tokens={new_tokens:,} generated after the prompt")
     if limit is not None:
         too_long = [s for s in lengths if s > limit[0]]
         if too_long:
@@ -213,7 +217,9 @@ def frontier_with(
         raise TypeError(f"on_point must be callable, got {type(on_point).__name__}")
     if not isinstance(longest_at_batch_1, bool):
         raise TypeError(f"longest_at_batch_1 must be True or False, got {longest_at_batch_1!r}")
-    lengths, ceiling, limit = check_lengths(model, make_batch, seq_lens, max_seq_len)
+    # Generating, a length is the prompt's: the context (and the surface's length) is new_tokens longer.
+    offset = options.max_new_tokens or 0
+    lengths, ceiling, limit = check_lengths(model, make_batch, seq_lens, max_seq_len, offset)
     check_batches(model, make_batch, lengths, options, real_steps)
     notes: list[str] = []
     results: dict[int, Result] = {}
@@ -231,7 +237,7 @@ def frontier_with(
         predicted: list[float] = []
         plan = None  # the first length: find()'s search from init_batch
         if surface is not None:
-            line = (surface.fixed_bytes, surface.per_sample_bytes(s))
+            line = (surface.fixed_bytes, surface.per_sample_bytes(s + offset))
             plan = FromLine(*line, options.headroom, hedge, bool(at_length.verify_steps), predicted)
         result = search_with(
             make_prober(at_length),
@@ -242,14 +248,14 @@ def frontier_with(
             on_start=on_start if not results else None,
             plan=plan,
         )
-        results[s] = result
+        results[s] = result = described(result, None, at_length)
         if predicted and result.boundary_reached:
             # A surface that predicted this boundary exactly aims at the next one directly.
             hedge = 0.0 if math.isfinite(predicted[0]) and math.floor(predicted[0]) == result.max_batch else HEDGE
         if fixed is None:
             fixed = float(result.memory.fixed_bytes) if result.memory is not None else 0.0
         surface = Surface.fit(
-            [line for length, r in results.items() if (line := _line_of(length, r, fixed)) is not None],
+            [line for length, r in results.items() if (line := _line_of(length + offset, r, fixed)) is not None],
             unit=result.budget_counts,
         )
         points[s] = FrontierPoint.of(s, result)
@@ -366,9 +372,10 @@ def _longest_at_batch_1(
             return options.time_budget is not None and time.monotonic() - started > options.time_budget
 
         guess, slope = float(top), 0.0
+        offset = options.max_new_tokens or 0  # generating: the surface's length is the context
         if surface is not None and budget is not None:
-            guess = min(float(top), surface.longest_length(1, budget))
-            slope = surface.per_token_bytes + 2 * surface.per_token_squared_bytes * guess  # d peak / d s at b = 1
+            guess = max(1.0, min(float(top), surface.longest_length(1, budget) - offset))
+            slope = surface.per_token_bytes + 2 * surface.per_token_squared_bytes * (guess + offset)  # d peak/d s
         report: SearchReport = search_near(oracle, Grid(init=1, maximum=top), guess, slope, budget, out_of_time)
     if report.stop_reason != "max_batch":
         return report.largest_fit, "memory", trials[0]

@@ -236,6 +236,8 @@ CODE: dict[str, Callable[[Any], Any]] = {
     "make_batch": _named,
     "loss_fn": _named,
     "step_fn": _named,
+    "generate_fn": _named,
+    "eval_step": _named,
     "criterion": lambda criterion: None if criterion is None else criterion_fields(criterion),
     "optimizer": optimizer_fields,
 }

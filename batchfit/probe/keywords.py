@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from batchfit.report import DeviceInfo, Trial
+from batchfit.report.records import Mode
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +34,6 @@ StartCallback = Callable[[int, str], None]
 ProbeStartCallback = Callable[[DeviceInfo, "int | None"], None]
 
 
-Mode = Literal["train", "inference"]
 Amp = Literal["bf16", "fp16"]
 
 
@@ -52,6 +52,14 @@ class WorkOptions(TypedDict, total=False):
     `params -> optimizer`, or None: a fresh AdamW. It must hold some of the model's trainable parameters."""
     amp: Amp | None
     """Run under autocast in this dtype (fp16 with a grad scaler). Default: None, no autocast."""
+    max_new_tokens: int | None
+    """With `mode="generate"`: the tokens each row generates, all of them (stopping is disabled). Default: None."""
+    generate_fn: Callable[[Any, Any, int], Any] | None
+    """With `mode="generate"`: `(model, batch, max_new_tokens) -> output`, the loop to size instead of
+    `model.generate`. Default: None, the model's own greedy `generate` with its KV cache."""
+    eval_step: Callable[[Any, Any], Any] | None
+    """`(model, batch) -> anything`, the evaluation step `mode="eval"` and `eval=True` size. Default: None,
+    forward and the loss as training computes them, under `torch.no_grad`."""
 
 
 class PlacementOptions(TypedDict, total=False):
@@ -83,7 +91,8 @@ class SearchOptions(TypedDict, total=False):
     """Which sizes the search tries, and what it keeps free."""
 
     mode: Mode
-    """`"train"`, or `"inference"`: forward only, under `torch.inference_mode`. Default: `"train"`."""
+    """`"train"`; `"inference"`: forward only, under `torch.inference_mode`; `"eval"`: the evaluation step with the
+    training state (weights, optimizer state) live; `"generate"`: generation of `max_new_tokens`. Default: `"train"`."""
     headroom: float
     """The fraction of the budget the safe batch leaves free. Default: 0.1."""
     init_batch: int | None
@@ -127,6 +136,8 @@ class AnswerOptions(TypedDict, total=False):
     timed_steps: int
     """Warm timed steps per size the throughput answer compares (after one untimed; 2 or more also
     measure their spread); 0 skips it. Default: 1."""
+    eval: bool
+    """Also size the evaluation step (`mode="eval"`) after training's, into `Result.evaluation`. Default: False."""
     noise_scale: bool
     """Also measure the gradient noise scale from the sample's real batches, for the recommendation. Default: False."""
     noise_passes: int

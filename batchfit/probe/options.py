@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, get_args
 
 from batchfit.probe import keywords
-from batchfit.probe.keywords import Amp, FindOptions, Mode, check_keywords, split_hooks
+from batchfit.probe.keywords import Amp, FindOptions, check_keywords, split_hooks
+from batchfit.report.records import Mode
 from batchfit.search import Grid, Strategy, make_strategy
 from batchfit.units import as_int, check_memory_limit, parse_reserve, positive_int
 
@@ -62,6 +63,10 @@ class Options:
     optimizer: Any = field(default=None, metadata=_changes("work", "code"))
     amp: Amp | None = field(default=None, metadata=_changes("work"))
     mode: Mode = field(default="train", metadata=_changes("work"))
+    max_new_tokens: int | None = field(default=None, metadata=_changes("work"))
+    generate_fn: Callable[[Any, Any, int], Any] | None = field(default=None, metadata=_changes("work", "code"))
+    eval_step: Callable[[Any, Any], Any] | None = field(default=None, metadata=_changes("work", "code"))
+    eval: bool = field(default=False, metadata=_changes("work"))
     device: str | torch.device | None = field(default=None, metadata=_changes("device", "resolved"))
     memory_limit: int | float | str | None = field(default=None, metadata=_changes("search", "resolved"))
     reserve: int | str | None = field(default=None, metadata=_changes("search", "resolved"))
@@ -116,6 +121,7 @@ class Options:
         ):
             raise TypeError(f"device must be a str, a torch.device or None, got {type(device).__name__}")
         _choice("mode", self.mode, MODES)
+        check_mode_options(self)
         _choice("amp", self.amp, (None, *AMPS))
         if self.memory_limit is not None:
             check_memory_limit(self.memory_limit)  # syntax and sign; a fraction resolves on the device
@@ -263,6 +269,37 @@ def check_takes_length(make_batch: Callable[..., Any], said: str) -> None:
     except TypeError:
         name = getattr(make_batch, "__qualname__", type(make_batch).__name__)
         raise TypeError(f"{said}; {name}{signature} does not take two arguments") from None
+
+
+def check_mode_options(options: Options) -> None:
+    """The options that belong to one mode, named when given with another: `max_new_tokens` and
+    `generate_fn` are generation's (which needs the first and trains nothing, so takes no optimizer
+    or loss), `eval_step` the evaluation's, `eval=True` a training probe's."""
+    mode = options.mode
+    for name in ("generate_fn", "eval_step"):
+        if getattr(options, name) is not None and not callable(getattr(options, name)):
+            raise TypeError(f"{name} must be callable, got {type(getattr(options, name)).__name__}")
+    if not isinstance(options.eval, bool):
+        raise TypeError(f"eval must be True or False, got {options.eval!r}")
+    if mode == "generate":
+        if options.max_new_tokens is None:
+            raise ValueError("mode='generate' needs max_new_tokens=N: the tokens each row generates")
+        positive_int("max_new_tokens", options.max_new_tokens)
+        given = [
+            name for name in ("optimizer", "loss_fn", "step_fn", "criterion") if getattr(options, name) is not None
+        ]
+        if given:
+            raise ValueError(f"mode='generate' trains nothing: {', '.join(given)} does not apply (drop it)")
+    else:
+        for name in ("max_new_tokens", "generate_fn"):
+            if getattr(options, name) is not None:
+                raise ValueError(f"{name} applies to mode='generate' only (mode is {mode!r})")
+    if options.eval and mode != "train":
+        raise ValueError(
+            f"eval=True sizes evaluation beside a training probe; mode is {mode!r} (use mode='eval' alone)"
+        )
+    if options.eval_step is not None and not (options.eval or mode == "eval"):
+        raise ValueError("eval_step applies with eval=True or mode='eval' only")
 
 
 def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:

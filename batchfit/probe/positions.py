@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 __all__ = ["CONFIG_NAMES", "check_seq_len", "position_limit"]
@@ -56,3 +57,27 @@ def check_seq_len(model: object, seq_len: int | None) -> None:
             f"seq_len={seq_len:,} is longer than the model's position embeddings take ({limit[0]:,}, its "
             f"{limit[1]}): pass seq_len <= {limit[0]:,}"
         )
+
+
+def check_generation_length(model: object, sample: object, seq_len: int | None, max_new_tokens: int) -> None:
+    """Refuse a generation whose context (the prompt, ``seq_len`` when given, plus every new token)
+    is beyond the model's position limit, before anything runs."""
+    if not isinstance(model, nn.Module):
+        return
+    limit = position_limit(model)
+    prompt = seq_len if seq_len is not None else prompt_length(sample)
+    if limit is None or prompt is None or prompt + max_new_tokens <= limit[0]:
+        return
+    raise ValueError(
+        f"the prompt ({prompt:,} tokens) and max_new_tokens={max_new_tokens:,} make a context of "
+        f"{prompt + max_new_tokens:,} tokens, longer than the model's position embeddings take ({limit[0]:,}, "
+        f"its {limit[1]}): shorten the prompt or generate fewer tokens"
+    )
+
+
+def prompt_length(sample: object) -> int | None:
+    """The prompt's length of a batch of token ids: ``input_ids``' last dimension, or a tensor's."""
+    ids = sample.get("input_ids") if isinstance(sample, dict) else sample
+    if isinstance(ids, (tuple, list)) and ids:
+        ids = ids[0]
+    return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None

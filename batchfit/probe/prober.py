@@ -236,22 +236,20 @@ class Prober:
         self._workload = Workload(
             model=self._run_model,
             device=device,
-            mode=self.mode,
             sample=sample,
             sample_size=self._sample_size,
-            make_batch=options.batch_maker(),
-            loss_fn=options.loss_fn,
-            step_fn=options.step_fn,
             new_optimizer=self._new_optimizer,
-            amp=options.amp,
             dynamic_batch=self._runs_compiled,
-            criterion=options.criterion,
+            **Workload.settings_of(options),
         )
-        if self.mode == "train" and not self._workload.trainable_parameters() and options.step_fn is None:
+        trains = self.mode in ("train", "eval")  # evaluation runs beside the training state
+        if trains and not self._workload.trainable_parameters() and options.step_fn is None:
             raise ValueError(
-                "the model has no trainable parameter: a training probe needs one (or use mode='inference')"
+                "the model has no trainable parameter: a "
+                + ("training" if self.mode == "train" else "mode='eval' (beside the training state)")
+                + " probe needs one (or use mode='inference')"
             )
-        if self.mode == "train":
+        if trains:
             # A factory that returns the wrong thing is named now, not as a failure inside a trial.
             # Optimizers allocate their state in step(), so this one costs no memory.
             self._new_optimizer(self._workload.trainable_parameters())

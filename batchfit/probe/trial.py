@@ -44,6 +44,7 @@ from batchfit.errors import (
     annotate,
     first_line,
 )
+from batchfit.probe.generation import kv_bytes_per_token
 from batchfit.probe.workload import Workload
 from batchfit.report import Phase, Trial, TrialKind
 
@@ -79,6 +80,7 @@ class _Progress:
     #: Whether ``optimizer`` holds its complete state (it stepped, here or in an earlier trial).
     optimizer_ready: bool = False
     output_kept: bool | None = None
+    kv_bytes_per_token: int | None = None
 
 
 def run_trial(
@@ -178,6 +180,7 @@ def run_trial(
         step_time_s=step_time,
         samples_per_s=batch_size / step_time if step_time else None,
         step_times_s=tuple(times),
+        kv_bytes_per_token=progress.kv_bytes_per_token,
         **common,
     )
     return TrialRun(trial, progress.optimizer_state_bytes, progress.grad_scale, kept, progress.output_kept)
@@ -211,13 +214,23 @@ def _run_steps(
         if workload.mode == "train" and progress.optimizer is None:
             progress.optimizer = workload.new_optimizer(workload.trainable_parameters())
     if workload.mode != "train":
+        if workload.mode == "eval" and progress.optimizer is None:
+            progress.phase = "step"
+            with ranks.meet("step", batch_size), meter.phase("step"):
+                progress.optimizer = _training_state(workload)
+            progress.optimizer_ready = True
+            progress.optimizer_state_bytes = state_bytes(progress.optimizer, meter)
+        # Evaluation under no_grad, as evaluation loops run; inference and generation under inference_mode.
+        no_grad = torch.no_grad if workload.mode == "eval" else torch.inference_mode
         for index in range(steps):
             meter.checkpoint()
             with _timed(meter, times, index > 0 or steps == 1):
                 progress.phase = "forward"
-                with ranks.meet("forward", batch_size), meter.phase("forward"), torch.inference_mode():
-                    output, _ = workload.forward(batch)
-                    del output
+                with ranks.meet("forward", batch_size), meter.phase("forward"), no_grad():
+                    output, loss = workload.forward(batch)
+                    if workload.mode == "generate":
+                        progress.kv_bytes_per_token = kv_bytes_per_token(output)
+                    del output, loss
             progress.steps += 1
         return
     optimizer = progress.optimizer
@@ -298,6 +311,18 @@ def _timed(meter: Meter, times: list[float], timed: bool) -> Iterator[_Timing]:
     meter.synchronize()
     if record.keep:
         times.append(time.perf_counter() - start)
+
+
+def _training_state(workload: Workload) -> torch.optim.Optimizer:
+    """A fresh optimizer with its state allocated, as training leaves it when evaluation runs mid-way: one
+    step on zero gradients (AdamW's moments made), then the gradients freed (``zero_grad``'s default)."""
+    params = workload.trainable_parameters()
+    optimizer = workload.new_optimizer(params)
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
 
 
 def state_bytes(optimizer: torch.optim.Optimizer, meter: Meter) -> int:

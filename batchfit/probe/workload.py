@@ -6,14 +6,26 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from batchfit.probe.batches import META_BATCH, batch_size_of, check_has_values, tensor_leaves, tile, to_device
+from batchfit.probe.batches import (
+    META_BATCH,
+    batch_size_of,
+    check_has_values,
+    spread,
+    tensor_leaves,
+    tile,
+    to_device,
+)
+from batchfit.probe.generation import generate
+
+if TYPE_CHECKING:
+    from batchfit.probe.options import Options
 
 Batch = Any
 LossFn = Callable[[Any, Batch], torch.Tensor]
@@ -21,15 +33,6 @@ StepFn = Callable[[nn.Module, Batch], Any]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def spread(batch: Any) -> tuple[Sequence[Any], Mapping[str, Any]]:
-    """The arguments a batch is called with: `model(x)`, `model(*x)` or `model(**x)`."""
-    if isinstance(batch, Mapping):
-        return (), batch
-    if isinstance(batch, (tuple, list)):
-        return batch, {}
-    return (batch,), {}
 
 
 def call_model(model: nn.Module, batch: Any) -> Any:
@@ -216,6 +219,26 @@ class Workload:
     dynamic_batch: bool = False
     #: ``(inputs, targets)`` data: the model gets the inputs, ``criterion(output, targets)`` is the loss.
     criterion: Callable[[Any, Any], Any] | None = None
+    #: ``mode="generate"``: the tokens each row generates, and the loop that generates them (None: ``model.generate``).
+    max_new_tokens: int | None = None
+    generate_fn: Callable[[Any, Any, int], Any] | None = None
+    #: ``mode="eval"``: the evaluation step, ``(model, batch) -> anything`` (None: forward and the loss).
+    eval_step: Callable[[Any, Any], Any] | None = None
+
+    @staticmethod
+    def settings_of(options: Options) -> dict[str, Any]:
+        """What a workload takes from the probe's `Options` as they are: every prober builds it so."""
+        return {
+            "mode": options.mode,
+            "make_batch": options.batch_maker(),
+            "loss_fn": options.loss_fn,
+            "step_fn": options.step_fn,
+            "criterion": options.criterion,
+            "amp": options.amp,
+            "max_new_tokens": options.max_new_tokens,
+            "generate_fn": options.generate_fn,
+            "eval_step": options.eval_step,
+        }
 
     def build_batch(self, batch_size: int) -> Any:
         """A batch of ``batch_size`` on the probe's device."""
@@ -266,6 +289,11 @@ class Workload:
         freed. The result's notes say which, after the first step (``checks.output_notes``).
         """
         with self.autocast():
+            if self.mode == "generate":
+                assert self.max_new_tokens is not None
+                return generate(self.model, batch, self.max_new_tokens, self.generate_fn), None
+            if self.mode == "eval" and self.eval_step is not None:
+                return self.eval_step(self.model, batch), None
             if self.step_fn is not None:
                 output = self.step_fn(self.model, batch)
                 if self.mode == "inference":
@@ -291,10 +319,14 @@ class Workload:
                 if self.mode == "inference":
                     return output, None
                 own = own_loss(output) if self.loss_fn is None else None
+                if self.mode == "eval":  # the evaluation loop keeps the output for its metrics
+                    return output, own if own is not None else self._loss_of(output, batch)
                 if own is not None:
                     loss, output = own, None  # freed before backward, as `loss = model(**batch).loss` frees it
                 else:
-                    loss = self.loss_fn(output, batch) if self.loss_fn is not None else default_loss(output)
+                    loss = self._loss_of(output, batch)
+        if self.mode == "eval":
+            return output, loss
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
         if loss.dim() != 0:
@@ -305,3 +337,7 @@ class Workload:
                 "(are all parameters frozen, or does the loss detach the output?)"
             )
         return output, loss
+
+    def _loss_of(self, output: Any, batch: Any) -> torch.Tensor:
+        """The loss of ``output`` when the model did not compute its own: ``loss_fn``'s, or the stand-in."""
+        return self.loss_fn(output, batch) if self.loss_fn is not None else default_loss(output)

@@ -10,6 +10,8 @@ Pure Python (no torch import): a result can be loaded and read on a machine with
   and its estimator;
 * `batchfit.report.recommendation`: the batch to train with ([`Recommendation`][batchfit.Recommendation],
   `recommend`), by the rules of `recommendation_rules`;
+* `batchfit.report.evaluation`, `batchfit.report.generation`: what ``find(eval=True)`` and
+  ``mode="generate"`` add to a result ([`Evaluation`][batchfit.Evaluation], [`Generation`][batchfit.Generation]);
 * `batchfit.report.result`: [`Result`][batchfit.Result] and its versioned JSON document;
 * `batchfit.report.codec`: reading a document back, every field checked against its type and
   the constraints its hint declares (`Batch`, `Bytes`, ...), for other records too;
@@ -23,7 +25,9 @@ Pure Python (no torch import): a result can be loaded and read on a machine with
 
 from batchfit._lazy import lazy_surface
 from batchfit.report.checkpointing import Fit, Placement, Policy, PolicyRow
+from batchfit.report.evaluation import Evaluation
 from batchfit.report.frontier import Frontier, FrontierPoint, LongestLimit, Surface
+from batchfit.report.generation import Generation
 from batchfit.report.memory import MemoryModel, PhaseLine
 from batchfit.report.noise import NoiseScale
 from batchfit.report.recommendation import Recommendation, recommend
@@ -35,9 +39,11 @@ from batchfit.report.throughput import Throughput
 __all__ = [
     "CacheHit",
     "DeviceInfo",
+    "Evaluation",
     "Fit",
     "Frontier",
     "FrontierPoint",
+    "Generation",
     "LongestLimit",
     "MemoryModel",
     "NoiseScale",

@@ -102,9 +102,9 @@ class Surface:
         if self.quadratic:
             return (
                 f"the s^2 term holds {self.quadratic_share:.0%} of a sample's memory at length "
-                f"{max(self.lengths):,}: attention keeps its s x s scores for backward (eager attention, or SDPA's "
-                "math kernel, which it falls back to for attention dropout on the CPU or a mask the fused kernels do "
-                "not take); SDPA's flash or memory-efficient kernels do not"
+                f"{max(self.lengths):,}: attention holds its s x s scores (for backward, or in a generation's "
+                "prefill; eager attention, or SDPA's math kernel, which it falls back to for attention dropout on the "
+                "CPU or a mask the fused kernels do not take); SDPA's flash or memory-efficient kernels do not"
             )
         return (
             "memory grows linearly in the length (no s^2 term): attention does not keep its s x s scores "
@@ -141,8 +141,12 @@ class Surface:
 class FrontierPoint:
     """One sequence length of the frontier.
 
+    Of a generation frontier (``frontier(mode="generate")``) the length is the prompt's: each row
+    then generates all its new tokens (``result.generation.new_tokens``), so the batch holds
+    ``context_tokens = seq_len + new_tokens`` tokens a row in its KV cache, and its tokens/s are new tokens.
+
     Attributes:
-        seq_len: the length every sequence of the batch had.
+        seq_len: the length every sequence of the batch had (the prompt's, generating).
         max_batch: the exact largest batch at that length (fits, ``max_batch + 1`` did not) when
             ``result.boundary_reached``.
         safe_batch: the batch leaving the headroom free, verified by real steps (``result.safe_verified``).
@@ -168,24 +172,35 @@ class FrontierPoint:
         timed = best_timed(result.trials)
         safe = timed.get(result.safe_batch)
         best = result.throughput
+        per_row = result.generation.new_tokens if result.generation is not None else seq_len  # tokens a row makes
         return cls(
             seq_len=seq_len,
             max_batch=result.max_batch,
             safe_batch=result.safe_batch,
-            tokens_per_s=None if safe is None or not safe.samples_per_s else safe.samples_per_s * seq_len,
+            tokens_per_s=None if safe is None or not safe.samples_per_s else safe.samples_per_s * per_row,
             best_batch=result.best_throughput_batch,
-            best_tokens_per_s=None if best is None else best.best_samples_per_s * seq_len,
+            best_tokens_per_s=None if best is None else best.best_samples_per_s * per_row,
             result=result,
         )
 
     @property
+    def new_tokens(self) -> int:
+        """The tokens each row generated (a generation frontier's), 0 for training and inference."""
+        return 0 if self.result.generation is None else self.result.generation.new_tokens
+
+    @property
+    def context_tokens(self) -> int:
+        """The tokens a row holds at its longest: ``seq_len``, plus ``new_tokens`` when generating."""
+        return self.seq_len + self.new_tokens
+
+    @property
     def tokens(self) -> int:
-        """Tokens in the largest batch: ``max_batch * seq_len``."""
-        return self.max_batch * self.seq_len
+        """Tokens in the largest batch: ``max_batch * context_tokens`` (``max_batch * seq_len`` in training)."""
+        return self.max_batch * self.context_tokens
 
     @property
     def safe_tokens(self) -> int:
-        return self.safe_batch * self.seq_len
+        return self.safe_batch * self.context_tokens
 
     @property
     def trials(self) -> int:
@@ -235,8 +250,14 @@ class Frontier:
         raise KeyError(f"no point at seq_len={seq_len}; the frontier has {[p.seq_len for p in self.points]}")
 
     @property
+    def new_tokens(self) -> int:
+        """The tokens each row generated, for a generation frontier (0 otherwise)."""
+        return max((point.new_tokens for point in self.points), default=0)
+
+    @property
     def token_budget(self) -> int:
-        """Tokens per batch that fit at every length measured: the smallest ``max_batch * seq_len``.
+        """Tokens per batch that fit at every length measured: the smallest ``max_batch * seq_len``
+        (generating, the context's tokens, the KV budget a serving engine is given).
 
         A token-budget sampler (batches of up to N tokens, any length) is safe with this N over
         the lengths measured: the fixed memory and any ``s^2`` term make long sequences the binding

@@ -194,7 +194,8 @@ def _frame(axes: Any, frontier: Frontier, plt: Any) -> None:
         pad = max(0.5, 0.12 * (high - low))
         axes.set_ylim(2 ** (low - pad), 2 ** (high + pad))
     axes.yaxis.set_major_formatter(plt.FuncFormatter(lambda value, _: f"{value:,.0f}" if value >= 1 else ""))
-    axes.set_xlabel("sequence length (tokens)")
+    new = frontier.new_tokens
+    axes.set_xlabel(f"prompt length (tokens), each row then generating {new:,}" if new else "sequence length (tokens)")
     axes.set_ylabel("batch size (sequences)")
     axes.grid(True, which="major", alpha=0.3)
 
@@ -227,7 +228,7 @@ def _surface(axes: Any, frontier: Frontier) -> list[Any]:
         return []
     steps = 64
     xs = [2 ** (math.log2(low) + (math.log2(high) - math.log2(low)) * i / steps) for i in range(steps + 1)]
-    curve = [(x, surface.largest_batch(x, budget)) for x in xs]
+    curve = [(x, surface.largest_batch(x + frontier.new_tokens, budget)) for x in xs]  # generating: at the context
     curve = [(x, y) for x, y in curve if math.isfinite(y) and y >= 1]
     if not curve:
         return []

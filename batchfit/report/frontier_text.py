@@ -128,19 +128,30 @@ def summary_rows(frontier: Frontier, *, notes: bool = True) -> list[tuple[str, s
     """Label/value rows under the table: the longest length, the token budget, the surface, the
     fastest length, the trials, how the answer was obtained (and the notes and assumptions)."""
     rows = [("longest at batch 1", longest_text(frontier))]
+    new = frontier.new_tokens
+    if new:
+        rows.append(
+            (
+                "generation",
+                f"seq_len is the prompt; every row generates {new:,} new tokens (stopping disabled), so it holds "
+                f"seq_len + {new:,} tokens in its KV cache; tokens/s counts new tokens",
+            )
+        )
     if frontier.points:
+        counted = f"batch x (seq_len + {new:,}), the KV budget" if new else "batch x seq_len"
         rows.append(
             (
                 "token budget",
                 f"{frontier.token_budget:,} tokens per batch fit at every length measured (the smallest max "
-                f"batch x seq_len); {frontier.safe_token_budget:,} at the safe batches",
+                f"{counted}); {frontier.safe_token_budget:,} at the safe batches",
             )
         )
     surface = frontier.surface
     if surface is None:
         rows.append(("memory surface", "not fitted: no length gave a memory line"))
     else:
-        rows.append(("memory surface", f"{surface_equation(surface)}  ({surface.unit} bytes, b batch, s seq_len)"))
+        length = f"s the context, seq_len + {new:,}" if new else "s seq_len"
+        rows.append(("memory surface", f"{surface_equation(surface)}  ({surface.unit} bytes, b batch, {length})"))
         rows.append(("", surface.meaning()))
     fastest = frontier.fastest
     if fastest is not None:

@@ -19,7 +19,8 @@ PhaseName = Annotated[str, OneOf(PHASES)]
 #: ``torchrun`` jobs says until its first job has told it.
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "unknown")
 #: A step that trains, or only runs forward.
-Mode = Literal["train", "inference"]
+#: What a probe runs: a training step, a forward, the evaluation step beside the training state, generation.
+Mode = Literal["train", "inference", "eval", "generate"]
 #: Mixed precision's dtype (``None`` in a record: none).
 Amp = Literal["bf16", "fp16"]
 #: Why a trial ran: the search, the safe batch's verification, the CI gate's one trial, or a
@@ -64,6 +65,8 @@ class Trial:
             because the optimizer state is allocated in the first one.
         cap_bytes: the lower limit the trial ran under, ``None`` for the budget itself: the safe
             batch is verified under the budget less its headroom (what the headroom means).
+        kv_bytes_per_token: with ``mode="generate"``, the KV cache the generation returned, in bytes
+            per token of one row (``None`` when it returned no cache).
     """
 
     batch_size: Batch
@@ -82,6 +85,7 @@ class Trial:
     skipped_steps: Count = 0
     step_times_s: tuple[Seconds, ...] = ()
     cap_bytes: Bytes | None = None
+    kv_bytes_per_token: Bytes | None = None
 
     @property
     def peaks_by_phase(self) -> dict[str, int]:
@@ -148,6 +152,8 @@ class Settings:
 
     mode: Mode = "train"
     amp: Amp | None = None
+    #: The tokens each row generated (``mode="generate"``).
+    max_new_tokens: Batch | None = None
     init_batch: Annotated[Batch, NotAbove("max_batch")] = 2
     max_batch: Batch = 32768
     multiple_of: Batch = 1

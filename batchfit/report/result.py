@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from batchfit.report.codec import Batch, Bytes, NotAbove, Seconds, read_document, read_json
+from batchfit.report.evaluation import Evaluation
+from batchfit.report.generation import Generation
 from batchfit.report.memory import MemoryModel
 from batchfit.report.noise import NoiseScale
 from batchfit.report.records import CacheHit, DeviceInfo, Settings, SizedOn, Trial, Unit
@@ -53,6 +55,8 @@ class Result:
         from_cache: where the result was read from when ``find(cache=DIR)`` found it there (no
             trial ran: every measurement is the stored probe's, ``elapsed_s`` is the hit's own);
             ``None`` for a result measured now.
+        evaluation: the evaluation step's answer, when ``find(eval=True)`` sized it beside training's.
+        generation: with ``mode="generate"``, the context sized on, the KV cache per token and the tokens/s.
     """
 
     #: The schema its JSON document names (see `to_json`).
@@ -84,6 +88,18 @@ class Result:
     sized_on: SizedOn | None = None
     noise_scale: NoiseScale | None = None
     from_cache: CacheHit | None = None
+    evaluation: Evaluation | None = None
+    generation: Generation | None = None
+
+    @property
+    def eval_max_batch(self) -> int | None:
+        """The largest evaluation batch (``find(eval=True)``), ``None`` when evaluation was not sized."""
+        return None if self.evaluation is None else self.evaluation.max_batch
+
+    @property
+    def eval_safe_batch(self) -> int | None:
+        """The evaluation batch to run with (``find(eval=True)``), ``None`` when evaluation was not sized."""
+        return None if self.evaluation is None else self.evaluation.safe_batch
 
     @property
     def global_max_batch(self) -> int:

@@ -39,6 +39,7 @@ def render_text(result: Result) -> str:
         )
     if result.throughput is not None:
         lines.append(f"throughput knee    {result.throughput.knee_batch}")
+    lines += [f"{label:<18} {value}" for label, value in evaluation_rows(result) + generation_rows(result)]
     if result.memory is not None:
         mem = result.memory
         lines.append(
@@ -71,6 +72,43 @@ def render_text(result: Result) -> str:
     for assumption in result.assumptions:
         lines.append(f"assumes: {assumption}")
     return "\n".join(lines)
+
+
+def evaluation_rows(result: Result) -> list[tuple[str, str]]:
+    """The evaluation step's answer beside training's (``find(eval=True)``), as label/value rows
+    (the text's and the command line's summary)."""
+    evaluation = result.evaluation
+    if evaluation is None:
+        return []
+    knee = f", knee {evaluation.throughput.knee_batch}" if evaluation.throughput is not None else ""
+    unreached = "" if evaluation.boundary_reached else "  (boundary not reached)"
+    return [
+        ("eval max batch", f"{evaluation.max_batch}{unreached}"),
+        (
+            "eval safe batch",
+            f"{evaluation.safe_batch}  ({'verified' if evaluation.safe_verified else 'NOT verified'}{knee}; "
+            "training state live)",
+        ),
+    ]
+
+
+def generation_rows(result: Result) -> list[tuple[str, str]]:
+    """What a generation probe measured (the context, tokens/s, the KV cache per token), as label/value rows."""
+    generation = result.generation
+    if generation is None:
+        return []
+    context = (
+        f"{generation.prompt_tokens} prompt + {generation.new_tokens} new tokens"
+        if generation.prompt_tokens is not None
+        else f"{generation.new_tokens} new tokens"
+    )
+    rows = [("generation", f"{context} per row, stopping disabled")]
+    if generation.best_tokens_per_s is not None and generation.knee_tokens_per_s is not None:
+        best, knee = generation.best_tokens_per_s, generation.knee_tokens_per_s
+        rows.append(("tokens/s", f"{best:,.0f} best, {knee:,.0f} at the knee (new tokens)"))
+    if generation.kv_bytes_per_token is not None:
+        rows.append(("KV cache", f"{format_bytes(generation.kv_bytes_per_token)} per token per row"))
+    return rows
 
 
 def device_text(device: DeviceInfo) -> str:

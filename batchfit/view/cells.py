@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from batchfit.report import device_text
+from batchfit.report.text import evaluation_rows, generation_rows
 from batchfit.units import format_bytes, format_duration
 
 if TYPE_CHECKING:  # the view only reads these; importing them must not pull torch in
@@ -158,6 +159,7 @@ def summary_rows(result: Result) -> list[tuple[str, str]]:
                 f"within 5% of the best{noise})",
             )
         )
+    rows += evaluation_rows(result) + generation_rows(result)
     if result.memory is not None:
         first, *rest = memory_equation(result.memory)
         rows.append(("memory", first.strip()))
