@@ -19,7 +19,16 @@ from batchfit.backends.cpu import LiveTensorMeter
 from tests.helpers import assert_same_state, state_of
 
 transformers = pytest.importorskip("transformers")
-transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers() -> Any:
+    """transformers' warnings about the tiny configs, silenced for these tests only (set at import,
+    the verbosity would silence the other tests' loggers under ``transformers`` too)."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(verbosity)
 
 NEW_TOKENS = 12
 

@@ -40,7 +40,7 @@ def mlp() -> tuple[torch.nn.Module, torch.Tensor]:
         ({"init_batch": 0}, ValueError, "init_batch must be >= 1"),
         ({"max_batch": 2.5}, TypeError, "max_batch must be an int"),
         ({"multiple_of": 8, "init_batch": 12}, ValueError, "init_batch=12 must be a multiple of multiple_of=8"),
-        ({"mode": "eval"}, ValueError, "mode must be one of 'train', 'inference'"),
+        ({"mode": "serve"}, ValueError, "mode must be one of 'train', 'inference', 'eval', 'generate'"),
         ({"amp": "fp8"}, ValueError, "amp must be one of None, 'bf16', 'fp16'"),
         ({"headroom": 1.0}, ValueError, "headroom must be a fraction"),
         ({"steps_per_trial": 0}, ValueError, "steps_per_trial must be >= 1"),

@@ -130,7 +130,10 @@ def test_a_gate_report_is_read_with_the_result_checks() -> None:
     refused({"device.type": "tpu"}, "field 'device.type' must be one of 'cpu', 'cuda', 'xpu'")
     refused({"trial.phase_peaks.0": ["loss", 1]}, "field 'trial.phase_peaks[0][0]' must be one of 'batch'")
     refused({"search.settings.headroom": 1.5}, "field 'search.settings.headroom' must be a number in [0, 1)")
-    refused({"search.settings.mode": "eval"}, "field 'search.settings.mode' must be one of 'train', 'inference'")
+    refused(
+        {"search.settings.mode": "serve"},
+        "field 'search.settings.mode' must be one of 'train', 'inference', 'eval', 'generate'",
+    )
     refused({"search.max_batch": -2}, "field 'search.max_batch' must be an int in [1, 2**63), got int -2")
     refused({"search.schema": "batchfit.result/2"}, "field 'search.schema' is 'batchfit.result/2'")
     refused({"fits": "yes"}, "field 'fits' must be true or false, got str 'yes'")

@@ -187,8 +187,8 @@ def _policies(
         raise ValueError(
             f"fit() sizes training: checkpointing saves memory for backward, and mode={options.mode!r} runs none"
         )
-    if options.cache is not None or options.noise_scale:
-        raise ValueError("fit() takes neither cache nor noise_scale: call find() for those")
+    if options.cache is not None or options.noise_scale or options.eval:
+        raise ValueError("fit() takes neither cache, noise_scale nor eval: call find() for those")
     if options.distributed:
         raise ValueError("fit() sizes one process: distributed=True is not supported yet; run it on one rank")
     if isinstance(checkpointing, str) and checkpointing != "auto":

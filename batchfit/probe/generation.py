@@ -114,8 +114,11 @@ def _check_full_length(model: nn.Module, output: Any, prompt: int | None, wanted
 
 def kv_bytes_per_token(output: Any) -> int | None:
     """The KV cache's bytes per token of one row, read from the cache the generation returned
-    (``past_key_values``): its tensors' bytes over rows x cached tokens. ``None`` without one."""
-    cache = getattr(output, "past_key_values", None)
+    (``cache``; ``past_key_values`` before transformers 5 named it so, read only then, since
+    transformers 5 warns at that name): its tensors' bytes over rows x cached tokens. ``None`` without one."""
+    cache = getattr(output, "cache", None)
+    if cache is None:
+        cache = getattr(output, "past_key_values", None)
     if cache is None:
         return None
     tensors = list(_cache_tensors(cache))

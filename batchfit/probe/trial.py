@@ -207,6 +207,15 @@ def _run_steps(
     loop runs them, and alone are timed; the steps before them measured their memory. Training runs until `steps`
     steps really stepped the optimizer. Every phase ends in a meeting of the ranks (a no-op for one
     process). One function, not one per loop: the path from `find` to the model stays short."""
+    if workload.mode == "eval" and progress.optimizer is None:
+        # Evaluation runs beside the training state: made first (its set-up's transient gradients
+        # are no part of the evaluation step, so the trial's peaks start after it).
+        progress.phase = "step"
+        with ranks.meet("step", batch_size):
+            progress.optimizer = _training_state(workload)
+        progress.optimizer_ready = True
+        progress.optimizer_state_bytes = state_bytes(progress.optimizer, meter)
+        meter.begin_trial()
     progress.phase = "batch"
     with ranks.meet("batch", batch_size):
         with meter.phase("batch"):
@@ -214,12 +223,6 @@ def _run_steps(
         if workload.mode == "train" and progress.optimizer is None:
             progress.optimizer = workload.new_optimizer(workload.trainable_parameters())
     if workload.mode != "train":
-        if workload.mode == "eval" and progress.optimizer is None:
-            progress.phase = "step"
-            with ranks.meet("step", batch_size), meter.phase("step"):
-                progress.optimizer = _training_state(workload)
-            progress.optimizer_ready = True
-            progress.optimizer_state_bytes = state_bytes(progress.optimizer, meter)
         # Evaluation under no_grad, as evaluation loops run; inference and generation under inference_mode.
         no_grad = torch.no_grad if workload.mode == "eval" else torch.inference_mode
         for index in range(steps):

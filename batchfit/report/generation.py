@@ -17,8 +17,8 @@ class Generation:
 
     The memory equation in (batch, context length) is
     ``fixed_bytes + batch * (other_bytes_per_sample + kv_bytes_per_token * context)``
-    ([`predict_bytes`][batchfit.Generation.predict_bytes]): the KV cache grows with every token of every
-    row, the rest of a row's memory (the prompt's activations, the logits) was measured at this
+    ([`predict_bytes`][batchfit.report.generation.Generation.predict_bytes]): the KV cache grows with
+    every token of every row, the rest of a row's memory (the prompt's activations, the logits) was measured at this
     context and is taken as it is at others; the generation frontier measures each context for real.
 
     Attributes:

@@ -106,8 +106,17 @@ def generation_rows(result: Result) -> list[tuple[str, str]]:
     if generation.best_tokens_per_s is not None and generation.knee_tokens_per_s is not None:
         best, knee = generation.best_tokens_per_s, generation.knee_tokens_per_s
         rows.append(("tokens/s", f"{best:,.0f} best, {knee:,.0f} at the knee (new tokens)"))
-    if generation.kv_bytes_per_token is not None:
-        rows.append(("KV cache", f"{format_bytes(generation.kv_bytes_per_token)} per token per row"))
+    kv, fixed, other = generation.kv_bytes_per_token, generation.fixed_bytes, generation.other_bytes_per_sample
+    if kv is not None:
+        rows.append(("KV cache", f"{format_bytes(kv)} per token per row"))
+    if kv is not None and fixed is not None and other is not None:
+        rows.append(
+            (
+                "(batch, context)",
+                f"{format_bytes(fixed)} + batch x ({format_bytes(other)} + {format_bytes(kv)} x context tokens)"
+                f"  (the rest of a row measured at context {generation.context_tokens})",
+            )
+        )
     return rows
 
 
