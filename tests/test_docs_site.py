@@ -77,6 +77,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "batchfit.report.frontier.Frontier": (
         "fastest",
         "from_dict",
+        "new_tokens",
         "plot",
         "point",
         "safe_token_budget",
@@ -85,7 +86,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "trials",
     ),
     "batchfit.report.evaluation.Evaluation": (),
-    "batchfit.report.frontier.FrontierPoint": ("tokens", "trials"),
+    "batchfit.report.frontier.FrontierPoint": ("context_tokens", "new_tokens", "tokens", "trials"),
     "batchfit.report.generation.Generation": ("context_tokens", "of", "predict_bytes"),
     "batchfit.report.frontier.Surface": (
         "fit",

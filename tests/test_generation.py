@@ -83,6 +83,7 @@ def _plain_generate_peak(model: nn.Module, prompts: dict[str, torch.Tensor], row
 @pytest.mark.parametrize("build", [_gpt2, pytest.param(_llama, marks=pytest.mark.slow)], ids=["gpt2", "llama"])
 def test_generation_sizes_a_real_generate_of_every_token(build: Any) -> None:
     model = build()
+    model.config.use_cache = False  # the model's own setting: generation is sized with its cache, then this comes back
     before = state_of(model)
     config_before = model.generation_config.to_dict()
     prompts = _prompts()
@@ -90,7 +91,7 @@ def test_generation_sizes_a_real_generate_of_every_token(build: Any) -> None:
         model, prompts, mode="generate", max_new_tokens=NEW_TOKENS, memory_limit="2MiB", timed_steps=0
     )
     assert_same_state(before, state_of(model))  # weights, flags, RNG: nothing lost
-    assert model.generation_config.to_dict() == config_before
+    assert model.generation_config.to_dict() == config_before and model.config.use_cache is False
     assert result.boundary_reached and result.settings.mode == "generate"
     generation = result.generation
     assert generation is not None
