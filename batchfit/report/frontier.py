@@ -48,6 +48,8 @@ class Surface:
     kernels recompute them and save only ``O(s)`` statistics, so ``q`` is about 0). ``fixed``:
     weights, gradients, optimizer state and whatever does not grow with the batch.
 
+    Of a generation frontier, ``s`` is the context (the prompt's ``seq_len`` plus ``Frontier.new_tokens``).
+
     Fitted on the per-length memory lines of the frontier's points (each length's exact search
     measures ``fixed + slope(s) * b``; ``slope(s) = a * s + q * s**2`` is fitted through them by
     least squares); with one length, ``q`` is 0 and ``a = slope / s``.

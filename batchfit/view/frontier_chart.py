@@ -245,7 +245,7 @@ class _Drawing:
             for col in range(left + 1, right, 2):
                 share = (col - left) / (right - left)
                 length = 2 ** (logs[i] + share * (logs[i + 1] - logs[i]))
-                batch = surface.largest_batch(length, budget)
+                batch = surface.largest_batch(length + self.frontier.new_tokens, budget)  # generating: the context
                 if math.isfinite(batch) and 2**self.low <= batch <= 2**self.high:
                     row = top + self.row_of(batch)
                     if not any(canvas.used[row][max(0, x0 + col - 1) : x0 + col + 2]):  # a space from the marks
