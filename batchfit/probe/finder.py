@@ -80,7 +80,8 @@ def find_with(
                 model, sample, evaluation_options(options), callback=callback, on_trial_start=on_trial_start
             )
             notes = (*result.notes, *(f"eval: {note}" for note in evaluated.notes if note not in result.notes))
-            result = replace(result, evaluation=evaluation_of(evaluated), notes=notes)
+            elapsed = time.monotonic() - started  # both searches
+            result = replace(result, evaluation=evaluation_of(evaluated), notes=notes, elapsed_s=elapsed)
     if options.noise_scale:  # it depends on the weights, which the cache's key leaves out: measured every time
         noise = measure_noise(model, sample, options, micro_batch=result.safe_batch)
         result = replace(result, noise_scale=noise, elapsed_s=time.monotonic() - started)
