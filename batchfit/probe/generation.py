@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from batchfit.probe.batches import spread
+from batchfit.probe.positions import prompt_length
 
 GenerateFn = Callable[[nn.Module, Any, int], Any]
 
@@ -72,7 +73,7 @@ def generate(model: nn.Module, batch: Any, max_new_tokens: int, generate_fn: Gen
     args, kwargs = spread(batch)
     with kept_generation_config(model):
         output = model.generate(*args, **kwargs, **full_length_settings(model, max_new_tokens))
-    _check_full_length(model, output, _prompt_length(args, kwargs), max_new_tokens)
+    _check_full_length(model, output, prompt_length(batch), max_new_tokens)
     return output
 
 
@@ -90,11 +91,6 @@ def kept_generation_config(model: nn.Module) -> Iterator[None]:
             model.generation_config = saved
         if model_config is not None and use_cache is not None:
             model_config.use_cache = use_cache
-
-
-def _prompt_length(args: Any, kwargs: Mapping[str, Any]) -> int | None:
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 1 else None
 
 
 def _check_full_length(model: nn.Module, output: Any, prompt: int | None, wanted: int) -> None:

@@ -101,7 +101,7 @@ class Options:
                 object.__setattr__(self, name, as_int(name, getattr(self, name)))
         if self.make_batch is not None and not callable(self.make_batch):
             raise TypeError(f"make_batch must be callable, got {type(self.make_batch).__name__}")
-        for name in ("loss_fn", "step_fn", "criterion"):
+        for name in ("loss_fn", "step_fn", "criterion", "generate_fn", "eval_step"):
             fn = getattr(self, name)
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
@@ -276,9 +276,6 @@ def check_mode_options(options: Options) -> None:
     `generate_fn` are generation's (which needs the first and trains nothing, so takes no optimizer
     or loss), `eval_step` the evaluation's, `eval=True` a training probe's."""
     mode = options.mode
-    for name in ("generate_fn", "eval_step"):
-        if getattr(options, name) is not None and not callable(getattr(options, name)):
-            raise TypeError(f"{name} must be callable, got {type(getattr(options, name)).__name__}")
     if not isinstance(options.eval, bool):
         raise TypeError(f"eval must be True or False, got {options.eval!r}")
     if mode == "generate":

@@ -9,6 +9,7 @@ model, so ``seq_len=`` beyond it is refused before any trial, and the frontier c
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -76,8 +77,9 @@ def check_generation_length(model: object, sample: object, seq_len: int | None, 
 
 
 def prompt_length(sample: object) -> int | None:
-    """The prompt's length of a batch of token ids: ``input_ids``' last dimension, or a tensor's."""
-    ids = sample.get("input_ids") if isinstance(sample, dict) else sample
+    """The prompt's length of a batch of token ids: ``input_ids``' last dimension (of a mapping, a
+    tokenizer's ``BatchEncoding`` too), or the first tensor's (of a tuple, or the batch itself)."""
+    ids = sample.get("input_ids") if isinstance(sample, Mapping) else sample
     if isinstance(ids, (tuple, list)) and ids:
         ids = ids[0]
     return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
