@@ -263,6 +263,7 @@ def test_a_compiled_model_on_the_cpu_is_fitted_by_its_blocks_and_says_why() -> N
 
 
 @pytest.mark.cuda
+@pytest.mark.compile  # it compiles on the GPU: the proof's compile slice (part 2), not part 1's, whose deadline it cut
 def test_a_compiled_model_on_a_gpu_is_fitted_by_its_compile_budget() -> None:
     model, sample = examples.gpt(vocab_size=2048, seq_len=128, d_model=256, n_layers=4, n_heads=4)
     compiled = torch.compile(model.cuda())
