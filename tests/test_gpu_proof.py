@@ -105,3 +105,17 @@ def test_a_cuda_test_skipped_for_a_listed_reason_is_allowed(tmp_path: Path) -> N
 )
 def test_the_estimate_passes_within_the_band_or_one_batch(estimated: int, found: int, passes: bool) -> None:
     assert pc.estimate_within_band(estimated, found) is passes
+
+
+@pytest.mark.parametrize(
+    ("tail", "finished"),
+    [
+        # the third H200 run: every test passed, then the slice's end came before pytest exited
+        ("....s....\n31 passed, 3 skipped, 1617 deselected in 147.01s (0:02:27)\n\n[timed out", True),
+        # the same run's part 2: stopped mid-run, pytest still prints the count of what ran
+        ("!!!! KeyboardInterrupt !!!!\n2 failed, 2 skipped, 1643 deselected, 15 warnings in 149.96s\n", False),
+        ("........\n[timed out after 150 s]", False),
+    ],
+)
+def test_a_pytest_run_that_printed_its_closing_count_is_not_read_as_stopped(tail: str, finished: bool) -> None:
+    assert pc.pytest_finished(tail) is finished
