@@ -1,7 +1,9 @@
 """batchfit: the largest batch your model trains with, and the fastest, measured by real steps.
 
 Public API: [`find`][batchfit.find], [`fit`][batchfit.fit], [`frontier`][batchfit.frontier],
-[`estimate`][batchfit.estimate], [`plan`][batchfit.plan], [`what_if`][batchfit.what_if], [`Prober`][batchfit.Prober],
+[`find_sharded`][batchfit.find_sharded], [`estimate`][batchfit.estimate],
+[`estimate_sharded`][batchfit.estimate_sharded], [`plan`][batchfit.plan],
+[`what_if`][batchfit.what_if], [`Prober`][batchfit.Prober],
 [`Options`][batchfit.Options], the result types and the errors. Integrations: ``batchfit.lightning``,
 ``batchfit.transformers``, ``batchfit.accelerate``; the CI gate: ``batchfit.testing``.
 
@@ -20,7 +22,7 @@ from batchfit.version import __version__
 if TYPE_CHECKING:
     from batchfit.api import find, fit, frontier, noise_scale, plan
     from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
-    from batchfit.estimation import Plan, WhatIf, estimate, what_if
+    from batchfit.estimation import Plan, WhatIf, estimate, estimate_sharded, what_if
     from batchfit.probe import Options, Prober
     from batchfit.report import (
         DeviceInfo,
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
         Trial,
         recommend,
     )
+    from batchfit.sharded import find_sharded
 
 _EXPORTS = {
     "BatchfitError": "batchfit.errors",
@@ -49,6 +52,7 @@ _EXPORTS = {
     "Options": "batchfit.probe",
     "Prober": "batchfit.probe",
     "find": "batchfit.api",
+    "find_sharded": "batchfit.sharded",
     "fit": "batchfit.api",
     "plan": "batchfit.api",
     "frontier": "batchfit.api",
@@ -58,6 +62,7 @@ _EXPORTS = {
     "FrontierPoint": "batchfit.report",
     "Surface": "batchfit.report",
     "estimate": "batchfit.estimation",
+    "estimate_sharded": "batchfit.estimation",
     "Plan": "batchfit.estimation",
     "WhatIf": "batchfit.estimation",
     "what_if": "batchfit.estimation",

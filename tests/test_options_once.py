@@ -71,7 +71,8 @@ def test_no_entry_point_restates_an_option_in_its_signature() -> None:
         BatchFit.__init__: {"memory_limit"},
         batchfit.frontier: {"make_batch"},
     }
-    entries = (batchfit.find, batchfit.frontier, batchfit.noise_scale, estimate, check_fits, batchfit.Prober.__init__)
+    entries = (batchfit.find, batchfit.frontier, batchfit.noise_scale, estimate, check_fits, batchfit.Prober.__init__,
+               batchfit.find_sharded)  # fmt: skip
     for entry in (*entries, BatchFit.__init__, autosize, worker_batch):
         parameters = inspect.signature(entry).parameters
         restated = {name for name in parameters if name in OPTIONS} - own.get(entry, set())
@@ -108,6 +109,7 @@ def _entries() -> dict[str, tuple[type, Any]]:
         "check_fits": (FindOptions, lambda **kw: check_fits(_model(), sample, batch_size=2, **kw)),
         "Prober": (FindOptions, lambda **kw: batchfit.Prober(_model(), sample, **kw)),
         "worker_batch": (FindKeywords, lambda **kw: worker_batch(_model(), sample, **kw)),
+        "find_sharded": (FindKeywords, lambda **kw: batchfit.find_sharded("mymodels:build", 2, estimate=False, **kw)),
     }
 
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: users import. Unchanged by the move of the house (issue 18).
 PUBLIC = {
     "batchfit": [
-        "find", "estimate", "plan", "what_if", "Prober", "Options", "Result", "Trial", "MemoryModel",
+        "find", "find_sharded", "estimate", "plan", "what_if", "Prober", "Options", "Result", "Trial", "MemoryModel",
         "PhaseLine", "Throughput", "DeviceInfo", "Settings", "Plan", "WhatIf", "BatchfitError",
         "NothingFitsError", "DeviceFailedError", "LimitError", "NoOptimizerStepError", "__version__",
     ],

@@ -33,11 +33,19 @@ def estimate_command(args: argparse.Namespace) -> int:
     from batchfit.units import format_bytes
     from batchfit.view.progress import make_view
 
+    if args.keywords_json is not None:  # estimate_sharded's own process (batchfit.cli.sharded)
+        from batchfit.cli.sharded import sharded_child
+
+        return sharded_child(args)
     for option in args.what_if or ():
         if option not in OPTIONS:
             raise UsageError(f"unknown --what-if {option!r}: choose from {', '.join(OPTIONS)}")
     check_plan_options(args)
     _check_length_axis(args)
+    if args.world_size is not None:
+        from batchfit.cli.sharded import check_sharded_flags
+
+        check_sharded_flags(args)
     memory = _memory_limit(args)
     device_note = ""
     if args.device is None:
@@ -64,6 +72,21 @@ def estimate_command(args: argparse.Namespace) -> int:
         )
     check_json_path(args.json)
     human = sys.stderr if args.json == "-" else sys.stdout
+    if args.world_size is not None:
+        from batchfit.cli.sharded import estimate_sharded_command
+
+        print(
+            f"batchfit {__version__}: estimating {args.target} ({args.mode}) sharded over {args.world_size} rank(s), "
+            f"per rank for {args.device}{device_note} with {memory}: rank 0 in a fake process group, fake tensors",
+            file=human,
+        )
+        keywords = {
+            **option_keywords(args, EstimateOptions),
+            "memory_limit": memory,
+            "device": args.device,
+            "reserve": args.reserve,
+        }
+        return estimate_sharded_command(args, keywords, human, _estimated)
     target = load(args)
     if isinstance(target, int):
         return target

@@ -10,39 +10,25 @@ from typing import TYPE_CHECKING, Any
 from batchfit.cli.arguments import find_kwargs, probe_plan
 from batchfit.cli.output import EXIT_ERROR
 from batchfit.errors import first_line
-from batchfit.version import __version__
 
 if TYPE_CHECKING:
     from batchfit.distributed import Launch
 
 
 def run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], callbacks: dict[str, Any]) -> Any:
-    import time
+    """The search whose trials are jobs: [`find_sharded`][batchfit.find_sharded]'s, one path for both."""
+    from batchfit.sharded import find_sharded
 
-    import torch
-
-    from batchfit.probe import JobPerTrial, Options, search_with
-
-    options = Options(**kwargs)
-    worker = [args.target, "--device", str(kwargs["device"]), "--mode", args.mode]
-    for flag, value in (
-        ("--memory-limit", kwargs["memory_limit"]),
-        ("--reserve", args.reserve),
-        ("--amp", args.amp),
-        ("--rank-timeout", args.rank_timeout),  # the ranks of each job meet, and may wait for a stuck one
-    ):
-        if value is not None:
-            worker += [flag, str(value)]
-    key = {
-        "target": args.target,
-        "nproc": args.nproc_per_trial,
-        "worker": worker[1:],
-        "torch": torch.__version__,
-        "batchfit": __version__,
-    }
-    log = Path(args.trial_log) if args.trial_log else None
-    prober = JobPerTrial(worker, args.nproc_per_trial, options, log=log, timeout_s=args.trial_timeout, key=key)
-    return search_with(prober, options, time.monotonic(), **callbacks)
+    return find_sharded(
+        args.target,
+        args.nproc_per_trial,
+        trial_log=args.trial_log,
+        trial_timeout=args.trial_timeout,
+        guess=args.guess,
+        estimate=not args.no_estimate,
+        **kwargs,
+        **callbacks,
+    )
 
 
 def rank_timeout(args: argparse.Namespace) -> float:
@@ -72,7 +58,15 @@ def trial_worker(args: argparse.Namespace, launch: Launch) -> int:
         return EXIT_ERROR
     try:
         return run_worker_trial(
-            target.model, target.sample, options, args.trial_batch, args.trial_steps, out, launch.rank, args.trial_cap
+            target.model,
+            target.sample,
+            options,
+            args.trial_batch,
+            args.trial_steps,
+            out,
+            launch.rank,
+            args.trial_cap,
+            args.trial_headroom,
         )
     finally:
         launch.finish(owned)

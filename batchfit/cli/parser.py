@@ -9,6 +9,7 @@ from typing import Any, NoReturn
 from batchfit.cli.flags import add_option_flags
 from batchfit.cli.output import EXIT_USAGE
 from batchfit.cli.values import (
+    fraction,
     int_at_least,
     memory_limit,
     positive_int,
@@ -107,11 +108,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with --nproc-per-trial: kill a job that gives no answer within this (default 600)",
     )
+    probe.add_argument(
+        "--guess",
+        type=positive_int,
+        metavar="N",
+        help="with --nproc-per-trial: the safe batch per rank you expect; the first job verifies it and the next "
+        "goes to the boundary (three jobs when it holds; the answer is exact either way)",
+    )
+    probe.add_argument(
+        "--no-estimate",
+        action="store_true",
+        help="with --nproc-per-trial and no --guess: start from --init-batch, not from the sharded estimate",
+    )
     # A rank's side of a --nproc-per-trial job (started by batchfit under torchrun, not by users).
     probe.add_argument("--trial-batch", type=positive_int, help=argparse.SUPPRESS)
     probe.add_argument("--trial-steps", type=positive_int, default=2, help=argparse.SUPPRESS)
     probe.add_argument("--trial-dir", help=argparse.SUPPRESS)
     probe.add_argument("--trial-cap", type=positive_int, help=argparse.SUPPRESS)
+    probe.add_argument("--trial-headroom", type=fraction, help=argparse.SUPPRESS)
     probe.add_argument(
         "--require-batch",
         type=positive_int,
@@ -196,6 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument(
         "--plot", metavar="PATH", help="with --seq-lens: draw the frontier to an image (the plot extra)"
     )
+    estimate.add_argument(
+        "--world-size",
+        type=positive_int,
+        metavar="N",
+        help="estimate one rank of a job sharded over N ranks (FSDP2): the target runs as rank 0 of a fake process "
+        "group of N, after it is up, so its fully_shard calls shard over N; batch sizes are per rank",
+    )
+    # estimate_sharded()'s own process: its keywords as JSON (batchfit.cli.sharded), not for users.
+    estimate.add_argument("--keywords-json", metavar="PATH", help=argparse.SUPPRESS)
     estimate.add_argument("--json", metavar="PATH", help="write the estimate as JSON to PATH ('-' for stdout)")
     estimate.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
 

@@ -62,8 +62,10 @@ def probe_command(args: argparse.Namespace) -> int:
             raise UsageError("--nproc-per-trial runs a full probe: drop --require-batch")
         if args.cache is not None:  # each trial is a job of its own: no probe in this process to key
             raise UsageError("--cache keeps a probe of this process (or of torchrun's ranks): drop it here")
-    elif args.trial_log is not None:
-        raise UsageError("--trial-log goes with --nproc-per-trial")
+    else:
+        given = [flag for flag, value in (("trial-log", args.trial_log), ("guess", args.guess)) if value is not None]
+        if given or args.no_estimate:
+            raise UsageError(f"--{given[0] if given else 'no-estimate'} goes with --nproc-per-trial")
     check_plan_options(args)
     check_noise_options(args)
     if launch is None:

@@ -6,7 +6,9 @@
   meeting after every phase of every step so that one rank's out-of-memory fails the trial on all
   of them and none hangs (its module docs say why and how); `ranks_for` picks one;
 * `launch`: ``batchfit probe`` under ``torchrun`` (joining the group,
-  binding a rank to its device, wrapping the model in DDP).
+  binding a rank to its device, wrapping the model in DDP);
+* `uneven`: `uneven_split`, a rank's part of each pass and its loss weight when one global batch
+  is split unevenly over ranks that fit different batches (``Result.recommend(uneven=True)``).
 
 Sharded models (FSDP) are probed a job per trial instead: `batchfit.probe.jobs`.
 """
@@ -14,5 +16,15 @@ Sharded models (FSDP) are probed a job per trial instead: `batchfit.probe.jobs`.
 from batchfit.distributed.launch import Launch, from_environment
 from batchfit.distributed.ranks import combine_trials, leads, ranks_for
 from batchfit.distributed.solo import PeerOutOfMemory, Solo
+from batchfit.distributed.uneven import uneven_split
 
-__all__ = ["Launch", "PeerOutOfMemory", "Solo", "combine_trials", "from_environment", "leads", "ranks_for"]
+__all__ = [
+    "Launch",
+    "PeerOutOfMemory",
+    "Solo",
+    "combine_trials",
+    "from_environment",
+    "leads",
+    "ranks_for",
+    "uneven_split",
+]

@@ -64,6 +64,8 @@ __all__ = ["Group", "combine_trials", "leads", "ranks_for"]
 
 #: What gloo says when a peer's connection closes (the process exited or was killed).
 _GONE = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refused", re.IGNORECASE)
+#: Set on an exception that left a meeting (see `_known`).
+_MET = "_batchfit_ranks_met"
 
 
 class Group(Solo):
@@ -81,6 +83,11 @@ class Group(Solo):
         self._meetings = 0
         #: The first rank that ran out of memory in the current trial, and what it said.
         self._out_of_memory: tuple[int, str] | None = None
+        #: Every rank that ran out of memory itself in the current trial.
+        self._out_of_memory_ranks: set[int] = set()
+        #: Every trial's per-rank records and the ranks that ran out of memory themselves, in order:
+        #: each rank's own answer is read from them (``batchfit.probe.per_rank``).
+        self.history: list[tuple[tuple[Trial, ...], frozenset[int]]] = []
 
     # meetings ----------------------------------------------------------------------------------
     def join(self, settings: dict[str, Any]) -> None:
@@ -115,13 +122,15 @@ class Group(Solo):
         except (PeerOutOfMemory, RankFailedError, RanksTimeoutError, GeneratorExit):
             raise  # raised by a meeting: every rank already knows
         except BaseException as exc:
+            if getattr(exc, _MET, False):
+                raise  # it left a meeting inside this one (`sync_gradients`'): every rank met on it
             status = FAILED
             if isinstance(exc, KeyboardInterrupt):
                 status = INTERRUPTED
             elif is_oom(exc):
                 status = OUT_OF_MEMORY
             self._meet(status, phase, batch_size, _report(exc))
-            raise
+            raise _known(exc)
         self._meet(OK, phase, batch_size, "")
 
     def _meet(self, status: int, phase: str, batch_size: int | None, message: str) -> None:
@@ -154,9 +163,10 @@ class Group(Solo):
         if worst == INTERRUPTED:
             if status == INTERRUPTED:
                 return
-            raise KeyboardInterrupt(f"rank {first[INTERRUPTED]} was interrupted during {where}: every rank stops")
+            raise _known(KeyboardInterrupt(f"rank {first[INTERRUPTED]} was interrupted during {where}: every rank stops"))
         oom = next(r for r, (s, _) in enumerate(reports) if s == OUT_OF_MEMORY)
         self._out_of_memory = (oom, reports[oom][1])
+        self._out_of_memory_ranks.update(r for r, (s, _) in enumerate(reports) if s == OUT_OF_MEMORY)
         if status == OUT_OF_MEMORY:
             return
         raise PeerOutOfMemory(oom, reports[oom][1])
@@ -175,12 +185,13 @@ class Group(Solo):
         return self._collective(where, reduce)
 
     def smallest(self, value: int | None) -> int | None:
-        values: list[Any] = [None] * self.world_size
-        self._collective(
-            "agreeing on the budget", lambda: self._dist.all_gather_object(values, value, group=self._group)
-        )
-        known = [v for v in values if v is not None]
+        known = [v for v in self.gather(value, "agreeing on the budget") if v is not None]
         return min(known) if known else None
+
+    def gather(self, value: Any, where: str = "gathering every rank's value") -> list[Any]:
+        values: list[Any] = [None] * self.world_size
+        self._collective(where, lambda: self._dist.all_gather_object(values, value, group=self._group))
+        return values
 
     def combine(self, trial: Trial) -> Trial:
         trials: list[Any] = [None] * self.world_size
@@ -189,6 +200,8 @@ class Group(Solo):
             lambda: self._dist.all_gather_object(trials, trial, group=self._group),
         )
         out_of_memory, self._out_of_memory = self._out_of_memory, None
+        self.history.append((tuple(trials), frozenset(self._out_of_memory_ranks)))
+        self._out_of_memory_ranks = set()
         return combine_trials(trials, out_of_memory)
 
     def share(self, value: Any) -> Any:
@@ -243,9 +256,11 @@ class Group(Solo):
         finally:
             ddp.require_forward_param_sync = flag
 
-    def sync_gradients(self, model: nn.Module) -> None:
+    def sync_gradients(self, model: nn.Module, phase: str = "step", batch_size: int | None = None) -> None:
         """All-reduce (average) the gradients over DDP's own process group, as DDP would have in
-        backward: the ranks agreed that backward worked everywhere before this runs."""
+        backward: the ranks agreed that backward worked everywhere before this runs. The buffer
+        the buckets pass through is made first, in a meeting (at ``phase``) of its own: a rank that
+        cannot make it once it had entered the data group's all-reduce would leave the others there."""
         ddp = _ddp(model)
         if ddp is None:
             return
@@ -253,14 +268,24 @@ class Group(Solo):
         size = self._dist.get_world_size(ddp.process_group)
         # In buckets of DDP's own size, as DDP reduces them (one collective per gradient would
         # make the timed step far slower than training's); without DDP's overlap with backward,
-        # so a step under DDP is timed a little slower than training runs it.
-        for bucket in _buckets(grads, int(getattr(ddp, "bucket_bytes_cap", 25 * 2**20))):
-            flat = torch._utils._flatten_dense_tensors(bucket)
+        # so a step under DDP is timed a little slower than training runs it. One buffer per
+        # device, its largest bucket's size, serves each bucket in turn: the memory of one bucket
+        # at a time, as before, and one meeting a step, not one a bucket.
+        buckets = _buckets(grads, int(getattr(ddp, "bucket_bytes_cap", 25 * 2**20)))
+        largest: dict[torch.device, int] = {}
+        for bucket in buckets:
+            largest[bucket[0].device] = max(largest.get(bucket[0].device, 0), sum(map(_nbytes, bucket)))
+        with self.meet(phase, batch_size):
+            buffers = {device: torch.empty(n, dtype=torch.uint8, device=device) for device, n in largest.items()}
+        for bucket in buckets:
+            flat = buffers[bucket[0].device][: sum(map(_nbytes, bucket))].view(bucket[0].dtype)
+            views = [part.view(grad.shape) for grad, part in zip(bucket, flat.split([g.numel() for g in bucket]))]
+            for grad, view in zip(bucket, views):
+                view.copy_(grad)
             self._dist.all_reduce(flat, group=ddp.process_group)
             flat.div_(size)
-            for grad, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
-                grad.copy_(synced)
-            del flat
+            for grad, view in zip(bucket, views):
+                grad.copy_(view)
 
     def notes(self, model: nn.Module) -> list[str]:
         ddp = _ddp(model)
@@ -408,13 +433,23 @@ def leads(distributed: bool | None) -> bool:
     return dist.get_world_size() < 2 or dist.get_rank() == 0
 
 
+def _known(exc: BaseException) -> BaseException:
+    """``exc``, marked as met on by every rank: a meeting around the one it leaves does not meet again."""
+    setattr(exc, _MET, True)
+    return exc
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
     """``grads`` in order, in runs of one dtype and device of at most ``cap_bytes`` (a gradient
     larger than the cap is a bucket of its own)."""
     buckets: list[list[torch.Tensor]] = []
     size = 0
     for grad in grads:
-        nbytes = grad.numel() * grad.element_size()
+        nbytes = _nbytes(grad)
         last = buckets[-1] if buckets else None
         if last is None or size + nbytes > cap_bytes or (last[0].dtype, last[0].device) != (grad.dtype, grad.device):
             buckets.append([grad])

@@ -57,6 +57,10 @@ class Solo:
         """The smallest ``value`` over the ranks that know one (``None``: none does)."""
         return value
 
+    def gather(self, value: Any, where: str = "gathering every rank's value") -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order; ``where`` names the meeting in errors."""
+        return [value]
+
     def combine(self, trial: Trial) -> Trial:
         """One trial as the whole group ran it."""
         return trial

@@ -2,6 +2,7 @@
 
 * `fake_trials`: the probe's steps on fake tensors (`FakeProbe`);
 * `estimator`: [`estimate`][batchfit.estimate], the probe's search over fake trials;
+* `sharded`: [`estimate_sharded`][batchfit.estimate_sharded], one rank of an FSDP2 job, in a fake process group;
 * `planning`: [`plan_for`][batchfit.estimation.planning.plan_for], a global batch as micro-batch x
   accumulation x ranks (pure Python: a plan can be made from a result read from JSON);
 * `whatif`: [`what_if`][batchfit.what_if], the estimate under each lever in one table.
@@ -19,11 +20,13 @@ from batchfit._lazy import lazy_surface
 if TYPE_CHECKING:
     from batchfit.estimation.estimator import estimate, split_memory
     from batchfit.estimation.planning import Plan, check_target, plan_for
+    from batchfit.estimation.sharded import estimate_sharded
     from batchfit.estimation.whatif import OPTIONS, WhatIf, what_if
 
 _EXPORTS = {
     "estimate": "batchfit.estimation.estimator",
     "split_memory": "batchfit.estimation.estimator",
+    "estimate_sharded": "batchfit.estimation.sharded",
     "Plan": "batchfit.estimation.planning",
     "check_target": "batchfit.estimation.planning",
     "plan_for": "batchfit.estimation.planning",

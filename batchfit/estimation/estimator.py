@@ -9,8 +9,8 @@ throughput.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -19,9 +19,9 @@ from batchfit.backends import ESTIMATE_TARGETS, EstimateTarget, estimate_target
 from batchfit.errors import NothingFitsError
 from batchfit.estimation.fake_trials import FakeProbe, Untraceable
 from batchfit.estimation.frontier import estimate_frontier
-from batchfit.probe import Options, find_with, search_with
+from batchfit.probe import Options, find_with
 from batchfit.probe.checks import check_work
-from batchfit.probe.finder import described
+from batchfit.probe.finder import described, search_with
 from batchfit.probe.keywords import EstimateOptions
 from batchfit.probe.options import options_from, renamed
 from batchfit.probe.positions import check_seq_len
@@ -32,7 +32,7 @@ from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["FALLBACK_CAP", "TARGETS", "estimate", "split_memory"]
+__all__ = ["FALLBACK_CAP", "TARGETS", "EstimateSetup", "estimate", "refuse_sharded", "split_memory"]
 
 #: The devices an estimate can be for: the device types, and the variants of one (``"rocm"``).
 TARGETS = tuple(target.name for base in ESTIMATE_TARGETS.values() for target in (base, *base.variants))
@@ -98,35 +98,12 @@ def estimate(
         TypeError, ValueError: bad arguments.
     """
     started = time.monotonic()
-    given, amp = options, options.get("amp")
     memory_limit, limit_name = renamed("estimate", "memory", memory, "memory_limit", memory_limit)
-    if memory_limit is None:
-        raise TypeError("estimate() needs memory_limit=: the memory of the device to estimate for, e.g. '80GiB'")
-    target = estimate_target(device)
-    total, kept_aside = split_memory(target, memory_limit, reserve, limit_name)
-    assumptions = _assumptions(target, amp)
-    if kept_aside:
-        said = f"{format_bytes(kept_aside)} of the {format_bytes(total)} are outside the allocator"
-        assumptions.append(f"{said}: {target.context_note}" if reserve is None and target.context_note else said)
-    budget = total - kept_aside
-    if budget <= 0:
-        assumed = " (the CUDA context a GPU keeps outside the allocator, assumed)" if reserve is None else ""
-        raise ValueError(
-            f"reserve {format_bytes(kept_aside)}{assumed} leaves nothing of {limit_name} {format_bytes(total)}: "
-            f"estimate for a device with more memory, pass reserve= what that device keeps outside the allocator, "
-            f"or device='cpu'"
-        )
-    options = options_from("estimate", given, EstimateOptions, device="cpu", memory_limit=budget, distributed=False)
+    setup = EstimateSetup.of(memory_limit, device, reserve, options, limit_name)
+    target, budget, assumptions, options = setup.target, setup.budget, setup.assumptions, setup.options
 
     def marked(result: Result, sized_on: SizedOn | None = None) -> Result:
-        return replace(
-            result,
-            device=replace(result.device, name=f"estimate for {device}", total_bytes=total),
-            estimated=True,
-            assumptions=tuple(assumptions),
-            elapsed_s=time.monotonic() - started,
-            sized_on=sized_on,
-        )
+        return setup.marked(result, started, sized_on)
 
     if seq_lens is not None:
         return _frontier(
@@ -143,6 +120,7 @@ def estimate(
             assumptions,
             marked,
         )
+    refuse_sharded(model)
     check_seq_len(model, options.seq_len)  # before a loader is scanned
     sample, drawn, sized_on = worst_batch(sample, scan_batches=options.scan_batches, seq_len=options.seq_len)
     check_work(model, sample, options)
@@ -154,12 +132,26 @@ def estimate(
             probe.notes.append(drawn)
         result = search_with(probe, options, started, callback=callback)
         if probe.foreach_switched:
-            assumptions.append(_foreach_assumption(sorted(probe.foreach_switched)))
+            assumptions.append(foreach_assumption(sorted(probe.foreach_switched)))
     except Untraceable as untraceable:
         result, said = _extrapolate(model, sample, options, budget, untraceable, started)
         # Real steps ran instead: the fake trace's own assumption no longer holds.
-        assumptions = [line for line in assumptions if line != FAKE_TRACE] + [said]
+        assumptions[:] = [line for line in assumptions if line != FAKE_TRACE] + [said]
     return marked(described(result, sample, options), sized_on)
+
+
+def refuse_sharded(model: Any) -> None:
+    """Refuse a model already sharded in this process: `FakeProbe` swaps fake tensors into its
+    parameter slots, which an FSDP2 shard (a ``DTensor`` FSDP owns) cannot take, and a trace cut
+    short there would leave FSDP's lazy initialisation half done. Raised before anything runs."""
+    if not isinstance(model, nn.Module) or not any(hasattr(p, "to_local") for p in model.parameters()):
+        return
+    raise ValueError(
+        f"the model ({type(model).__name__}) is sharded (its parameters are DTensors, as fully_shard makes them): "
+        "estimate() cannot swap fake tensors into them. Estimate the sharded job from its target instead, in a "
+        "process of its own: batchfit.estimate_sharded('module:factory', world_size) or batchfit estimate TARGET "
+        "--world-size W"
+    )
 
 
 def _frontier(
@@ -196,7 +188,7 @@ def _frontier(
         started=started,
     )
     if switched:
-        assumptions.append(_foreach_assumption(sorted(switched)))
+        assumptions.append(foreach_assumption(sorted(switched)))
     points = tuple(replace(point, result=marked(point.result)) for point in frontier.points)
     return replace(
         frontier,
@@ -211,13 +203,71 @@ def _frontier(
 FAKE_TRACE = "traced on fake tensors: no step ran, no memory was used; nothing is timed, so no throughput"
 
 
-def _foreach_assumption(optimizers: list[str]) -> str:
+def foreach_assumption(optimizers: list[str]) -> str:
     """The line that says the trace stepped ``optimizers`` with foreach, as a GPU would (``foreach_as_on``)."""
     return (
         f"foreach optimizer as on CUDA: {', '.join(optimizers)} left foreach to torch, which picks the foreach "
         "implementation for GPU parameters (one intermediate per parameter live at once in the step, the "
         "trainable weights' size for AdamW); the CPU would run the for-loop"
     )
+
+
+@dataclass
+class EstimateSetup:
+    """What an estimate is for, read once from its arguments (`estimate`, ``estimate_sharded``):
+    the target device, its memory and what of it the trials may use, the assumptions, the options."""
+
+    device: str
+    target: EstimateTarget
+    total: int
+    budget: int
+    assumptions: list[str]
+    options: Options
+
+    @classmethod
+    def of(
+        cls,
+        memory_limit: Any,
+        device: str,
+        reserve: int | str | None,
+        given: Mapping[str, Any],
+        limit_name: str = "memory_limit",
+        extra_reserve: tuple[int, str] | None = None,
+    ) -> EstimateSetup:
+        """Checked, before anything is traced. ``extra_reserve``: bytes (and why) kept aside beside
+        the assumed context when ``reserve`` is not given (a sharded job's NCCL buffers)."""
+        if memory_limit is None:
+            raise TypeError("estimate() needs memory_limit=: the memory of the device to estimate for, e.g. '80GiB'")
+        target = estimate_target(device)
+        total, kept_aside = split_memory(target, memory_limit, reserve, limit_name)
+        assumptions = _assumptions(target, given.get("amp"))
+        if kept_aside:
+            said = f"{format_bytes(kept_aside)} of the {format_bytes(total)} are outside the allocator"
+            assumptions.append(f"{said}: {target.context_note}" if reserve is None and target.context_note else said)
+        if extra_reserve is not None and reserve is None and extra_reserve[0]:
+            kept_aside += extra_reserve[0]
+            assumptions.append(f"{format_bytes(extra_reserve[0])} more are kept aside: {extra_reserve[1]}")
+        budget = total - kept_aside
+        if budget <= 0:
+            assumed = " (the CUDA context a GPU keeps outside the allocator, assumed)" if reserve is None else ""
+            raise ValueError(
+                f"reserve {format_bytes(kept_aside)}{assumed} leaves nothing of {limit_name} {format_bytes(total)}: "
+                f"estimate for a device with more memory, pass reserve= what that device keeps outside the allocator, "
+                f"or device='cpu'"
+            )
+        options = options_from("estimate", given, EstimateOptions, device="cpu", memory_limit=budget, distributed=False)
+        return cls(device, target, total, budget, assumptions, options)
+
+    def marked(self, result: Result, started: float, sized_on: SizedOn | None = None) -> Result:
+        """``result`` as an estimate: for the target device's memory, with the assumptions, timed from ``started``."""
+        return replace(
+            result,
+            device=replace(result.device, name=f"estimate for {self.device}", total_bytes=self.total),
+            estimated=True,
+            assumptions=tuple(self.assumptions),
+            elapsed_s=time.monotonic() - started,
+            sized_on=sized_on,
+        )
 
 
 def split_memory(

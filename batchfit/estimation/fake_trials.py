@@ -12,7 +12,8 @@ How the parts fit:
 * `FakeProbe` stands in for [`Prober`][batchfit.Prober] in
   `search_with`. It swaps fake parameters and buffers into the model's slots
   (tied weights stay tied) and puts the originals back afterwards: the user's tensors are never
-  read, copied or moved, so a model on the ``meta`` device works too.
+  read, copied or moved, so a model on the ``meta`` device works too. A model sharded with FSDP2
+  is made fake in place instead, in a process of its own (`batchfit.estimation.fake_ranks`).
 * The target device decides the meter (``batchfit.backends.simulated.ESTIMATE_TARGETS``). The
   CPU: the live-tensor meter and its limit. CUDA: the same trace fed to a model of its caching allocator
   (``batchfit.backends.allocator_model``: 512-byte rounding, 2 MiB / 20 MiB segments, cached blocks), the
@@ -185,12 +186,25 @@ def foreach_as_on(device_type: str, factory: OptimizerFactory, switched: set[str
 
 
 class FakeProbe:
-    """Trials on fake tensors for `search_with` (see the module docs)."""
+    """Trials on fake tensors for `search_with` (see the module docs).
+
+    ``fake_mode``: the ``FakeTensorMode`` the model and ``sample`` are already fake under (a model
+    sharded with FSDP2, made fake in place: `batchfit.estimation.fake_ranks`). Then nothing is
+    swapped (a parameter is a ``DTensor`` whose shard FSDP owns) and every trial is traced.
+    """
 
     def __init__(
-        self, model: nn.Module, sample: Any, options: Options, target: EstimateTarget, budget_bytes: int
+        self,
+        model: nn.Module,
+        sample: Any,
+        options: Options,
+        target: EstimateTarget,
+        budget_bytes: int,
+        fake_mode: Any = None,
     ) -> None:
         self.options = options
+        #: The mode the model and sample were built under (already fake: nothing is swapped), if any.
+        self._built_fake = fake_mode
         self.mode = options.mode
         self.target = target
         self.ranks = Solo()
@@ -231,14 +245,20 @@ class FakeProbe:
             with self._interrupts.critical():  # the model is swapped whole, or not at all
                 rng = torch.random.get_rng_state()
                 stack.callback(torch.random.set_rng_state, rng)
-                self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-                swap = stack.enter_context(_Swap(self._model, self._fake_mode))
+                if self._built_fake is not None:
+                    self._fake_mode, parameter_of = self._built_fake, None
+                else:
+                    self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+                    parameter_of = stack.enter_context(_Swap(self._model, self._fake_mode)).fake_of
                 # As a probe does: train() for training, eval() for inference, the flags put back after.
                 flags = [(module, module.training) for module in self._model.modules()]
                 stack.callback(lambda: [setattr(module, "training", flag) for module, flag in flags])
                 self._model.train(self.mode == "train")
-            with self._fake_mode:
-                sample = _fake_sample(self._sample) if self._sample is not None else None
+            if self._built_fake is not None:
+                sample = self._sample
+            else:
+                with self._fake_mode:
+                    sample = _fake_sample(self._sample) if self._sample is not None else None
             self._workload = _FakeWorkload(
                 model=self._model,
                 device=torch.device("cpu"),
@@ -246,7 +266,7 @@ class FakeProbe:
                 sample_size=self._sample_size,
                 new_optimizer=foreach_as_on(
                     self.target.device_type,
-                    optimizer_factory(self.options.optimizer, parameter_of=swap.fake_of),
+                    optimizer_factory(self.options.optimizer, parameter_of=parameter_of),
                     self.foreach_switched,
                 ),
                 **Workload.settings_of(self.options),
@@ -337,6 +357,8 @@ class FakeProbe:
         """The templates a replay needs, from two traced steps and a forward (`record`), or why there are none."""
         if self.mode != "train" or self.meter is None or not self.meter.layout_carries:
             return "only a training step under a modelled allocator is replayed"
+        if self._built_fake is not None:
+            return "a model built fake (a sharded one) is traced trial by trial"
         assert self._workload is not None
         if self.meter.reserved_bytes() >= (self.budget_bytes or 0):
             return "the fixed memory alone fills the budget: the first trial fails at once, traced"

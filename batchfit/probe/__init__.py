@@ -18,7 +18,8 @@ they were, and the algorithm that turns trials into an answer.
   (one probe per length, each further one searched from the surface's prediction);
 * `recompute` and `fitting`: activation checkpointing of k of a model's repeated blocks, applied
   and undone exactly, and `fit_with`, the policy that trains a target batch fastest;
-* `jobs`: a prober whose trials are fresh ``torchrun`` jobs (sharded models);
+* `jobs`: a prober whose trials are fresh ``torchrun`` jobs (sharded models); `sharded`:
+  `find_sharded_with`, the search over them, from ``init_batch`` or from a guess;
 * `noise`: `measure_noise`, the gradient noise scale of real batches;
 * `cache`: the result cache (``find(cache=DIR)``: `ResultCache`), keyed
   by `keys` (`probe_key`, `cache_key`), its entries on disk in
@@ -37,24 +38,23 @@ from typing import TYPE_CHECKING
 from batchfit._lazy import lazy_surface
 
 if TYPE_CHECKING:
-    from batchfit.probe.finder import find_with, search_with
+    from batchfit.probe.finder import find_with
     from batchfit.probe.fitting import fit_with
     from batchfit.probe.frontier import PointCallback, check_lengths, frontier_with
-    from batchfit.probe.jobs import JobPerTrial, run_worker_trial, write_verdict
+    from batchfit.probe.jobs import run_worker_trial, write_verdict
     from batchfit.probe.noise import measure_noise
     from batchfit.probe.options import DEFAULT_MAX_BATCH, Options
     from batchfit.probe.positions import position_limit
     from batchfit.probe.prober import Prober
     from batchfit.probe.real_data import is_batch_source
+    from batchfit.probe.sharded import find_sharded_with
 
 _EXPORTS = {
     "find_with": "batchfit.probe.finder",
-    "search_with": "batchfit.probe.finder",
     "fit_with": "batchfit.probe.fitting",
     "PointCallback": "batchfit.probe.frontier",
     "check_lengths": "batchfit.probe.frontier",
     "frontier_with": "batchfit.probe.frontier",
-    "JobPerTrial": "batchfit.probe.jobs",
     "run_worker_trial": "batchfit.probe.jobs",
     "write_verdict": "batchfit.probe.jobs",
     "measure_noise": "batchfit.probe.noise",
@@ -63,6 +63,7 @@ _EXPORTS = {
     "position_limit": "batchfit.probe.positions",
     "Prober": "batchfit.probe.prober",
     "is_batch_source": "batchfit.probe.real_data",
+    "find_sharded_with": "batchfit.probe.sharded",
 }
 #: Names this surface exported before issue 33 that are internals: they still import, with a warning.
 _MOVED = {"own_loss": "batchfit.probe.workload", "worst_batch": "batchfit.probe.real_data"}

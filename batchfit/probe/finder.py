@@ -27,6 +27,7 @@ from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCall
 from batchfit.probe.noise import check_noise_data, measure_noise
 from batchfit.probe.notes import equation_notes, non_monotone, ranks_notes, throughput_notes, trial_notes
 from batchfit.probe.options import Options
+from batchfit.probe.per_rank import per_rank
 from batchfit.probe.positions import prompt_length
 from batchfit.probe.prober import Prober
 from batchfit.probe.probing import FromInit, ProbesTrials, SearchPlan
@@ -210,8 +211,15 @@ def search_with(
             timing_notes += time_safe(run.trials, safe, run.timed, timed_steps)
             timing_notes += unpinned_notes(run.trials, largest, safe, grid)
             timing_s = (timing_s or 0.0) + time.monotonic() - timing_started
-    # 7. The answer (after the prober's __exit__, whose notes it carries).
-    return run.answer(report, memory, safe, verified, safe_notes, timing_notes, timing_s)
+        # 7. Ranks with different budgets: each rank's own max and safe batch (`batchfit.probe.per_rank`).
+        answers, answers_notes = (
+            per_rank(prober, grid, largest, safe, verified, options.verify_steps, options.headroom, run.out_of_time)
+            if isinstance(prober, Prober) and prober.ranks.world_size > 1
+            else ((), [])
+        )
+    # 8. The answer (after the prober's __exit__, whose notes it carries).
+    result = run.answer(report, memory, safe, verified, safe_notes, timing_notes, timing_s)
+    return replace(result, per_rank=answers, notes=(*result.notes, *answers_notes)) if answers else result
 
 
 class SearchRun:

@@ -20,7 +20,10 @@ every trial is a fresh job (DeepSpeed's autotuner does the same):
   ``--trial-timeout`` seconds is killed and reported;
 * with ``--trial-log PATH`` every job's verdicts are appended to a JSON-lines log, and a later run
   with the same settings reuses them instead of running those jobs again (resume after Ctrl-C, a
-  node failure, or a change of search options).
+  node failure, or a change of search options); a verification's entry records the cap it ran under;
+* the first job is `Opening`'s: ``init_batch`` (it tells the driver the budget every rank has), or,
+  for a search from a guess (`batchfit.probe.sharded`), the guessed safe batch's verification, each
+  rank under its own budget less the headroom (the driver learns the budget from that same job).
 
 The search, the safe batch and the result are ``find()``'s own (`batchfit.probe.finder.search_with`);
 `JobPerTrial` stands in for [`Prober`][batchfit.Prober] (both are `ProbesTrials`). Every job starts a fresh
@@ -37,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -45,12 +48,26 @@ from typing import Any
 from batchfit.distributed import Solo, combine_trials
 from batchfit.errors import RankFailedError, RanksTimeoutError
 from batchfit.probe.options import Options
+from batchfit.probe.safe_batch import safe_cap
 from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
 
 #: Steps of a trial in a fresh job: step 1 allocates the optimizer state, step 2 runs with it.
 FRESH_STEPS = 2
 #: The schema of a trial log line.
 LOG_SCHEMA = "batchfit.trial-log/1"
+
+
+@dataclass(frozen=True)
+class Opening:
+    """The first job, which also tells the driver the budget, the device and the limit of every rank.
+
+    ``headroom``: run under each rank's own budget less this fraction (a verification whose cap the
+    driver cannot compute before a job has told it the budget); ``None``: under the budget."""
+
+    batch_size: int
+    kind: TrialKind = "search"
+    steps: int | None = None
+    headroom: float | None = None
 
 
 class _JobRanks(Solo):
@@ -64,7 +81,8 @@ class JobPerTrial:
     """A probe whose every trial is a fresh ``torchrun`` job of ``nproc`` ranks (see the module docs).
 
     ``worker_args``: what follows ``batchfit probe`` for a worker (the target, the device and the
-    memory options); ``key``: the settings a logged verdict must match to be reused.
+    memory options, `batchfit.probe.sharded.worker_args`); ``key``: the settings a logged verdict
+    must match to be reused; ``opening``: the first job (default: ``init_batch``).
     """
 
     def __init__(
@@ -76,8 +94,10 @@ class JobPerTrial:
         log: Path | None = None,
         timeout_s: float = 600.0,
         key: dict[str, Any] | None = None,
+        opening: Opening | None = None,
     ) -> None:
         self.worker_args = list(worker_args)
+        self.opening = opening or Opening(options.grid().init)
         self.options = options
         self.ranks = _JobRanks(nproc)
         self.log = log
@@ -92,15 +112,18 @@ class JobPerTrial:
         self.reserve_bytes = 0
         self.jobs = 0
         self.reused = 0
-        self._first: Trial | None = None
+        self._first: tuple[tuple[int, str, int, int | None], Trial] | None = None
         self._facts: dict[str, Any] = {}
         self._logged = self._read_log()
 
     # lifetime ------------------------------------------------------------------------------------
     def __enter__(self) -> JobPerTrial:
-        """Run the first trial (every search starts at ``init_batch``): it is also what tells the
-        driver the budget, the device and the limit every rank has."""
-        self._first = self.trial(self.options.grid().init)
+        """Run the first job (`Opening`): it is also what tells the driver the budget, the device and
+        the limit every rank has. The search's first trial of the same size, kind, steps and cap is it."""
+        opening = self.opening
+        steps = opening.steps or self.options.steps_per_trial or FRESH_STEPS
+        trial, cap = self._logged_or_run(opening.batch_size, steps, None, opening.headroom)
+        self._first = (opening.batch_size, opening.kind, steps, cap), replace(trial, kind=opening.kind, cap_bytes=cap)
         return self
 
     def __exit__(
@@ -118,20 +141,33 @@ class JobPerTrial:
         fresh_optimizer: bool = False,
         cap_bytes: int | None = None,
     ) -> Trial:
-        """One trial at ``batch_size``: from the log when it holds one, else a job (each rank under
-        ``cap_bytes`` when given; a capped trial is never read from or written to the log)."""
+        """One trial at ``batch_size``: the first job's when it asked the same, else from the log
+        when it holds one, else a job (each rank under ``cap_bytes`` when given)."""
         first, self._first = self._first, None
         steps = steps or self.options.steps_per_trial or FRESH_STEPS
-        if first is not None and first.batch_size == batch_size and kind == "search" and cap_bytes is None:
-            return first
-        verdicts = self._from_log(batch_size, steps) if cap_bytes is None else None
+        if first is not None and first[0] == (batch_size, kind, steps, cap_bytes):
+            return first[1]
+        return replace(self._logged_or_run(batch_size, steps, cap_bytes, None)[0], kind=kind)
+
+    def _logged_or_run(
+        self, batch_size: int, steps: int, cap_bytes: int | None, headroom: float | None
+    ) -> tuple[Trial, int | None]:
+        """The trial from the log, else from a job, logged; and the cap it ran under: ``cap_bytes``,
+        or with ``headroom`` each rank's own budget less it (``None`` when the ranks' caps differ)."""
+        verdicts = self._from_log(batch_size, steps, cap_bytes, headroom)
+        ran = verdicts is None
         if verdicts is None:
-            verdicts = self._run_job(batch_size, steps, cap_bytes)
-            if cap_bytes is None:
-                self._append_log(batch_size, steps, verdicts)
+            verdicts = self._run_job(batch_size, steps, cap_bytes, headroom)
         else:
             self.reused += 1
-        return replace(self._combine(batch_size, verdicts), kind=kind)
+        trial = self._combine(batch_size, verdicts)
+        cap = cap_bytes
+        if headroom is not None:  # each rank capped itself: the group's cap when every rank had the same one
+            group = None if self.budget_bytes is None else safe_cap(self.budget_bytes, headroom)
+            cap = group if {v.get("cap_bytes") for v in verdicts.values()} == {group} else None
+        if ran:
+            self._append_log(batch_size, steps, verdicts, cap, headroom)
+        return trial, cap
 
     def _combine(self, batch_size: int, verdicts: dict[int, dict[str, Any]]) -> Trial:
         for rank, verdict in sorted(verdicts.items()):
@@ -153,7 +189,9 @@ class JobPerTrial:
         return replace(combine_trials([trials[rank] for rank in sorted(trials)], out_of_memory), leaked_bytes=0)
 
     # the job ---------------------------------------------------------------------------------------
-    def _run_job(self, batch_size: int, steps: int, cap_bytes: int | None = None) -> dict[int, dict[str, Any]]:
+    def _run_job(
+        self, batch_size: int, steps: int, cap_bytes: int | None = None, headroom: float | None = None
+    ) -> dict[int, dict[str, Any]]:
         """Start the job, wait for a decision (every rank fitted, or the first failure), and kill
         whatever is left of the job."""
         self.jobs += 1
@@ -165,15 +203,18 @@ class JobPerTrial:
                 "-m", "batchfit", "probe", *self.worker_args,
                 "--trial-batch", str(batch_size), "--trial-steps", str(steps), "--trial-dir", str(out),
                 *(["--trial-cap", str(cap_bytes)] if cap_bytes is not None else []),
+                *(["--trial-headroom", repr(float(headroom))] if headroom is not None else []),
             ]  # fmt: skip
             with open(out / "stderr.txt", "w") as stderr:
-                job = subprocess.Popen(
-                    command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=_worker_env()
-                )
-                try:
+                job: subprocess.Popen[bytes] | None = None
+                try:  # Ctrl-C as soon as the job exists kills it too
+                    job = subprocess.Popen(
+                        command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=_worker_env()
+                    )
                     verdicts = self._wait(job, out, batch_size)
                 finally:
-                    _kill(job, out)
+                    if job is not None:
+                        _kill(job, out)
             return verdicts
 
     def _wait(self, job: subprocess.Popen[bytes], out: Path, batch_size: int) -> dict[int, dict[str, Any]]:
@@ -214,18 +255,34 @@ class JobPerTrial:
                 entries.append(entry)
         return entries
 
-    def _from_log(self, batch_size: int, steps: int) -> dict[int, dict[str, Any]] | None:
+    def _from_log(
+        self, batch_size: int, steps: int, cap_bytes: int | None, headroom: float | None
+    ) -> dict[int, dict[str, Any]] | None:
+        """The verdicts of a logged job with the same settings, size and steps, run under the same
+        cap (``cap_bytes``), or the same ``headroom`` off each rank's budget."""
         for entry in reversed(self._logged):
-            if entry["key"] == self.key and entry["batch_size"] == batch_size and entry["steps"] == steps:
-                return {int(rank): verdict for rank, verdict in entry["ranks"].items()}
+            same = entry["key"] == self.key and entry["batch_size"] == batch_size and entry["steps"] == steps
+            ran_under = entry.get("headroom") if headroom is not None else entry.get("cap_bytes")
+            if same and ran_under == (headroom if headroom is not None else cap_bytes):
+                if headroom is not None or cap_bytes is not None or entry.get("headroom") is None:
+                    return {int(rank): verdict for rank, verdict in entry["ranks"].items()}
         return None
 
-    def _append_log(self, batch_size: int, steps: int, verdicts: dict[int, dict[str, Any]]) -> None:
+    def _append_log(
+        self,
+        batch_size: int,
+        steps: int,
+        verdicts: dict[int, dict[str, Any]],
+        cap_bytes: int | None = None,
+        headroom: float | None = None,
+    ) -> None:
         entry = {
             "schema": LOG_SCHEMA,
             "key": self.key,
             "batch_size": batch_size,
             "steps": steps,
+            "cap_bytes": cap_bytes,
+            "headroom": headroom,
             "ranks": {str(rank): verdict for rank, verdict in verdicts.items()},
         }
         self._logged.append(entry)
@@ -248,6 +305,13 @@ class JobPerTrial:
             self.counts,
             self.budget_bytes,
         )
+
+    def state_bytes(self) -> int:
+        """What a rank holds whatever the batch, as its jobs said: its shards of the weights, of the
+        gradients (training) and of the optimizer state."""
+        facts = self._facts
+        trainable = facts.get("trainable_bytes", 0) if self.options.mode == "train" else 0
+        return int(facts.get("weights_bytes", 0) + trainable + facts.get("optimizer_state_bytes", 0))
 
     #: Every trial is a fresh job: nothing carries from one trial to the next.
     layout_carries = False
@@ -302,9 +366,10 @@ def run_worker_trial(
     out: Path,
     rank: int,
     cap_bytes: int | None = None,
+    headroom: float | None = None,
 ) -> int:
-    """One rank's side of a job: one trial (under ``cap_bytes`` when given), its verdict written
-    before anything can hang."""
+    """One rank's side of a job: one trial (under ``cap_bytes`` when given, or under this rank's
+    budget less ``headroom``), its verdict written before anything can hang."""
     import torch
 
     from batchfit.errors import first_line
@@ -315,6 +380,8 @@ def run_worker_trial(
     try:
         with Prober(model, sample, options=replace(options, distributed=False)) as prober:
             phase = "the trial"
+            if headroom is not None and prober.budget_bytes is not None:
+                cap_bytes = safe_cap(prober.budget_bytes, headroom)
             trial = prober.trial(batch_size, steps=steps, cap_bytes=cap_bytes)
             local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]  # a shard's own bytes
             weights = sum(p.numel() * p.element_size() for p in local)
@@ -322,6 +389,7 @@ def run_worker_trial(
             write_verdict(out, rank, {
                 "trial": asdict(trial),
                 "budget_bytes": prober.budget_bytes,
+                "cap_bytes": cap_bytes,
                 "counts": prober.counts,
                 "device": asdict(prober.device_info),
                 "limit_bytes": prober.limit_bytes,
@@ -347,12 +415,31 @@ def _worker_env() -> dict[str, str]:
 
 
 def _kill(job: subprocess.Popen[bytes], out: Path) -> None:
-    """End the job: the ranks (torchrun starts each in a session of its own) and torchrun."""
+    """End the job: every rank and what it started (torchrun starts each in a session of its own, so
+    a rank is found by its pid file or, before it wrote one, as torchrun's child), then torchrun.
+    torchrun is stopped first, so that it starts no rank while its ranks are being killed."""
+    with contextlib.suppress(OSError):
+        os.killpg(job.pid, signal.SIGSTOP)
+    ranks = set(_children(job.pid))
     for path in out.glob("rank*.pid"):
         with contextlib.suppress(ValueError, OSError):
-            os.kill(int(path.read_text()), signal.SIGKILL)
-    if job.poll() is None:
+            ranks.add(int(path.read_text()))
+    for pid in ranks:
         with contextlib.suppress(OSError):
-            os.killpg(job.pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)  # the rank's session: its own children too
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.killpg(job.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         job.wait(timeout=30)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, read from Linux's /proc (elsewhere none: the pid files remain)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(ValueError, OSError, IndexError):
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:  # "pid (name) state ppid ..."
+                found.append(int(stat.parent.name))
+    return found

@@ -299,6 +299,29 @@ def check_mode_options(options: Options) -> None:
         raise ValueError("eval_step applies with eval=True or mode='eval' only")
 
 
+def check_job_search(options: Options) -> None:
+    """What a search whose every trial is a fresh ``torchrun`` job (`find_sharded`, ``--nproc-per-trial``)
+    cannot honour, named: the ranks run in other processes and build their own model, so this
+    process has no model to run code on, to probe in-process, to measure the noise of or to key."""
+    code = [option.name for option in fields(options) if option.metadata.get("how") == "code"]
+    for name in code:
+        if getattr(options, name) is not None:
+            raise ValueError(
+                f"{name} cannot reach the ranks of a job (each builds its own model in another process): return it "
+                f"from the target's factory instead, in a mapping {{'model': ..., 'sample': ..., {name!r}: ...}}"
+            )
+    refused = {
+        "eval": "eval=True sizes evaluation after training in one process: size it in a job search of its own, "
+        "mode='eval'",
+        "noise_scale": "noise_scale=True measures the gradient noise of a model in this process, which holds none",
+        "cache": "cache keeps the answer of a probe in this process; a job search keeps its jobs in trial_log",
+        "distributed": "distributed: every job's ranks run the model's own collectives, never a probe across ranks",
+    }
+    for name, why in refused.items():
+        if getattr(options, name) not in (None, False):
+            raise ValueError(f"{why} (drop {name})")
+
+
 def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")

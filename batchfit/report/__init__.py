@@ -12,6 +12,9 @@ Pure Python (no torch import): a result can be loaded and read on a machine with
   `recommend`), by the rules of `recommendation_rules`;
 * `batchfit.report.evaluation`, `batchfit.report.generation`: what ``find(eval=True)`` and
   ``mode="generate"`` add to a result ([`Evaluation`][batchfit.Evaluation], [`Generation`][batchfit.Generation]);
+* `batchfit.report.uneven`: ranks that fit different batches: each rank's own answer
+  ([`RankBatch`][batchfit.report.uneven.RankBatch]) and a global batch split unevenly over them
+  ([`UnevenSplit`][batchfit.report.uneven.UnevenSplit]), with the loss weights that keep the mean;
 * `batchfit.report.result`: [`Result`][batchfit.Result] and its versioned JSON document;
 * `batchfit.report.codec`: reading a document back, every field checked against its type and
   the constraints its hint declares (`Batch`, `Bytes`, ...), for other records too;
@@ -35,6 +38,7 @@ from batchfit.report.records import CacheHit, DeviceInfo, Phase, Settings, Sized
 from batchfit.report.result import Result
 from batchfit.report.text import device_text
 from batchfit.report.throughput import Throughput
+from batchfit.report.uneven import RankBatch, UnevenSplit
 
 __all__ = [
     "CacheHit",
@@ -52,6 +56,7 @@ __all__ = [
     "Placement",
     "Policy",
     "PolicyRow",
+    "RankBatch",
     "Recommendation",
     "Result",
     "Settings",
@@ -61,6 +66,7 @@ __all__ = [
     "Trial",
     "TrialKind",
     "Unit",
+    "UnevenSplit",
     "device_text",
     "recommend",
 ]

@@ -55,6 +55,7 @@ from batchfit.report.recommendation_rules import (
     caveats_for,
     split_text,
 )
+from batchfit.report.uneven import UnevenSplit, split_uneven, weights_of
 from batchfit.units import check_positive_int
 
 __all__ = ["Recommendation", "recommend"]
@@ -88,6 +89,10 @@ class Recommendation:
         target: the global batch asked for, in samples (``None``: none).
         target_tokens, seq_len, tokens_per_step: the token view, where a length is known.
         target_changed_by: ``global_batch - target`` (0: reached exactly; ``None``: no target).
+        uneven: with ``recommend(uneven=True)``, the same global batch split over the ranks in
+            proportion to what each fits, with the loss weights that keep the gradient the mean
+            (``None``: not asked). The fields above stay the even split, for comparison;
+            [`uneven_split`][batchfit.distributed.uneven_split] applies this one in a training loop.
     """
 
     batch_size: Annotated[Batch, NotAbove("safe_batch")]
@@ -110,6 +115,7 @@ class Recommendation:
     seq_len: Batch | None = None
     tokens_per_step: Count | None = None
     target_changed_by: int | None = None
+    uneven: UnevenSplit | None = None
 
     def __post_init__(self) -> None:
         # The numbers a step is set up from must agree: a record that says otherwise would mislead
@@ -125,6 +131,8 @@ class Recommendation:
         tokens = None if self.seq_len is None else self.global_batch * self.seq_len
         if self.tokens_per_step != tokens:
             raise ValueError(f"tokens_per_step {self.tokens_per_step} is not global_batch x seq_len ({tokens})")
+        if self.uneven is not None and self.uneven.world_size != self.world_size:
+            raise ValueError(f"the uneven split has {self.uneven.world_size} ranks, world_size is {self.world_size}")
 
     @property
     def exact(self) -> bool:
@@ -169,6 +177,12 @@ class Recommendation:
         ([`reason`][batchfit.ray.WorkerBatch.reason]), then
         one line per caveat (unwrapped; the caller fits them to its width)."""
         lines = [f"{'recommended':<{LABEL}}{self.decision()}", f"{'why':<{LABEL}}{self.reason}"]
+        if self.uneven is not None:
+            uneven = self.uneven
+            lines += [
+                f"{'uneven':<{LABEL}}{uneven.text()} (global batch {uneven.global_batch}): {uneven.reason}",
+                f"{'loss weights':<{LABEL}}{uneven.weights_text()}",
+            ]
         return lines + [f"{'caveat':<{LABEL}}{caveat}" for caveat in self.caveats]
 
     def __str__(self) -> str:
@@ -193,6 +207,7 @@ def recommend(
     target_tokens: int | None = None,
     seq_len: int | None = None,
     world_size: int | None = None,
+    uneven: bool = False,
 ) -> Recommendation:
     """The batch to train with for ``result``, by the rules of this module's docstring.
 
@@ -211,12 +226,17 @@ def recommend(
             the global batch is kept, split over the new ranks, exactly where a split allows and
             otherwise as near as one does, ``target_changed_by`` saying by how much. A caveat says
             it was re-planned, and that the samples/s are those of the probe's ranks.
+        uneven: also split the global batch (the target, else the one the rules chose) over the
+            ranks in proportion to each rank's own safe batch (``result.per_rank``; ranks that
+            probed alike split evenly), with the loss weights that keep the gradient the mean
+            over every sample (`batchfit.report.uneven`): ``Recommendation.uneven``.
 
     Raises:
         TypeError: ``result`` is not a result; a target, ``seq_len`` or ``world_size`` is not an
             int; both targets given.
         ValueError: a target, ``seq_len`` or ``world_size`` is not positive; ``target_tokens``
-            without a known length.
+            without a known length; with ``uneven``: a target below the number of ranks, a rank
+            that fits nothing, or a ``world_size`` other than the ranks that probed apart.
     """
     # Duck-typed (`Measured`): the result module calls this one (Result.recommend), so it is not imported here.
     if not all(hasattr(result, name) for name in _READS):
@@ -227,6 +247,9 @@ def recommend(
     for name, value in (*named, ("world_size", world_size)):
         if value is not None:
             check_positive_int(name, value)
+    if not isinstance(uneven, bool):
+        raise TypeError(f"uneven must be True or False, got {type(uneven).__name__} {uneven!r}")
+    safe_batches = _rank_safe_batches(result, world_size) if uneven else ()
     sized = getattr(result.sized_on, "length", None)
     length = seq_len if seq_len is not None else sized
     if target_tokens is not None and length is None:
@@ -247,6 +270,7 @@ def recommend(
     caveats += caveats_for(result, facts, micro)
     noise = facts.noise
     global_batch = micro * steps * facts.ranks
+    split = None if not uneven else _uneven(target_batch or global_batch, safe_batches, micro, steps)
     return Recommendation(
         batch_size=micro,
         accumulation=steps,
@@ -268,4 +292,44 @@ def recommend(
         seq_len=length,
         tokens_per_step=None if length is None else global_batch * length,
         target_changed_by=None if target_batch is None else global_batch - target_batch,
+        uneven=split,
+    )
+
+
+def _rank_safe_batches(result: Measured, world_size: int | None) -> tuple[int, ...]:
+    """Each rank's safe batch for an uneven split: its own (``result.per_rank``), or the group's
+    on every rank where the ranks probed alike (or one alone). Checked before any split."""
+    per_rank = tuple(getattr(result, "per_rank", ()) or ())
+    probed = len(per_rank) if per_rank else result.world_size
+    if world_size is not None and world_size != probed and per_rank:
+        raise ValueError(
+            f"uneven=True splits over the {probed} ranks that probed, each by its own safe batch; world_size="
+            f"{world_size} asks for other ranks, whose memory the probe did not see: probe on those ranks"
+        )
+    if not per_rank:
+        return (result.safe_batch,) * (world_size or probed)
+    for answer in per_rank:
+        if answer.safe_batch < 1:
+            raise ValueError(f"rank {answer.rank} fits no sample (safe batch {answer.safe_batch})")
+    return tuple(answer.safe_batch for answer in sorted(per_rank, key=lambda a: a.rank))
+
+
+def _uneven(target: int, safe_batches: tuple[int, ...], micro: int, steps: int) -> UnevenSplit:
+    """``target`` split unevenly (`split_uneven`), said against the even split ``micro x steps``."""
+    micro_batches, passes = split_uneven(target, safe_batches)
+    reached = sum(micro_batches) * passes
+    said = f"in proportion to each rank's safe batch ({', '.join(map(str, safe_batches))})"
+    if passes < steps:
+        said += f": {passes} pass{'es' * (passes != 1)} per step instead of {steps} at the even micro-batch {micro}"
+    elif len(set(safe_batches)) == 1:
+        said += ": the ranks fit alike, so the split is even and every weight is 1"
+    if reached != target:
+        said += f"; no uneven split reaches {target} exactly, {reached} is the nearest"
+    return UnevenSplit(
+        micro_batches=micro_batches,
+        accumulation=passes,
+        global_batch=reached,
+        loss_weights=weights_of(micro_batches),
+        safe_batches=safe_batches,
+        reason=said,
     )

@@ -13,6 +13,7 @@ from batchfit.report.memory import MemoryModel
 from batchfit.report.noise import NoiseScale
 from batchfit.report.records import CacheHit, DeviceInfo, Settings, SizedOn, Trial, Unit
 from batchfit.report.throughput import Throughput
+from batchfit.report.uneven import RankBatch
 from batchfit.search.core import StopReason
 
 if TYPE_CHECKING:
@@ -57,6 +58,10 @@ class Result:
             ``None`` for a result measured now.
         evaluation: the evaluation step's answer, when ``find(eval=True)`` sized it beside training's.
         generation: with ``mode="generate"``, the context sized on, the KV cache per token and the tokens/s.
+        per_rank: each rank's own max and safe batch ([`RankBatch`][batchfit.report.uneven.RankBatch]), in
+            rank order, when the ranks that probed together had different budgets (mixed cards, a
+            shared device); ``()`` otherwise. ``max_batch`` and ``safe_batch`` stay the group's (what
+            fits on every rank); ``recommend(uneven=True)`` splits a global batch by these.
     """
 
     #: The schema its JSON document names (see `to_json`).
@@ -90,6 +95,7 @@ class Result:
     from_cache: CacheHit | None = None
     evaluation: Evaluation | None = None
     generation: Generation | None = None
+    per_rank: tuple[RankBatch, ...] = field(default=())
 
     @property
     def eval_max_batch(self) -> int | None:
@@ -128,16 +134,24 @@ class Result:
         target_tokens: int | None = None,
         seq_len: int | None = None,
         world_size: int | None = None,
+        uneven: bool = False,
     ) -> Recommendation:
         """The batch to train with, and the accumulation and ranks that reach it, with the bound
         that decided and why ([`batchfit.report.recommendation.recommend`][batchfit.recommend]): the memory bound,
         the throughput knee, the noise scale when measured, and a target global batch (or tokens
         per step at ``seq_len``) when given. ``world_size``: train on that many ranks instead of
-        the ranks that probed (an elastic re-plan: the same global batch, no new probe)."""
+        the ranks that probed (an elastic re-plan: the same global batch, no new probe). ``uneven``: also
+        split that global batch over the ranks by what each fits (``per_rank``), with the loss weights
+        that keep the gradient the mean (``Recommendation.uneven``)."""
         from batchfit.report.recommendation import recommend
 
         return recommend(
-            self, target_batch=target_batch, target_tokens=target_tokens, seq_len=seq_len, world_size=world_size
+            self,
+            target_batch=target_batch,
+            target_tokens=target_tokens,
+            seq_len=seq_len,
+            world_size=world_size,
+            uneven=uneven,
         )
 
     @property

@@ -37,6 +37,11 @@ def render_text(result: Result) -> str:
             f"ranks              {result.world_size}: batch sizes per rank; "
             f"global max batch {result.global_max_batch}, global safe batch {result.global_safe_batch}"
         )
+    for answer in result.per_rank:
+        lines.append(
+            f"{f'rank {answer.rank}':<18} max batch {answer.max_batch}, safe batch {answer.safe_batch} "
+            f"({'verified' if answer.safe_verified else 'NOT verified'}) on {format_bytes(answer.budget_bytes)}"
+        )
     if result.throughput is not None:
         lines.append(f"throughput knee    {result.throughput.knee_batch}")
     lines += [f"{label:<18} {value}" for label, value in evaluation_rows(result) + generation_rows(result)]

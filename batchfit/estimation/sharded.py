@@ -1,0 +1,209 @@
+"""``estimate_sharded``: the per-rank answer of an FSDP2 job of ``world_size`` ranks, without the cluster.
+
+Two halves. `estimate_in_group` runs in a process that is rank 0 of a fake process group
+(`batchfit.estimation.fake_ranks.fake_group`) and has the target's builder: the probe's search over
+`ShardedProbe`'s trials (each one a fresh build on fake tensors, as a job per trial would run it).
+`estimate_sharded` is the Python way in: it starts that process (``batchfit estimate TARGET
+--world-size W``, given its keywords as JSON), so no process group, fake mode or sharded model is
+left in the caller's process, and reads the [`Result`][batchfit.Result] back from its JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchfit.errors import NothingFitsError
+from batchfit.report import Result, Trial
+from batchfit.units import format_bytes
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from batchfit.probe.keywords import EstimateOptions
+
+__all__ = ["NCCL_RESERVE_BYTES", "estimate_in_group", "estimate_sharded", "sharded_assumptions"]
+
+#: Kept aside on a GPU target for NCCL's buffers (outside the caching allocator) unless ``reserve=`` is given.
+NCCL_RESERVE_BYTES = 512 * 2**20
+
+
+def estimate_sharded(
+    target: str,
+    world_size: int,
+    *,
+    memory_limit: int | str | None = None,
+    device: str = "cpu",
+    reserve: int | str | None = None,
+    timeout_s: float | None = None,
+    **options: Unpack[EstimateOptions],
+) -> Result:
+    """Estimate one rank's answer for ``target`` sharded with FSDP2 over ``world_size`` ranks, in a fresh process.
+
+    ``target`` is what ``batchfit probe`` takes (``"mymodels:build"``, ``"path/to/file.py:build"``):
+    a factory that returns ``(model, sample)`` (or the dict form, with ``optimizer`` and the other
+    keys). It is called after the process joined a fake process group of ``world_size`` ranks as
+    rank 0, so its ``fully_shard`` calls shard as on the cluster; build the model on the CPU or on the
+    ``meta`` device (no memory then). The other keywords are [`batchfit.estimate`][batchfit.estimate]'s,
+    JSON values only (an object cannot cross into the process: give it from the target). A model
+    fake tensors cannot trace runs rank 0's real CPU steps instead (for ``device="cpu"`` within
+    256 MiB; the assumptions say so).
+
+    Returns:
+        The [`Result`][batchfit.Result] (``estimated=True``, ``world_size`` = ``world_size``): the
+        per-rank max and safe batch; ``global_max_batch`` and ``global_safe_batch`` are the global
+        batch; ``assumptions`` say what is and is not modelled.
+
+    Raises:
+        TypeError, ValueError: bad arguments, a model not sharded as ``world_size`` says, a mesh the
+            fake group cannot build (before anything is traced).
+        NothingFitsError: not even ``init_batch`` fits one rank's memory.
+        RuntimeError: the process failed otherwise (its message says how).
+    """
+    from batchfit.estimation.estimator import EstimateSetup
+    from batchfit.estimation.fake_ranks import check_world_size
+
+    check_world_size(world_size)
+    if not isinstance(target, str) or ":" not in target.strip(":"):
+        raise TypeError(f"target must be a 'module:factory' or 'path/to/file.py:factory' string, got {target!r}")
+    EstimateSetup.of(memory_limit, device, reserve, options)  # every keyword checked here, before the process
+    keywords = {"memory_limit": memory_limit, "device": device, "reserve": reserve, **options}
+    for name, value in keywords.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"{name}= is a {type(value).__name__}, which cannot cross into the estimate's process: give it from "
+                f"the target (a factory returning a dict with '{name}'), or a JSON value"
+            ) from None
+    with tempfile.TemporaryDirectory(prefix="batchfit-sharded-") as folder:
+        request, out = Path(folder) / "keywords.json", Path(folder) / "result.json"
+        request.write_text(json.dumps(keywords))
+        command = [
+            sys.executable, "-m", "batchfit", "estimate", target, "--world-size", str(world_size),
+            "--keywords-json", str(request), "--json", str(out),
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        document = json.loads(out.read_text()) if out.exists() else None
+    if isinstance(document, dict) and "schema" in document:
+        return Result.from_dict(document)
+    raise _failure(document, done)
+
+
+def _failure(document: Any, done: subprocess.CompletedProcess[str]) -> Exception:
+    """The estimate's process's error, as the type it raised where that is one of ours to raise."""
+    said = document.get("error") if isinstance(document, dict) else None
+    if not isinstance(said, dict):
+        tail = (done.stderr or "")[-2000:]
+        return RuntimeError(f"the sharded estimate's process ended (exit code {done.returncode}) with:\n{tail}")
+    kind, message = said.get("type"), str(said.get("message"))
+    if kind == "NothingFitsError":
+        fields = said.get("fields", {})
+        return NothingFitsError(**fields)
+    if kind in ("TypeError", "ValueError"):
+        return TypeError(message) if kind == "TypeError" else ValueError(message)
+    return RuntimeError(f"the sharded estimate raised {kind}: {message}")
+
+
+def error_document(exc: BaseException) -> dict[str, Any]:
+    """What the estimate's process writes instead of a result: `estimate_sharded` raises it again."""
+    said: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, NothingFitsError):
+        said["fields"] = {
+            name: getattr(exc, name)
+            for name in ("batch_size", "needed_bytes", "budget_bytes", "phase", "cause", "advice")
+        }
+    elif isinstance(exc, (TypeError, ValueError)):
+        said["type"] = "TypeError" if isinstance(exc, TypeError) else "ValueError"
+    return {"error": said}
+
+
+def sharded_assumptions(world_size: int, device_type: str, reserve: Any) -> list[str]:
+    """What a sharded estimate models and what it does not, said in its result."""
+    said = [
+        f"rank 0 of {world_size} on torch's fake process group: FSDP2's own code allocated the all-gathered units "
+        "(the prefetched next one too), the reduce-scattered gradient shards and the shards' optimizer state; the "
+        "collectives moved no data. Ranks whose programs differ from rank 0's are not modelled",
+        "not modelled: the communication library's own buffers (NCCL's live outside the allocator"
+        + (
+            f": {format_bytes(NCCL_RESERVE_BYTES)} are kept aside for them; reserve= sets what the cluster's keep"
+            if device_type != "cpu" and reserve is None and world_size > 1
+            else "; reserve= keeps room for them"
+        )
+        + "), CPU offload (refused), activation memory of other parallelisms",
+    ]
+    if device_type != "cpu":
+        said.append(
+            "FSDP's all-gather and reduce-scatter run on streams of their own on a GPU; the modelled allocator "
+            "serves them from the compute stream's pool (per-stream pools can reserve more)"
+        )
+    return said
+
+
+def estimate_in_group(
+    build: Callable[[], tuple[Any, Any, Any]],
+    world_size: int,
+    *,
+    where: str = "the target",
+    memory_limit: int | str | None = None,
+    device: str = "cpu",
+    reserve: int | str | None = None,
+    callback: Callable[[Trial], None] | None = None,
+    **options: Any,
+) -> Result:
+    """`estimate_sharded`'s answer in this process, which is rank 0 of a fake group of ``world_size``.
+
+    ``build()`` builds the target afresh each time (``(model, sample, optimizer or None)``: an
+    optimizer the target made, over that build's parameters); ``where`` names the target in errors.
+    """
+    from batchfit.estimation.estimator import EstimateSetup, foreach_assumption
+    from batchfit.estimation.fake_ranks import ShardedProbe, check_sharded, check_world_size
+    from batchfit.probe.checks import check_work
+    from batchfit.probe.finder import described, search_with
+    from batchfit.probe.real_data import worst_batch
+
+    started = time.monotonic()
+    check_world_size(world_size)
+    nccl = (NCCL_RESERVE_BYTES, "NCCL's buffers on each rank (assumed)") if world_size > 1 else None
+    setup = EstimateSetup.of(memory_limit, device, reserve, options, extra_reserve=None if device == "cpu" else nccl)
+    options_ = setup.options
+    model, sample, _ = build()
+    check_sharded(model, world_size, where)
+    check_work(model, sample, options_)
+    sample, drawn, sized_on = worst_batch(sample, scan_batches=options_.scan_batches, seq_len=options_.seq_len)
+    previous = [model]
+
+    def fresh() -> tuple[Any, Any, Any]:
+        """The target built again, as a job would: the same object twice is no fresh build."""
+        built, _, optimizer = build()
+        if any(built is seen for seen in previous):
+            raise ValueError(
+                f"{where} gave the same model object twice: a sharded estimate builds the target afresh for every "
+                "trial, as a job per trial does; name a factory that builds the model"
+            )
+        previous[:] = [built]
+        check_sharded(built, world_size, where)
+        return built, None, optimizer
+
+    del model
+    probe = ShardedProbe(fresh, sample, options_, setup.target, setup.budget, world_size)
+    probe.sized_on = sized_on
+    if drawn is not None:
+        probe.notes.append(drawn)
+    result = search_with(probe, options_, started, callback=callback)
+    setup.assumptions[1:1] = sharded_assumptions(world_size, setup.target.device_type, reserve)
+    if probe.real is not None:  # real steps ran instead of the trace: its assumption no longer holds
+        setup.assumptions[0] = (
+            f"ran real CPU steps of rank 0 in the fake process group, under the live-tensor meter, a fresh build per "
+            f"trial, instead of a trace: the model does data-dependent work that fake tensors cannot trace "
+            f"({probe.real}); nothing is timed"
+        )
+    if probe.foreach_switched:
+        setup.assumptions.append(foreach_assumption(sorted(probe.foreach_switched)))
+    return setup.marked(described(result, sample, options_), started, sized_on)

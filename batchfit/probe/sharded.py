@@ -1,0 +1,146 @@
+"""A sharded model's search whose every trial is a fresh ``torchrun`` job, from ``init_batch`` or from a guess.
+
+One path for [`batchfit.find_sharded`][batchfit.find_sharded] and ``batchfit probe TARGET
+--nproc-per-trial N``: the workers' command line is built from the [`Options`][batchfit.Options] here
+(`worker_args`), the jobs are `batchfit.probe.jobs`' (`JobPerTrial`), and the search, the safe batch
+and the [`Result`][batchfit.Result] are `find()`'s own (`search_with`).
+
+From a guess (`FromGuess`: a safe batch per rank, or a `Result` whose safe batch and memory line
+aim it, such as an estimate or an earlier answer), the first job is the guessed safe batch's
+verification, each rank under its own budget less the headroom; its peak and the bytes per sample
+put the next job on the boundary, and one more job shows the size above it fails. When the guess
+holds, that is three jobs for an exact, verified answer, where a search from ``init_batch`` needs
+about six; when it does not, the search goes on (`search_near`) and stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchfit.probe.finder import search_with
+from batchfit.probe.jobs import JobPerTrial, Opening
+from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
+from batchfit.probe.options import Options
+from batchfit.probe.probing import Oracle
+from batchfit.report import MemoryModel, Result, Trial, Unit
+from batchfit.search import Grid, SearchReport, Strategy, search, search_near
+from batchfit.version import __version__
+
+#: The options a job's ranks need on their command line, where not at their default (each rank
+#: builds its own model, batches and step, and waits for the others); the search's options stay with
+#: the driver, and a code option comes from the target.
+WORKER_OPTIONS = (
+    "device", "memory_limit", "reserve", "amp", "mode", "max_new_tokens", "seq_len", "scan_batches", "rank_timeout"
+)  # fmt: skip
+
+
+def worker_args(target: str, options: Options) -> list[str]:
+    """What follows ``batchfit probe`` on a rank of every job: the target and the options its trial needs."""
+    args, defaults = [target], Options()
+    for name in WORKER_OPTIONS:
+        value = getattr(options, name)
+        if value != getattr(defaults, name):  # a None here is scan_batches' "all"
+            args += ["--" + name.replace("_", "-"), "all" if value is None else str(value)]
+    return args
+
+
+def find_sharded_with(
+    target: str,
+    nproc: int,
+    options: Options,
+    *,
+    trial_log: str | os.PathLike[str] | None,
+    trial_timeout: float,
+    guess: int | Result | None = None,
+    callback: TrialCallback | None = None,
+    on_trial_start: StartCallback | None = None,
+    on_start: ProbeStartCallback | None = None,
+) -> Result:
+    """[`find_sharded`][batchfit.find_sharded] for callers that hold checked input (the CLI included).
+
+    Raises:
+        TypeError: ``guess`` is neither an int nor a `Result`.
+    """
+    import torch
+
+    started = time.monotonic()
+    args = worker_args(target, options)
+    key = {"target": target, "nproc": nproc, "worker": args[1:], "torch": torch.__version__, "batchfit": __version__}
+    log = Path(trial_log) if trial_log is not None else None
+    opening: Opening | None = None
+    slope: float | None = None
+    if guess is not None:
+        safe, slope = aim(guess, options.grid())
+        opening = Opening(safe)
+        if options.verify_steps:  # the headroom off each rank's budget: none at init_batch (`SearchRun.verify_cap`)
+            headroom = options.headroom if safe > options.grid().init else None
+            opening = Opening(safe, "verify", options.verify_steps, headroom)
+    prober = JobPerTrial(args, nproc, options, log=log, timeout_s=trial_timeout, key=key, opening=opening)
+    plan = None
+    if opening is not None:
+        plan = FromGuess(
+            opening.batch_size, slope, prober.state_bytes, opening.kind == "verify", options.make_strategy()
+        )
+    return search_with(
+        prober, options, started, callback=callback, on_trial_start=on_trial_start, on_start=on_start, plan=plan
+    )
+
+
+def aim(guess: int | Result, grid: Grid) -> tuple[int, float | None]:
+    """The safe batch a guess predicts, on the grid, and its bytes per sample when it knows them."""
+    if isinstance(guess, Result):
+        safe, memory = guess.safe_batch, guess.memory
+        slope = memory.per_sample_bytes if memory is not None and memory.per_sample_bytes > 0 else None
+    elif isinstance(guess, int) and not isinstance(guess, bool):
+        safe, slope = guess, None
+    else:
+        raise TypeError(
+            f"guess must be a safe batch per rank (an int) or a batchfit.Result (an estimate, an earlier answer), "
+            f"got {type(guess).__name__}"
+        )
+    return max(grid.init, min(grid.top, grid.floor(max(safe, 1)))), slope
+
+
+@dataclass(frozen=True)
+class FromGuess:
+    """The job search from a guessed safe batch (a `SearchPlan`): the first trial is its verification
+    (the prober's first job, `Opening`), then `search_near` from the boundary that trial's peak and
+    the bytes per sample predict (the guess's, else the peak less the model's state per sample).
+    A guess too high (its trial failed) is no place to start from: `find`'s search from ``init_batch``
+    follows, as it would have without the guess, one job later."""
+
+    safe: int
+    per_sample_bytes: float | None
+    state_bytes: Callable[[], int]
+    verifies: bool
+    strategy: Strategy
+    #: A verification is the safe batch only where the memory line agrees to the batch: the answer
+    #: is the one a search from ``init_batch`` gives.
+    keep_verified_within: float = 0.0
+
+    def search(
+        self, oracle: Oracle, grid: Grid, *, should_stop: Callable[[], bool], budget_bytes: int | None
+    ) -> SearchReport:
+        """`search_near`, anchored on the first job's trial at the guessed safe batch."""
+        first = oracle(self.safe, kind="verify") if self.verifies else oracle(self.safe)
+        slope = self.per_sample_bytes
+        if slope is None and first.fits and first.peak_bytes is not None:
+            measured = (first.peak_bytes - self.state_bytes()) / self.safe
+            slope = measured if measured > 0 else None
+        if not first.fits:
+            return search(oracle, grid, strategy=self.strategy, should_stop=should_stop, budget_bytes=budget_bytes)
+        guess = float(self.safe)
+        if first.fits and first.peak_bytes is not None and budget_bytes is not None and slope:
+            guess = self.safe + (budget_bytes - first.peak_bytes) / slope
+        guess = guess if math.isfinite(guess) else float(grid.top)
+        anchor = (self.safe, lambda size: first)  # run already: it opened the search
+        return search_near(oracle, grid, guess, slope or 0.0, budget_bytes, should_stop, anchor=anchor)
+
+    def memory_hint(self, trials: list[Trial], budget: int | None, unit: Unit) -> MemoryModel | None:
+        """No hint: the trials measure the memory line (`FromInit`'s)."""
+        return None

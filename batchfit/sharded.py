@@ -1,0 +1,164 @@
+"""[`find_sharded`][batchfit.find_sharded]: a sharded model's batch sizes, every trial a fresh ``torchrun`` job.
+
+The Python way in, and the command line's (``batchfit probe TARGET --nproc-per-trial N`` calls it):
+the arguments checked before any job, the search started from the sharded estimate where one can be
+made (`batchfit.estimation.sharded`), the jobs and the search run by `batchfit.probe.sharded`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from batchfit.errors import first_line
+from batchfit.probe import Options
+from batchfit.probe.keywords import EstimateOptions, FindOptions, keywords_of, split_hooks
+from batchfit.probe.options import check_job_search
+from batchfit.report import Result
+from batchfit.units import parse_memory_limit
+from batchfit.view.progress import Progress
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from batchfit.probe.keywords import FindKeywords
+
+__all__ = ["find_sharded"]
+
+
+def find_sharded(
+    target: str,
+    nproc: int,
+    *,
+    trial_log: str | os.PathLike[str] | None = None,
+    trial_timeout: float = 600.0,
+    guess: int | Result | None = None,
+    estimate: bool = True,
+    **keywords: Unpack[FindKeywords],
+) -> Result:
+    """[`find`][batchfit.find] for a sharded model (FSDP, FSDP2): every trial a fresh `torchrun` job of `nproc` ranks.
+
+    Each rank joins the process group, then calls the target's factory (so it may call
+    `fully_shard`), runs one trial with the model's own collectives and writes its verdict; the
+    first rank out of memory ends its job at once, so no rank waits in a collective
+    (`batchfit.probe.jobs`). The search, the safe batch and the answer are `find`'s, from this
+    process, which loads no model. `batchfit probe TARGET --nproc-per-trial N` runs the same.
+
+    Args:
+        target: `"package.module:factory"` or `"path/to/file.py:factory"`, a factory that returns
+            `(model, sample)` or a mapping with `model`, `sample` and optionally `optimizer`,
+            `loss_fn`, `step_fn`, ... (what `batchfit probe` takes).
+        nproc: the ranks of every job (`--nproc-per-node`); batch sizes are per rank.
+        trial_log: a JSON-lines file every job's verdicts are appended to; a later call with the
+            same settings reuses them instead of running those jobs again (resume after Ctrl-C).
+        trial_timeout: seconds a job may take to answer before it is killed and reported.
+        guess: where to start: the safe batch per rank you expect (an `int`), or a `Result` (an
+            estimate, an earlier answer) whose safe batch and bytes per sample aim the search. The
+            first job verifies that safe batch, the next goes to the boundary: three jobs when the
+            guess holds, and the answer is exact either way. `None`: from the estimate (below), else
+            from `init_batch`.
+        estimate: without a `guess`, start from the sharded estimate
+            (`batchfit.estimation.sharded.estimate_sharded`, on fake tensors with a fake process
+            group of `nproc` ranks, in seconds and no job); it needs `memory_limit` as a size.
+            When it cannot be made, the search starts from `init_batch` and a note says why.
+        **keywords: `find`'s options and hooks. The code options (`loss_fn`, `optimizer`, ...) come
+            from the target instead; `eval`, `noise_scale`, `cache` and `distributed` are refused.
+            On CPU without `memory_limit` each rank takes the command line's 256 MiB.
+
+    Returns:
+        The frozen [`Result`][batchfit.Result], per rank, as `find` gives it (`world_size` is `nproc`).
+
+    Raises:
+        TypeError, ValueError: a bad argument, named, before any job starts.
+        RankFailedError: a rank failed with an error that is not an out-of-memory.
+        RanksTimeoutError: a job gave no answer within `trial_timeout`.
+        NothingFitsError: even the first size runs out of memory.
+    """
+    check_sharded_call(target, nproc, trial_log, trial_timeout, guess)
+    if not isinstance(estimate, bool):
+        raise TypeError(f"estimate must be True or False, got {estimate!r}")
+    hooks, given = split_hooks("find_sharded", keywords, FindOptions)
+    options = Options(**given)
+    check_job_search(options)
+    progress = hooks.pop("progress", False)
+    started = time.monotonic()
+    from batchfit.probe import find_sharded_with  # torch, once a job runs
+
+    said: list[str] = []
+    if guess is None and estimate:
+        guess, said = estimated_guess(target, nproc, options, trial_timeout)
+    run = {"trial_log": trial_log, "trial_timeout": trial_timeout, "guess": guess}
+    if not progress:
+        result = find_sharded_with(target, nproc, options, **run, **hooks)
+    else:
+        told = (hooks.get(name) for name in ("callback", "on_trial_start", "on_start"))
+        with Progress(target, *told) as shown:
+            result = find_sharded_with(target, nproc, options, **run, **shown.callbacks())
+            shown.summary(result)
+    return replace(result, notes=(*said, *result.notes), elapsed_s=time.monotonic() - started)
+
+
+def check_sharded_call(target: Any, nproc: Any, trial_log: Any, trial_timeout: Any, guess: Any) -> None:
+    """`find_sharded`'s own arguments, named when wrong, before any job starts."""
+    if not isinstance(target, str):
+        raise TypeError(f"target must be a str, 'package.module:factory', got {type(target).__name__}")
+    where, _, factory = target.rpartition(":")
+    if not (where and factory):
+        raise ValueError(
+            f"target must name a factory as 'package.module:factory' or 'path/to/file.py:factory', got {target!r}"
+        )
+    if isinstance(nproc, bool) or not isinstance(nproc, int):
+        raise TypeError(f"nproc must be a positive int (the ranks of every job), got {type(nproc).__name__} {nproc!r}")
+    if nproc < 1:
+        raise ValueError(f"nproc must be a positive int (the ranks of every job), got {nproc}")
+    if trial_log is not None and not (isinstance(trial_log, (str, os.PathLike)) and os.fspath(trial_log)):
+        raise TypeError(f"trial_log must be a file path (a str or os.PathLike) or None, got {trial_log!r}")
+    timeout = trial_timeout
+    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not number or not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"trial_timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if not (guess is None or isinstance(guess, Result) or isinstance(guess, int) and not isinstance(guess, bool)):
+        raise TypeError(
+            f"guess must be a safe batch per rank (an int), a batchfit.Result (an estimate, an earlier answer) or "
+            f"None, got {type(guess).__name__}"
+        )
+    if isinstance(guess, int) and guess < 1:
+        raise ValueError(f"guess must be a positive batch size, got {guess}")
+
+
+def estimated_guess(
+    target: str, nproc: int, options: Options, timeout_s: float
+) -> tuple[Result | None, list[str]]:
+    """The sharded estimate the search starts from, and a note; `None` and why not, when it cannot be made
+    (within ``timeout_s``, as a job)."""
+    limit = options.memory_limit
+    try:
+        parse_memory_limit(limit, None) if limit is not None else None
+    except ValueError:
+        limit = None  # a fraction: the device's size is not known here
+    if limit is None:
+        return None, ["the search started from init_batch: the sharded estimate needs memory_limit as a size"]
+    from batchfit.backends import default_device
+    from batchfit.estimation import estimate_sharded
+
+    device = str(options.device or default_device()).split(":")[0]
+    defaults = Options()
+    keywords = {
+        name: getattr(options, name)
+        for name in keywords_of(EstimateOptions)
+        if getattr(options, name) != getattr(defaults, name) and isinstance(getattr(options, name), (str, int, float))
+    }
+    started = time.monotonic()
+    try:
+        estimated = estimate_sharded(
+            target, nproc, memory_limit=limit, device=device, reserve=options.reserve, timeout_s=timeout_s, **keywords
+        )
+    except Exception as exc:  # noqa: BLE001 (the jobs still give the answer; the note says why they started low)
+        return None, [f"the search started from init_batch: the sharded estimate failed ({first_line(exc)})"]
+    return estimated, [
+        f"the search started from the sharded estimate (max batch {estimated.max_batch}, safe batch "
+        f"{estimated.safe_batch} per rank, made in {time.monotonic() - started:.1f} s, no job)"
+    ]
