@@ -429,3 +429,27 @@ def test_a_rank_killed_mid_probe_is_named_as_gone_not_as_a_timeout(tmp_path: Pat
     assert re.search(r", at \d\d:\d\d:\d\d UTC, \d+\.\d s into the meeting:", raised["message"]), raised
     assert "it exited, crashed or was killed" in raised["message"]
     assert "within 60 s" not in raised["message"]
+
+
+@pytest.mark.distributed
+def test_a_rank_that_cannot_make_the_gradient_bucket_fails_the_trial_before_the_all_reduce(tmp_path: Path) -> None:
+    """Rank 1 holds the step's gradients but not the buffer DDP's buckets are all-reduced through
+    (``tests/bucket_job.py``): the ranks agree on that before rank 0 enters the all-reduce, so the
+    trial is rank 1's out-of-memory at the step on both ranks and the search goes on, where rank 0
+    used to wait in the all-reduce until the rank timeout (20 s) ended the probe on both."""
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "bucket_job.py"), str(tmp_path)], capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, record in enumerate(records):
+        assert "crash" not in record, f"rank {rank}:\n{record['crash']}"
+    result = records[0]["result"]
+    assert records[1]["result"] == result
+    bucket = f"you tried to allocate {records[0]['bucket_bytes']} bytes"  # the whole bucket, nothing else
+    failed = [(batch, phase, message) for batch, fits, phase, message in result["trials"] if not fits]
+    assert failed, result["trials"]
+    for _, phase, message in failed:
+        assert phase == "step" and message.startswith("rank 1: OutOfMemoryError") and bucket in message, message
+    assert 1 <= result["safe_batch"] <= result["max_batch"] < min(batch for batch, _, _ in failed)
+    assert result["per_rank"][1][1] == result["max_batch"] < result["per_rank"][0][1]  # rank 1's limit, not rank 0's

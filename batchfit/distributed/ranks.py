@@ -64,7 +64,7 @@ __all__ = ["Group", "combine_trials", "leads", "ranks_for"]
 
 #: What gloo says when a peer's connection closes (the process exited or was killed).
 _GONE = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refused", re.IGNORECASE)
-#: Set on an exception that left a meeting (see `_known`).
+#: The number of the meeting an exception left (every rank met on it): a meeting around that one does not.
 _MET = "_batchfit_ranks_met"
 
 
@@ -117,12 +117,13 @@ class Group(Solo):
 
     @contextlib.contextmanager
     def meet(self, phase: str, batch_size: int | None = None) -> Iterator[None]:
+        entered = self._meetings
         try:
             yield
         except (PeerOutOfMemory, RankFailedError, RanksTimeoutError, GeneratorExit):
             raise  # raised by a meeting: every rank already knows
         except BaseException as exc:
-            if getattr(exc, _MET, False):
+            if getattr(exc, _MET, 0) > entered:
                 raise  # it left a meeting inside this one (`sync_gradients`'): every rank met on it
             status = FAILED
             if isinstance(exc, KeyboardInterrupt):
@@ -130,7 +131,8 @@ class Group(Solo):
             elif is_oom(exc):
                 status = OUT_OF_MEMORY
             self._meet(status, phase, batch_size, _report(exc))
-            raise _known(exc)
+            setattr(exc, _MET, self._meetings)
+            raise
         self._meet(OK, phase, batch_size, "")
 
     def _meet(self, status: int, phase: str, batch_size: int | None, message: str) -> None:
@@ -163,7 +165,9 @@ class Group(Solo):
         if worst == INTERRUPTED:
             if status == INTERRUPTED:
                 return
-            raise _known(KeyboardInterrupt(f"rank {first[INTERRUPTED]} was interrupted during {where}: every rank stops"))
+            interrupt = KeyboardInterrupt(f"rank {first[INTERRUPTED]} was interrupted during {where}: every rank stops")
+            setattr(interrupt, _MET, self._meetings)
+            raise interrupt
         oom = next(r for r, (s, _) in enumerate(reports) if s == OUT_OF_MEMORY)
         self._out_of_memory = (oom, reports[oom][1])
         self._out_of_memory_ranks.update(r for r, (s, _) in enumerate(reports) if s == OUT_OF_MEMORY)
@@ -258,9 +262,8 @@ class Group(Solo):
 
     def sync_gradients(self, model: nn.Module, phase: str = "step", batch_size: int | None = None) -> None:
         """All-reduce (average) the gradients over DDP's own process group, as DDP would have in
-        backward: the ranks agreed that backward worked everywhere before this runs. The buffer
-        the buckets pass through is made first, in a meeting (at ``phase``) of its own: a rank that
-        cannot make it once it had entered the data group's all-reduce would leave the others there."""
+        backward: the ranks agreed that backward worked everywhere, and in a meeting at ``phase`` that
+        each made the buffer the buckets pass through, before any rank enters an all-reduce."""
         ddp = _ddp(model)
         if ddp is None:
             return
@@ -268,24 +271,20 @@ class Group(Solo):
         size = self._dist.get_world_size(ddp.process_group)
         # In buckets of DDP's own size, as DDP reduces them (one collective per gradient would
         # make the timed step far slower than training's); without DDP's overlap with backward,
-        # so a step under DDP is timed a little slower than training runs it. One buffer per
-        # device, its largest bucket's size, serves each bucket in turn: the memory of one bucket
-        # at a time, as before, and one meeting a step, not one a bucket.
+        # so a step under DDP is timed a little slower than training runs it. One buffer per device,
+        # its largest bucket's size (the last wins), serves every bucket in turn: one bucket's memory.
         buckets = _buckets(grads, int(getattr(ddp, "bucket_bytes_cap", 25 * 2**20)))
-        largest: dict[torch.device, int] = {}
-        for bucket in buckets:
-            largest[bucket[0].device] = max(largest.get(bucket[0].device, 0), sum(map(_nbytes, bucket)))
+        sizes = [sum(grad.numel() * grad.element_size() for grad in bucket) for bucket in buckets]
+        largest = {b[0].device: n for n, b in sorted(zip(sizes, buckets), key=lambda pair: pair[0])}
         with self.meet(phase, batch_size):
             buffers = {device: torch.empty(n, dtype=torch.uint8, device=device) for device, n in largest.items()}
-        for bucket in buckets:
-            flat = buffers[bucket[0].device][: sum(map(_nbytes, bucket))].view(bucket[0].dtype)
+        for bucket, nbytes in zip(buckets, sizes):
+            flat = buffers[bucket[0].device][:nbytes].view(bucket[0].dtype)
             views = [part.view(grad.shape) for grad, part in zip(bucket, flat.split([g.numel() for g in bucket]))]
-            for grad, view in zip(bucket, views):
-                view.copy_(grad)
+            torch._foreach_copy_(views, bucket)
             self._dist.all_reduce(flat, group=ddp.process_group)
             flat.div_(size)
-            for grad, view in zip(bucket, views):
-                grad.copy_(view)
+            torch._foreach_copy_(bucket, views)
 
     def notes(self, model: nn.Module) -> list[str]:
         ddp = _ddp(model)
@@ -433,23 +432,13 @@ def leads(distributed: bool | None) -> bool:
     return dist.get_world_size() < 2 or dist.get_rank() == 0
 
 
-def _known(exc: BaseException) -> BaseException:
-    """``exc``, marked as met on by every rank: a meeting around the one it leaves does not meet again."""
-    setattr(exc, _MET, True)
-    return exc
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
     """``grads`` in order, in runs of one dtype and device of at most ``cap_bytes`` (a gradient
     larger than the cap is a bucket of its own)."""
     buckets: list[list[torch.Tensor]] = []
     size = 0
     for grad in grads:
-        nbytes = _nbytes(grad)
+        nbytes = grad.numel() * grad.element_size()
         last = buckets[-1] if buckets else None
         if last is None or size + nbytes > cap_bytes or (last[0].dtype, last[0].device) != (grad.dtype, grad.device):
             buckets.append([grad])

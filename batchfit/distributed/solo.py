@@ -75,8 +75,9 @@ class Solo:
         """Run the steps inside without the data group's collectives in backward."""
         yield
 
-    def sync_gradients(self, model: nn.Module) -> None:
-        """The gradient all-reduce `deferred_sync` held back."""
+    def sync_gradients(self, model: nn.Module, phase: str = "step", batch_size: int | None = None) -> None:
+        """The gradient all-reduce `deferred_sync` held back; ``phase`` and ``batch_size`` name
+        the meeting it holds before it (see `Group.sync_gradients`)."""
 
     def notes(self, model: nn.Module) -> list[str]:
         """What a reader of the result should know about probing ``model`` on these ranks."""

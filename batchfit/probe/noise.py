@@ -367,7 +367,7 @@ class _Run:
 
         ranks = self.prober.ranks
         with ranks.meet("the noise scale's all-reduce", self.stream.size):
-            ranks.sync_gradients(self.prober.workload.model)
+            ranks.sync_gradients(self.prober.workload.model, "the noise scale's all-reduce", self.stream.size)
             big = _squared_norm([p.grad for p in params], 1.0 / self.scale)
             small = local.clone()
             dist.all_reduce(small, group=self.ddp.process_group)

@@ -267,7 +267,7 @@ def _run_steps(
                 progress.phase = "step"
                 meter.checkpoint()
                 with ranks.meet("step", batch_size), meter.phase("step"):
-                    ranks.sync_gradients(workload.model)
+                    ranks.sync_gradients(workload.model, "step", batch_size)
                     if scaler is not None:
                         scaler.step(optimizer)
                         scaler.update()
