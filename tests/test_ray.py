@@ -94,8 +94,12 @@ def fit(train_func: Any, config: dict[str, Any], storage: Path, workers: int = W
         ),
         run_config=RunConfig(storage_path=str(storage), name="run", failure_config=FailureConfig(max_failures=0)),
     )
-    with deadline(FIT_DEADLINE_S):
-        trainer.fit()
+    interrupt = signal.getsignal(signal.SIGINT)
+    try:
+        with deadline(FIT_DEADLINE_S):
+            trainer.fit()
+    finally:  # Ray Train's fit installs a SIGINT handler of its own and leaves it: a later Ctrl-C test met it
+        signal.signal(signal.SIGINT, interrupt)
 
 
 def _records(out: Path, workers: int = WORKERS) -> list[dict[str, Any]]:
