@@ -11,7 +11,6 @@ it. Each rank writes the result it got (or the error it raised) to ``OUT_DIR/ran
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 import traceback
@@ -19,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import join_gloo
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -40,14 +39,7 @@ def mlp() -> nn.Module:
 def run_rank(rank: int, out: str) -> None:
     record: dict[str, Any] = {}
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{out}/store",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        torch.set_num_threads(1)
+        join_gloo(rank, out, WORLD)
         torch.manual_seed(0)
         ddp = DistributedDataParallel(mlp())
         weights = sum(p.numel() * p.element_size() for p in ddp.parameters())  # one bucket: under DDP's 25 MiB

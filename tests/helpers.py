@@ -160,3 +160,17 @@ def tiny_llama() -> tuple[nn.Module, Any]:
         max_position_embeddings=128,
     )
     return transformers.LlamaForCausalLM(config), hf_sample()
+
+
+def join_gloo(rank: int, out: str, world_size: int) -> None:
+    """One rank of a test job (``tests/*_job.py`` under ``mp.spawn``) joins its gloo group through a
+    file store in ``out``, with one torch thread: the ranks share the 2 cores of CI."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out}/store", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    torch.set_num_threads(1)

@@ -25,7 +25,6 @@ Scenarios, in order (the last one leaves the group unusable, so it is last):
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
 import signal
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import join_gloo
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -281,14 +281,7 @@ def run_rank(rank: int, out: str) -> None:
     # background job inherits SIGINT ignored, and then nothing could interrupt the probe).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{out}/store",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        torch.set_num_threads(1)
+        join_gloo(rank, out, WORLD)
         record["limits"] = scenario_limits(rank)
         peaks = phase_peaks(rank)
         record["phase_peaks"] = peaks

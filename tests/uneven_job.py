@@ -11,7 +11,6 @@ gradient of one process on all ``G`` samples, and the probe's answer to ``OUT_DI
 from __future__ import annotations
 
 import copy
-import datetime
 import sys
 import time
 import traceback
@@ -19,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import join_gloo
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -45,14 +44,7 @@ def grads(model: nn.Module) -> list[torch.Tensor]:
 def run_rank(rank: int, out: str) -> None:
     record: dict[str, Any] = {}
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{out}/store",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        torch.set_num_threads(1)
+        join_gloo(rank, out, WORLD)
         torch.manual_seed(0)
         model = mlp()
         reference = copy.deepcopy(model)  # the same weights, one process on every sample
