@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import gc
 import inspect
 import json
 import math
@@ -462,6 +463,7 @@ def _rank(rank: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     record: dict[str, Any] = {}
+    ddp: Any = None
     try:
         dist.init_process_group(
             "gloo", init_method=f"file://{out}/store", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
@@ -487,6 +489,11 @@ def _rank(rank: int, out: str) -> None:
         record["crash"] = traceback.format_exc()
     finally:
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
+        # DDP's reducer holds the group and its last work: released while the interpreter is whole,
+        # not at its finalisation (CI saw rank 0 abort after both records were written: "terminate
+        # called without an active exception", the teardown pytorch#179291 describes).
+        ddp = None
+        gc.collect()
         if dist.is_initialized():
             if "crash" not in record:  # both ranks past their last collective before either closes
                 dist.barrier()
