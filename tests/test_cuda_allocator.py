@@ -1,6 +1,6 @@
 """CUDA tests that decide what only a GPU can (issue 20): the cap's honesty in a fresh process under
-each allocator configuration, the lowered cap of the verification, cudaMallocAsync's pool, the
-timed step, CUDA graphs, the optimizer state counted in whole blocks.
+each allocator configuration (judged by its rule), the lowered cap of the verification,
+cudaMallocAsync's pool, the timed step, CUDA graphs, the optimizer state counted in whole blocks.
 
 They carry ``@pytest.mark.cuda`` and skip without a CUDA device. What a CPU can show of the same
 defects is in ``tests/test_cuda_readiness.py`` (through the model of the caching allocator).
@@ -57,17 +57,22 @@ torch.cuda.empty_cache()
 torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(0).total_memory)
 optimizer = torch.optim.AdamW(model.parameters())
 rows = {{k: v.repeat(batch, 1)[:batch].cuda() for k, v in sample.items()}}
+retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
 fits = True
 try:
-    for _ in range(3):
+    for _ in range(10):
         model(**rows)["loss"].backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
 except torch.OutOfMemoryError:
     fits = False
+retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+native = torch.cuda.get_allocator_backend() == "native" and "expandable_segments:True" not in sys.argv[3]
+# What fits on CUDA (docs/concepts/measuring.md): on the native allocator a step that needed a retry does not.
+fits = fits and not (native and retries)
 reserved = torch.cuda.max_memory_reserved()
-print({MARK!r} + json.dumps({{"fits": fits, "reserved": reserved}}))
+print({MARK!r} + json.dumps({{"fits": fits, "reserved": reserved, "retries": retries}}))
 """
 
 
@@ -89,23 +94,20 @@ def _child(code: str, args: list[str], conf: str, timeout: float = 300) -> dict[
 @pytest.mark.allocators
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 def test_the_largest_batch_trains_in_a_fresh_process_under_the_same_cap_and_one_more_does_not(config: str) -> None:
-    """Items 1, 2, 3 and 5 decided: the max found in one process is the max a fresh process
-    trains at under the same cap, under the native allocator, expandable segments and
-    cudaMallocAsync (whose fraction caps requested bytes: the probe fails steps whose pool is over)."""
+    """Issue 47, item 1: the max found in one process is the max a fresh process trains at under the
+    same cap, each judged by its allocator's rule (docs/concepts/measuring.md#what-fits-on-cuda): native,
+    no out-of-memory and no allocator retry over 10 steps; expandable segments and cudaMallocAsync (whose
+    fraction caps requested bytes), no out-of-memory."""
     conf = CONFIGS[config]
     probe = _child(PROBE_CHILD, ["2GiB"], conf)
-    assert probe["over"] == [], f"fitting trials reserved more than the budget: {probe}"
+    if config != "async":  # under cudaMallocAsync the pool may reserve past the cap: the fraction caps requests
+        assert probe["over"] == [], f"fitting trials reserved more than the budget: {probe}"
     assert all(leak == 0 for leak in probe["leaked"]), probe
-    fits = _child(TRAIN_CHILD, [str(probe["max"]), str(probe["budget"])], conf)
+    fits = _child(TRAIN_CHILD, [str(probe["max"]), str(probe["budget"]), conf], conf)
     assert fits["fits"], f"batch {probe['max']} does not train in a fresh process under the cap: {fits}"
-    if config == "async":  # the fraction does not cap the pool: judge by what the pool held
-        assert fits["reserved"] <= probe["budget"] * 1.02, fits
-    more = _child(TRAIN_CHILD, [str(probe["max"] + 1), str(probe["budget"])], conf)
-    if config != "async":
-        assert not more["fits"], f"batch {probe['max'] + 1} trains too: the probe stopped short ({more})"
-    else:
-        assert not more["fits"] or more["reserved"] > probe["budget"], more
-    safe = _child(TRAIN_CHILD, [str(probe["safe"]), str(int(probe["budget"] * 0.9))], conf)
+    more = _child(TRAIN_CHILD, [str(probe["max"] + 1), str(probe["budget"]), conf], conf)
+    assert not more["fits"], f"batch {probe['max'] + 1} trains too: the probe stopped short ({more})"
+    safe = _child(TRAIN_CHILD, [str(probe["safe"]), str(int(probe["budget"] * 0.9)), conf], conf)
     assert safe["fits"], f"the safe batch does not train under the budget less its headroom: {safe}"
 
 

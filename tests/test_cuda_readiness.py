@@ -113,8 +113,10 @@ def _report(largest: int, smallest_fail: int | None) -> SearchReport:
     return SearchReport(largest, smallest_fail, (), smallest_fail == largest + 1, "boundary", "binary")
 
 
-@pytest.mark.parametrize(("kept", "scratch"), [(k, s) for k in range(2, 30, 3) for s in range(1, 31, 2) if s <= k])
-def test_confirm_from_scratch_finds_the_boundary_from_scratch(kept: int, scratch: int) -> None:
+@pytest.mark.parametrize(("kept", "scratch"), [(k, s) for k in range(2, 30, 3) for s in range(1, 40, 2)])
+def test_confirm_from_scratch_finds_the_boundary_from_scratch_on_both_sides(kept: int, scratch: int) -> None:
+    """Whether the boundary from scratch lies below the search's (a fresh process fragments more) or above
+    it (less): the answer is a fit and a failure from scratch, neighbours, in few trials."""
     grid = Grid(1, 64)
     calls: list[int] = []
 
@@ -122,24 +124,39 @@ def test_confirm_from_scratch_finds_the_boundary_from_scratch(kept: int, scratch
         calls.append(size)
         return Attempt(size, size <= scratch)
 
-    known = min(1, scratch)
-    report = confirm_from_scratch(_report(kept, kept + 1), grid, from_scratch, known)
-    assert report.largest_fit == min(kept, scratch)
-    assert report.smallest_fail == (kept + 1 if scratch >= kept else scratch + 1)
+    report = confirm_from_scratch(_report(kept, kept + 1), grid, from_scratch, 1)
+    assert (report.largest_fit, report.smallest_fail) == (scratch, scratch + 1)
     assert report.boundary_reached
-    assert calls[0] == kept or known >= kept
-    assert len(calls) <= 1 + math.ceil(math.log2(max(kept, 2)))
+    assert calls[0] == kept
+    assert calls[:2] == [kept, kept + 1] or scratch < kept  # both sides of the search's boundary
+    assert scratch in calls and scratch + 1 in calls  # the answer's two sides were seen from scratch
+    assert len(calls) <= 2 + 2 * math.ceil(math.log2(abs(kept - scratch) + 1))
     assert [a.batch_size for a in report.attempts] == calls
+
+
+def test_confirm_from_scratch_answers_a_pair_seen_from_scratch_when_outcomes_are_not_monotone() -> None:
+    """The gate's second H200 run: 68 fitted warm and failed from scratch, 63 failed, 61 fitted, 62 failed."""
+    fits = {62: False, 63: False, 61: True} | {size: size <= 60 for size in range(1, 61)}
+    report = confirm_from_scratch(_report(68, 69), Grid(1, 128), lambda s: Attempt(s, fits.get(s, False)), 1)
+    seen = {a.batch_size: a.fits for a in report.attempts}
+    assert seen[report.largest_fit] is True and seen[report.smallest_fail] is False
+    assert report.smallest_fail == report.largest_fit + 1
+
+
+def test_confirm_from_scratch_stops_at_the_grid_top() -> None:
+    """Every size above the search's boundary fits from scratch up to max_batch: the answer is the top."""
+    report = confirm_from_scratch(_report(20, 21), Grid(1, 32), lambda s: Attempt(s, True), 1)
+    assert (report.largest_fit, report.smallest_fail, report.stop_reason) == (32, None, "max_batch")
 
 
 def test_confirm_from_scratch_on_a_coarse_grid() -> None:
     grid = Grid(8, 512, multiple_of=8)
     for kept, scratch in itertools.product(range(16, 512, 40), range(8, 512, 24)):
-        report = confirm_from_scratch(
-            _report(kept - kept % 8, None), grid, lambda s, limit=scratch: Attempt(s, s <= limit), 8
-        )
-        expected = min(kept - kept % 8, scratch - scratch % 8)
+        top = kept - kept % 8
+        report = confirm_from_scratch(_report(top, top + 8), grid, lambda s, limit=scratch: Attempt(s, s <= limit), 8)
+        expected = scratch - scratch % 8
         assert report.largest_fit == expected, (kept, scratch)
+        assert report.smallest_fail == expected + 8
 
 
 # 7 and 8. The timed step, and CUDA graphs -----------------------------------------------------------------

@@ -20,7 +20,7 @@ from torch import nn
 import batchfit
 from batchfit import examples
 from batchfit.backends import LiveTensorMeter, backend_for
-from batchfit.backends.cpu import available_host_bytes
+from batchfit.backends.host import available_host_bytes
 from batchfit.errors import DeviceFailedError, NoOptimizerStepError
 from batchfit.probe import Options
 from batchfit.probe.options import parameters_of

@@ -187,7 +187,7 @@ def test_a_cpu_memory_limit_above_what_the_host_can_spare_is_clipped_with_a_note
     """Item 9: the README's ``memory_limit="24GiB"`` on a 23.5 GiB machine was taken at its word
     and grew to 7.4 GB resident and climbing. A CPU limit above 3/4 of the host memory available
     is clipped to that, and the result says so; nothing near it is allocated here (max_batch=8)."""
-    from batchfit.backends.cpu import total_host_bytes
+    from batchfit.backends.host import total_host_bytes
 
     total = total_host_bytes()
     assert total is not None

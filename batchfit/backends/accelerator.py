@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from batchfit.backends.alloc_conf import AllocatorConfig
+from batchfit.backends.allocator_rule import SEGMENTS, AllocatorWatch, rule_of, unmodelled
 from batchfit.backends.allocator_snapshot import block_bytes_by_address
 from batchfit.backends.base import Backend, Meter, data_storages, requested_bytes
 from batchfit.errors import LimitError
 from batchfit.report import DeviceInfo
+from batchfit.report.records import AllocatorFacts
 from batchfit.units import format_bytes
 
 #: The collective library of each device type's data (gloo serves only the CPU's).
@@ -127,6 +129,20 @@ class AcceleratorBackend(Backend):
         """The allocator's segments and blocks (``torch.cuda.memory_snapshot()``'s format)."""
         return list(self.module.memory_snapshot())
 
+    def memory_stats(self, device: torch.device) -> dict[str, Any]:
+        """The allocator's counters (``torch.cuda.memory_stats()``): retries, split-free bytes, segments.
+        Empty where this allocator backend keeps none."""
+        try:
+            return dict(self.module.memory_stats(device))
+        except Exception:  # noqa: BLE001 (an allocator backend without statistics)
+            return {}
+
+    @contextlib.contextmanager
+    def recorded_requests(self, device: torch.device) -> Iterator[Callable[[], int | None]]:
+        """The code inside with its allocations recorded; yields a call that reads the largest one so far
+        (``None``: not recorded here). Only CUDA records them (`CudaBackend`)."""
+        yield _unrecorded
+
     def allocator_settings(self) -> AllocatorConfig:
         """The caching allocator's configuration (``PYTORCH_ALLOC_CONF``): the defaults here."""
         return AllocatorConfig()
@@ -172,7 +188,12 @@ class AllocatorMeter(Meter):
         #: Expandable segments: a cap checks whole segments, a device only the pages mapped (`_note_cap`).
         self._expandable = settings.expandable_segments and not self._caps_requested
         self._notes: list[str] = []
-        self._async_failure: tuple[int, int] | None = None
+        #: The trial's allocator facts and the rule that judges them (``batchfit.backends.allocator_rule``).
+        self.watch = AllocatorWatch(rule_of(settings.backend, settings.expandable_segments))
+        self._notes += unmodelled(settings)
+        self._largest_request: Callable[[], int | None] = _unrecorded
+        #: Inside `fresh_process`: the workspaces a trial makes again are freed before its leak is measured.
+        self._replaying = False
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -262,6 +283,17 @@ class AllocatorMeter(Meter):
     def begin_trial(self) -> None:
         super().begin_trial()
         self.backend.memory.reset_peak_memory_stats(self.device)
+        self.watch.begin(self.backend.memory_stats(self.device))
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        """The trial's requests recorded, for the largest one (`AcceleratorBackend.recorded_requests`)."""
+        with self.backend.recorded_requests(self.device) as largest:
+            self._largest_request = largest
+            try:
+                yield
+            finally:
+                self._largest_request = _unrecorded
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -275,16 +307,33 @@ class AllocatorMeter(Meter):
             reserved = int(memory.max_memory_reserved(self.device))
             self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), allocated)
             self._phase_reserved[name] = max(self._phase_reserved.get(name, 0), reserved)
-        if self._caps_requested and self._cap is not None and reserved > self._cap:
-            # Under backend:cudaMallocAsync the fraction caps the bytes requested, while the pool
-            # the driver reserves (what a card of that size must hold) can be larger: a step
-            # whose pool went over the cap fails here, as it would on that card.
-            self._async_failure = (allocated, reserved)
-            raise torch.OutOfMemoryError(
-                f"CUDA out of memory (cudaMallocAsync pool): the {name} phase reserved {format_bytes(reserved)}, "
-                f"more than the limit of {format_bytes(self._cap)} ({format_bytes(allocated)} requested) "
-                "(see docs/concepts/measuring.md#allocator-settings)"
-            )
+            self.watch.phase_ended(name, self.backend.memory_stats(self.device), allocated, reserved)
+
+    def trial_facts(self) -> AllocatorFacts | None:
+        try:
+            segments: list[Any] | None = self.backend.memory_snapshot()
+        except Exception:  # noqa: BLE001 (cudaMallocAsync keeps no snapshot)
+            segments = None
+        return self.watch.facts(self._largest_request(), segments)
+
+    def refusal(self) -> tuple[str, str] | None:
+        return self.watch.refusal()
+
+    def layout(self) -> tuple[int, ...]:
+        return (self.reserved_bytes(), int(self.backend.memory_stats(self.device).get(SEGMENTS, 0) or 0))
+
+    @contextlib.contextmanager
+    def fresh_process(self) -> Iterator[None]:
+        """Nothing cached, no cuBLAS workspace: the trial inside makes them in its own steps, as a fresh
+        training process does (its first backward carves autograd's workspace out of its cached blocks).
+        `release` frees them again before the trial's leak is measured; the prober warms up afterwards."""
+        self.backend.clear_workspaces(self.device)
+        self.backend.empty_cache(self.device)
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
 
     def failure_bytes(self, message: str) -> tuple[int | None, int | None]:
         """``(allocated, reserved)`` lower bounds of a failed step's need.
@@ -294,13 +343,11 @@ class AllocatorMeter(Meter):
         (reserved now plus that segment, which the cap refused), not the allocated one: what
         live tensors held when the step failed is the allocated bound.
         """
-        failure, self._async_failure = self._async_failure, None
-        if failure is not None:
-            return failure
+        requested = requested_bytes(message)
+        self.watch.failed(requested)
         if self._caps_requested:  # its size is checked against the bytes in use, not the pool
-            requested = requested_bytes(message)
             return self.allocated_bytes() + (requested or 0), None
-        segment = requested_bytes(message)
+        segment = requested
         reserved = None if segment is None else self.reserved_bytes() + segment
         return self.allocated_bytes(), reserved
 
@@ -326,8 +373,9 @@ class AllocatorMeter(Meter):
             )
         if self._caps_requested:
             notes.append(
-                "the allocator is backend:cudaMallocAsync, whose memory fraction caps requested bytes: steps whose "
-                "pool went over the limit failed (see docs/concepts/measuring.md#allocator-settings)"
+                "the allocator is backend:cudaMallocAsync, whose memory fraction caps requested bytes (the same "
+                "in every process): a step fits when no request was refused; the driver's pool reserves more, "
+                "which the safe batch keeps room for (see docs/concepts/measuring.md#what-fits-on-cuda)"
             )
         self._notes.extend(note for note in notes if note not in self._notes)
 
@@ -335,6 +383,13 @@ class AllocatorMeter(Meter):
         self.backend.synchronize(self.device)
 
     def release(self, target_bytes: int | None = None) -> None:
+        if self._replaying:  # the workspaces the replayed steps made: warm_up makes them again afterwards
+            self.backend.clear_workspaces(self.device)
         super().release(target_bytes)
         self.backend.empty_cache(self.device)
         self.backend.memory.reset_peak_memory_stats(self.device)
+
+
+def _unrecorded() -> int | None:
+    """The largest request where none was recorded."""
+    return None

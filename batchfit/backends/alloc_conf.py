@@ -48,7 +48,9 @@ DEFAULT_LARGE_SEGMENT = 20 * MIB
 _MIN_LARGE_ALLOC_MB = 10  # kMinLargeAlloc in MiB: large_segment_size_mb must be more than this
 _SMALL_PAGE = 2 * MIB  # kSmallBuffer: the small pool's segment and expandable page
 
-Backend = Literal["native", "cudaMallocAsync"]
+#: ``"pluggable"``: an allocator swapped in with ``torch.cuda.memory.change_current_allocator``, which no
+#: environment variable names (torch reports it; the settings here do not apply to it).
+Backend = Literal["native", "cudaMallocAsync", "pluggable"]
 
 #: Keys torch knows whose settings do not change what the device allocator reserves: host
 #: (pinned) memory, the lock around cudaMalloc, CUDA graph capture, an early OOM check.
@@ -84,7 +86,8 @@ class AllocatorConfig:
 
     Attributes:
         backend: ``"native"`` (the caching allocator) or ``"cudaMallocAsync"`` (the CUDA driver's
-            stream-ordered pool, which ignores every other setting here; ``hipMallocAsync`` reads as it).
+            stream-ordered pool, which ignores every other setting here; ``hipMallocAsync`` reads as it), or
+            ``"pluggable"`` (one swapped in by the program, as torch reports it; never read from the text).
         expandable_segments: one segment per pool that grows by mapping pages (2 MiB in the small
             pool, `large_segment_bytes` in the large one) instead of a new segment per miss.
         roundup_power2_divisions: per size interval (`ROUNDUP_INTERVALS` of them, from 1 MiB),
@@ -128,8 +131,8 @@ class AllocatorConfig:
                 f"{self.roundup_power2_divisions!r}"
             )
         object.__setattr__(self, "roundup_power2_divisions", divisions)
-        if self.backend not in ("native", "cudaMallocAsync"):
-            raise ValueError(f"backend must be 'native' or 'cudaMallocAsync', got {self.backend!r}")
+        if self.backend not in ("native", "cudaMallocAsync", "pluggable"):
+            raise ValueError(f"backend must be 'native', 'cudaMallocAsync' or 'pluggable', got {self.backend!r}")
         if self.large_segment_bytes <= _MIN_LARGE_ALLOC_MB * MIB:
             raise ValueError(f"large_segment_bytes must be over {_MIN_LARGE_ALLOC_MB} MiB: {self.large_segment_bytes}")
         for name in ("max_split_size_bytes", "max_non_split_rounding_bytes"):

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wr
 from batchfit.errors import UncountableMemoryError
 from batchfit.interrupts import InterruptGuard
 from batchfit.report import DeviceInfo, Unit
+from batchfit.report.records import AllocatorFacts
 
 
 class Meter:
@@ -119,6 +120,29 @@ class Meter:
     def notes(self) -> list[str]:
         """What a reader of the answer should know about how this meter counted the trials."""
         return []
+
+    # what fits, as the allocator decides it (docs/concepts/measuring.md#what-fits-on-cuda) --------------
+    def trial_facts(self) -> AllocatorFacts | None:
+        """What the allocator did during the last trial's steps (``None``: this meter cannot say). Read
+        after the steps, before their memory is released (the segments they used are still held)."""
+        return None
+
+    def refusal(self) -> tuple[str, str] | None:
+        """Why the last trial's steps, which raised no out-of-memory error, still do not fit under this
+        allocator's rule, and the phase where it showed: ``(phase, reason)``; ``None`` when they fit."""
+        return None
+
+    def layout(self) -> tuple[int, ...]:
+        """The allocator's layout at the end of a step: a replay of a fresh process (`fresh_process`)
+        runs steps until it stops changing."""
+        return (self.reserved_bytes(),)
+
+    @contextlib.contextmanager
+    def fresh_process(self) -> Iterator[None]:
+        """Run the trial inside as a fresh training process meets the device: for a caching allocator,
+        nothing cached and the one-time workspaces not made yet (they are carved out of the step's
+        own segments, as a fresh process carves them). A no-op where nothing carries between trials."""
+        yield
 
     def held_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
         """What ``tensors`` add to `allocated_bytes` (each storage once)."""
@@ -212,6 +236,10 @@ class Backend:
 
     def warm_up(self, device: torch.device, amp_dtype: torch.dtype | None) -> None:
         """Make the one-time allocations a first step would make, before a baseline is taken."""
+
+    def clear_workspaces(self, device: torch.device) -> None:
+        """Free what `warm_up` made (the cuBLAS workspaces), so that a replay of a fresh process makes it
+        again inside its first step; `warm_up` puts it back."""
 
     def make_meter(
         self, device: torch.device, budget_bytes: int | None, limit_bytes: int | None, tensors: list[torch.Tensor]

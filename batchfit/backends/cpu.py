@@ -27,8 +27,6 @@ bytes are the same number here.
 from __future__ import annotations
 
 import contextlib
-import os
-import platform
 import sys
 import threading
 import weakref
@@ -40,8 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from batchfit.backends.base import Backend, Meter, data_storages
+from batchfit.backends.host import available_host_bytes, cpu_name, total_host_bytes
 from batchfit.errors import UncountableMemoryError
 from batchfit.report import DeviceInfo
+from batchfit.report.records import AllocatorFacts
 from batchfit.units import format_bytes
 
 #: Without an explicit limit, a CPU probe may use this fraction of the memory available when it starts: the
@@ -67,7 +67,7 @@ class CpuBackend(Backend):
         return DeviceInfo(
             type="cpu",
             index=None,
-            name=_cpu_name(),
+            name=cpu_name(),
             total_bytes=total_host_bytes(),
             config=(("torch threads", str(torch.get_num_threads())),),
         )
@@ -141,6 +141,8 @@ class LiveTensorMeter(Meter):
         self._peak = baseline_bytes
         self._phase: str | None = None
         self._last_failure: int | None = None
+        #: The largest single allocation of the trial (what a safe batch's headroom must hold one more of).
+        self._largest_request = 0
         for tensor in tensors:
             for storage in _storages_of(tensor):
                 if storage._cdata not in self._live:
@@ -153,6 +155,8 @@ class LiveTensorMeter(Meter):
         with self._lock:
             self._live[key] = self._live.get(key, 0) + nbytes
             self._current += nbytes
+            if nbytes > self._largest_request:
+                self._largest_request = nbytes
             if self._current > self._peak:
                 self._peak = self._current
             if self._phase is not None and self._current > self._phase_peaks.get(self._phase, 0):
@@ -285,6 +289,12 @@ class LiveTensorMeter(Meter):
             self._phase_peaks = {}
             self._peak = self._current
             self._last_failure = None
+            self._largest_request = 0
+
+    def trial_facts(self) -> AllocatorFacts | None:
+        """The largest single allocation the trial made (the rest of the facts are a caching allocator's)."""
+        with self._lock:
+            return AllocatorFacts(largest_request_bytes=self._largest_request or None)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -415,36 +425,3 @@ def _input_keys(args: tuple, kwargs: dict) -> set[int]:
             with contextlib.suppress(UncountableMemoryError):
                 keys.update(storage._cdata for storage in _storages_of(leaf))
     return keys
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return "CPU: " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "CPU: " + (platform.processor() or platform.machine())
-
-
-def available_host_bytes() -> int | None:
-    """MemAvailable from ``/proc/meminfo`` (Linux), else free physical pages, else ``None``."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def total_host_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None

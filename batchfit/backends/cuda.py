@@ -5,13 +5,21 @@ cuBLAS and cuBLASLt take a workspace from the caching allocator on the first mat
 thread and stream (32 MiB per handle on sm90, about 8 MiB elsewhere; autograd's backward runs
 on a thread of its own) and keep it for the life of the process. Counted inside the first
 trial they would look like a leak, and they would shift that trial's peak; `warm_up`
-makes them before anything is measured. Training pays them too, so they stay in the budget.
+makes them before anything is measured. Training pays them too, so they stay in the budget. A
+fresh training process makes them inside its first steps, out of its own cached blocks: a replay of
+one (`Meter.fresh_process`) frees them first (`clear_workspaces`), and `warm_up` puts them back.
+
+The largest single allocation of a trial is read from the allocator's own history
+(``torch.cuda.memory._record_memory_history`` without stack traces, while the trial runs), never from
+a process that already records one: the user's recording is left as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -46,7 +54,9 @@ class CudaBackend(AcceleratorBackend):
         settings = AllocatorConfig.from_environ(os.environ)
         backend = getattr(torch.cuda, "get_allocator_backend", None)
         if backend is not None and torch.cuda.is_initialized() and backend() != settings.backend:
-            settings = dataclasses.replace(settings, backend=backend())
+            name = backend()  # "pluggable" after change_current_allocator: no setting applies to it
+            known = name if name in ("native", "cudaMallocAsync") else "pluggable"
+            settings = dataclasses.replace(settings, backend=known)
         return settings
 
     def warm_up(self, device: torch.device, amp_dtype: torch.dtype | None) -> None:
@@ -62,6 +72,46 @@ class CudaBackend(AcceleratorBackend):
                 out.float().sum().backward()
             del weight, bias, inputs, out
             torch.cuda.synchronize(device)
+
+
+    def clear_workspaces(self, device: torch.device) -> None:
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            torch.cuda.synchronize(device)
+            clear()
+
+    @contextlib.contextmanager
+    def recorded_requests(self, device: torch.device) -> Iterator[Callable[[], int | None]]:
+        memory = torch.cuda.memory
+        record = getattr(memory, "_record_memory_history", None)
+        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+        if record is None or enabled is None or enabled():
+            yield lambda: None  # the user records a history of their own: never touch it
+            return
+        try:  # this trial's events only: an earlier trial's stay out of its largest request
+            record(enabled="all", context=None, stacks="python", max_entries=_HISTORY_EVENTS, clear_history=True)
+        except Exception:  # noqa: BLE001 (a torch whose signature differs: not recorded)
+            yield lambda: None
+            return
+
+        def largest() -> int | None:
+            try:
+                traces = memory._snapshot(device).get("device_traces", [])
+            except Exception:  # noqa: BLE001
+                return None
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            events = traces[index] if index < len(traces) else []
+            return max((int(event["size"]) for event in events if event.get("action") == "alloc"), default=None)
+
+        try:
+            yield largest
+        finally:
+            with contextlib.suppress(Exception):
+                record(enabled=None)
+
+
+#: The allocation events a trial's history keeps (a ring buffer): a few steps of a large model.
+_HISTORY_EVENTS = 200_000
 
 
 def cuda_config() -> tuple[tuple[str, str], ...]:

@@ -80,6 +80,7 @@ class SimulatedCudaMeter(LiveTensorMeter):
             if previous is not None:  # a storage that grew in place: a new block, the old one freed
                 self.allocator.free(previous)
             self._live[key] = self._live.get(key, 0) + nbytes
+            self._largest_request = max(self._largest_request, self._live[key])
             # The cap is the allocator's memory fraction: past it, the model gives cached memory back
             # before it reserves more, and notes the request it would have refused (_over_limit).
             self.allocator.limit_bytes = self.budget_bytes

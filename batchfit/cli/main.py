@@ -41,6 +41,7 @@ the target is loaded, so a path that cannot be written fails at once, not after 
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -76,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*Failed to initialize NumPy", category=UserWarning)
     try:
         args = build_parser().parse_args(argv)  # exits 2 on a usage error, as argparse does
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # a child may run the same command again
         return int(COMMANDS[args.command](args))
     except UsageError as exc:
         error(str(exc))

@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan and recommend for training on N ranks (default: the ranks that probed); an elastic job that "
         "restarts with other ranks keeps its --target-batch without a new probe",
     )
+    probe.add_argument(
+        "--compare-expandable",
+        action="store_true",
+        help="probe again in a child process under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and give both "
+        "answers (on CUDA this happens by itself when the answer advises expandable segments)",
+    )
     probe.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
 
     estimate = commands.add_parser(

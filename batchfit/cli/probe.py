@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from batchfit.cli.allocators import advised, expandable_note
 from batchfit.cli.arguments import find_kwargs, probe_plan
 from batchfit.cli.jobs import rank_timeout, run_jobs, trial_worker
 from batchfit.cli.output import (
@@ -156,6 +157,8 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
         view.gate(outcome)
         code = EXIT_OK if outcome.fits else EXIT_DOES_NOT_FIT
     else:
+        if launch is None and (args.compare_expandable or advised(outcome)):
+            outcome = replace(outcome, notes=(*outcome.notes, expandable_note(args.argv, outcome)))
         view.summary(outcome)
         code = EXIT_OK
         if leader:

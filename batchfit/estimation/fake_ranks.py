@@ -194,6 +194,7 @@ class ShardedProbe:
         kind: TrialKind = "search",
         fresh_optimizer: bool = False,
         cap_bytes: int | None = None,
+        from_scratch: bool = False,
     ) -> Trial:
         """One trial as a fresh job runs it: the target built anew, a fresh optimizer, two steps."""
         steps = steps or self.options.steps_per_trial or FRESH_STEPS

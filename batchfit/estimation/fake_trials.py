@@ -305,11 +305,13 @@ class FakeProbe:
         kind: TrialKind = "search",
         fresh_optimizer: bool = False,
         cap_bytes: int | None = None,
+        from_scratch: bool = False,
     ) -> Trial:
         """A fake trial at ``batch_size``, the optimizer kept and the cap lowered as
         [`Prober.trial`][batchfit.probe.prober.Prober.trial] does."""
         assert self._workload is not None and self.meter is not None, "FakeProbe.trial() needs 'with FakeProbe(...)'"
         batch_size = positive_int("batch_size", batch_size)
+        fresh_optimizer = fresh_optimizer or from_scratch  # the allocator model keeps no workspace to clear
         if self._replay is None:
             self._replay = self._record()
             if isinstance(self._replay, Replay):

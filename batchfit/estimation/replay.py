@@ -354,6 +354,7 @@ def _trial(
         "steps": steps,
         "skipped_steps": 0,
         "leaked_bytes": leaked,
+        "allocator": meter.trial_facts(),
     }
     if failure is not None:
         message, (needed, needed_reserved) = failure

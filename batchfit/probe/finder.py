@@ -25,13 +25,20 @@ from batchfit.probe.cache import open_cache
 from batchfit.probe.checks import check_callbacks
 from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
 from batchfit.probe.noise import check_noise_data, measure_noise
-from batchfit.probe.notes import equation_notes, non_monotone, ranks_notes, throughput_notes, trial_notes
+from batchfit.probe.notes import (
+    allocator_notes,
+    equation_notes,
+    non_monotone,
+    ranks_notes,
+    throughput_notes,
+    trial_notes,
+)
 from batchfit.probe.options import Options
 from batchfit.probe.per_rank import per_rank
 from batchfit.probe.positions import prompt_length
 from batchfit.probe.prober import Prober
 from batchfit.probe.probing import FromInit, ProbesTrials, SearchPlan
-from batchfit.probe.safe_batch import safe_batch, safe_cap
+from batchfit.probe.safe_batch import boundary_room, safe_batch, safe_cap
 from batchfit.probe.timing import (
     UNTIMED_STEPS,
     knee_deadline,
@@ -168,7 +175,7 @@ def search_with(
             raise run.nothing_fits(failed) from None
         if prober.layout_carries and run.trials[0].fits:
             # The optimizer kept between trials carries its memory layout (`batchfit.search.scratch`):
-            # the largest fit is tried again as a fresh process runs it (the first trial did).
+            # the boundary is confirmed as a fresh process meets it, on both sides.
             searched = report.largest_fit
             from_scratch = partial(run.oracle, from_scratch=True)
             report = confirm_from_scratch(report, grid, from_scratch, run.trials[0].batch_size)
@@ -195,6 +202,8 @@ def search_with(
         #    state the rest left behind. When the throughput is timed, its warm steps are the safe
         #    batch's rate, the top of the curve (`SearchRun.verify_steps`).
         searched_trials = [t for t in run.trials if t.kind != "time"]
+        if prober.layout_carries:  # a caching allocator: the headroom holds one more of the largest block
+            run.keep_free = boundary_room(searched_trials, report.largest_fit)
         safe, verified, safe_notes = safe_batch(
             report,
             searched_trials,
@@ -205,6 +214,7 @@ def search_with(
             run.run,
             keep_within=plan.keep_verified_within,
             steps=run.verify_steps,
+            keep_free=run.keep_free,
         )
         if timing:  # the safe batch, unless its verification timed it; and where its rate moved the knee
             timing_started = time.monotonic()
@@ -245,11 +255,13 @@ class SearchRun:
         self.unit: Unit = "allocated"
         #: True while a trial or a callback runs: a `NothingFitsError` raised then is not the search's verdict.
         self.in_trial = False
+        #: What the safe batch's cap keeps free beyond the headroom, and why (`boundary_room`).
+        self.keep_free: tuple[int, str | None] = (0, None)
 
     def run(self, batch_size: int, kind: TrialKind, steps: int | None = None, cap_bytes: int | None = None) -> Trial:
         """A trial of `kind` (`safe_batch`'s verifications), kept and told."""
         fresh = self._begin(batch_size, kind, steps)
-        trial = self.prober.trial(batch_size, steps=steps, kind=kind, fresh_optimizer=fresh, cap_bytes=cap_bytes)
+        trial = self.prober.trial(batch_size, steps=steps, kind=kind, from_scratch=fresh, cap_bytes=cap_bytes)
         return self._keep(trial, cap_bytes)
 
     def timed(self, batch_size: int, timed_steps: int) -> Trial:
@@ -270,13 +282,13 @@ class SearchRun:
         """
         steps, cap = (self.verify_steps, self.verify_cap(batch_size)) if kind == "verify" else (None, None)
         fresh = self._begin(batch_size, kind, steps, from_scratch)
-        trial = self.prober.trial(batch_size, steps=steps, kind=kind, fresh_optimizer=fresh, cap_bytes=cap)
+        trial = self.prober.trial(batch_size, steps=steps, kind=kind, from_scratch=fresh, cap_bytes=cap)
         return verdict(self._keep(trial, cap), self.unit)
 
     def _begin(self, batch_size: int, kind: TrialKind, steps: int | None, from_scratch: bool = False) -> bool:
-        """Say a trial starts; whether it takes a fresh optimizer. A verification runs as a real
-        run's first steps do: a fresh optimizer, whose state step 1 allocates (with a single step
-        it keeps the warm one, so the state counts)."""
+        """Say a trial starts; whether it runs from scratch. A verification runs as a real run's first
+        steps do: from scratch (a fresh optimizer, whose state step 1 allocates; on a caching allocator a
+        replay of a fresh process), or with a single step on the warm optimizer, so the state counts."""
         self.in_trial = True
         if self.on_trial_start is not None:
             self.on_trial_start(batch_size, kind)
@@ -296,7 +308,7 @@ class SearchRun:
         """The cap a verification runs under: the budget less its headroom (none at `init_batch`)."""
         if self.budget is None or batch_size <= self.grid.init:
             return None
-        return safe_cap(self.budget, self.options.headroom)
+        return safe_cap(self.budget, self.options.headroom, self.keep_free[0])
 
     def out_of_time(self) -> bool:
         """Whether the time budget ran out; the first rank out of time stops them all, at the same point."""
@@ -340,11 +352,19 @@ class SearchRun:
         )
 
     def say_from_scratch(self, searched: int, largest: int) -> None:
-        """A note when the largest fit found with the optimizer kept did not fit from scratch."""
+        """A note when the boundary from scratch moved from the one the search found with the optimizer kept."""
         if largest < searched:
             self.prober.notes.append(
                 f"batch {searched} fitted with the optimizer state kept from a smaller trial, not from scratch as "
                 f"a fresh process runs it: the largest batch is {largest} "
+                "(see docs/concepts/search.md#the-largest-batch-from-scratch)"
+            )
+        elif largest > searched:
+            self.prober.notes.append(
+                f"batch {searched + 1}"
+                + (f" to {largest}" if largest > searched + 1 else "")
+                + " failed with the optimizer state kept from a smaller trial but fitted from scratch, as a fresh "
+                f"process runs it: the largest batch is {largest} "
                 "(see docs/concepts/search.md#the-largest-batch-from-scratch)"
             )
 
@@ -361,6 +381,7 @@ class SearchRun:
         """The `Result`: what the trials measured, and what a reader should know about them."""
         prober, trials, budget, unit = self.prober, self.trials, self.budget, self.unit
         throughput = Throughput.of(trials, timing_s=timing_s, largest=report.largest_fit)
+        varies = prober.sized_on.leaf if prober.sized_on is not None else None  # real data of varying length
         return Result(
             max_batch=report.largest_fit,
             safe_batch=safe,
@@ -385,6 +406,7 @@ class SearchRun:
                     *ranks_notes(prober),
                     *safe_notes,
                     *trial_notes(trials, report),
+                    *allocator_notes(trials, report.largest_fit, budget, self.options.headroom, varies),
                     *equation_notes(memory, report, budget),
                     *timing_notes,
                     *throughput_notes(throughput),
@@ -420,3 +442,4 @@ def settings_of(
         time_budget_s=answer["time_budget"],
         reserve_bytes=reserve_bytes,
     )
+

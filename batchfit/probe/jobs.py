@@ -140,6 +140,7 @@ class JobPerTrial:
         kind: TrialKind = "search",
         fresh_optimizer: bool = False,
         cap_bytes: int | None = None,
+        from_scratch: bool = False,
     ) -> Trial:
         """One trial at ``batch_size``: the first job's when it asked the same, else from the log
         when it holds one, else a job (each rank under ``cap_bytes`` when given)."""

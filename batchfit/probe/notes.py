@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from batchfit.backends.allocator_rule import facts_notes
+from batchfit.probe.safe_batch import safe_cap
 from batchfit.report import MemoryModel, Throughput, Trial
 from batchfit.search import Attempt, SearchReport, is_non_monotone
 from batchfit.units import format_bytes
@@ -25,8 +27,15 @@ def ranks_notes(prober: Any) -> list[str]:
 
 def evidence(trials: Sequence[Trial], largest_fit: int) -> list[Trial]:
     """The trials that speak about the budget: not those run under a lower cap (the safe batch's
-    verification), nor fits above the largest fit that trials from scratch overruled."""
-    return [t for t in trials if t.cap_bytes is None and not (t.fits and t.batch_size > largest_fit)]
+    verification), nor fits above the largest fit that trials from scratch overruled, nor warm failures
+    at or below a size a replay of a fresh process fitted (the boundary from scratch moved up)."""
+    budget = [t for t in trials if t.cap_bytes is None]
+    replayed = max((t.batch_size for t in budget if t.replay and t.fits), default=0)
+    return [
+        t
+        for t in budget
+        if not (t.fits and t.batch_size > largest_fit) and (t.fits or t.replay or t.batch_size > replayed)
+    ]
 
 
 def non_monotone(trials: Sequence[Trial], largest_fit: int) -> bool:
@@ -97,5 +106,24 @@ def throughput_notes(throughput: Throughput | None) -> list[str]:
         notes.append(
             f"throughput: the rate of batch {throughput.best_batch} comes from one timed step (a search trial), "
             "which on a GPU also pays for the first use of that shape"
+        )
+    return notes
+
+
+
+def allocator_notes(
+    trials: Sequence[Trial], largest_fit: int, budget: int | None, headroom: float, varies: str | None = None
+) -> list[str]:
+    """What the allocator did at the largest batch that a reader should know (`facts_notes`): retries only
+    reported (expandable segments), split-free bytes beyond the headroom, and data whose lengths vary
+    (``varies``: the tensor whose length does), where the advice is expandable segments."""
+    at_max = (t.allocator for t in reversed(trials) if t.fits and t.batch_size == largest_fit and t.allocator)
+    facts = next(at_max, None)
+    notes = facts_notes(facts, None if budget is None else budget - safe_cap(budget, headroom))
+    if facts is not None and facts.rule == "native" and varies is not None:
+        notes.append(
+            f"the data's lengths vary ({varies}): on the native allocator the blocks of one length are cut to "
+            "fit the next and fragment over an epoch; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids "
+            "that (see docs/concepts/measuring.md#what-fits-on-cuda)"
         )
     return notes

@@ -326,6 +326,7 @@ class Prober:
         kind: TrialKind = "search",
         fresh_optimizer: bool = False,
         cap_bytes: int | None = None,
+        from_scratch: bool = False,
     ) -> Trial:
         """Run one real trial at ``batch_size``.
 
@@ -336,10 +337,15 @@ class Prober:
         ``fresh_optimizer``: drop the kept one first and start as a real run does (step 1
         allocates the state). ``cap_bytes``: run under this lower limit (the safe batch's
         verification runs under the budget less its headroom: ``Meter.capped``).
+        ``from_scratch``: a replay of a fresh training process (a fresh optimizer too): where the layout
+        carries between trials (CUDA), nothing cached and no cuBLAS workspace when it starts
+        (`Meter.fresh_process`), and steps until the layout settles (`run_trial`'s ``settle``).
         """
         if self._workload is None or self.meter is None:
             raise RuntimeError("Prober.trial() needs an active probe: use 'with Prober(...) as p:'")
         batch_size = positive_int("batch_size", batch_size)
+        fresh_optimizer = fresh_optimizer or from_scratch
+        replay = from_scratch and self.meter.layout_carries
         if fresh_optimizer and self._optimizer is not None:  # a collection (~150 ms) only if its state outlives it
             held, self._optimizer = self.meter.allocated_bytes() - state_bytes(self._optimizer, self.meter), None
             self.meter.release(target_bytes=held)
@@ -357,11 +363,13 @@ class Prober:
         # timed without a meter that slows every step; the steps before them measured their memory.
         measured = 1 if kind == "time" else self.options.verify_steps if kind == "verify" else steps
         plain_from = measured if self.slows_steps and 0 < measured < steps else None
-        with self.meter.capped(cap_bytes):
-            run = run_trial(
-                self._workload, self.meter, batch_size, steps, kind, self._grad_scale, kept, self.ranks, plain_from
-            )
+        fresh = self.meter.fresh_process() if replay else contextlib.nullcontext()
+        with self.meter.capped(cap_bytes), fresh:
+            workload, scale, ranks = self._workload, self._grad_scale, self.ranks
+            run = run_trial(workload, self.meter, batch_size, steps, kind, scale, kept, ranks, plain_from, replay)
         del kept
+        if replay:  # the workspaces the replay freed, made again where the probe's other trials expect them
+            self.backend.warm_up(self.device, AMP_DTYPES.get(self.options.amp or ""))
         if run.output_kept is not None and not self._output_said:
             self._output_said = True
             self.notes += output_notes(run.output_kept, self.options)

@@ -52,6 +52,7 @@ class ProbesTrials(Protocol):
         kind: TrialKind = "search",
         fresh_optimizer: bool = False,
         cap_bytes: int | None = None,
+        from_scratch: bool = False,
     ) -> Trial:
         """One trial at `batch_size`.
 
@@ -59,8 +60,10 @@ class ProbesTrials(Protocol):
             batch_size: the size to try.
             steps: the steps to run; `None` for the prober's own count.
             kind: what the trial is for, recorded in it.
-            fresh_optimizer: start as a new process does, no optimizer state kept.
+            fresh_optimizer: start with no optimizer state kept.
             cap_bytes: run under this lower limit (the safe batch's verification).
+            from_scratch: run as a fresh training process does (a fresh optimizer; on a caching
+                allocator nothing cached, no workspace made, steps until its layout settles).
         """
         ...
 

@@ -19,9 +19,34 @@ STEP_DOWN = 0.03
 RunTrial = Callable[[int, TrialKind, "int | None", "int | None"], Trial]
 
 
-def safe_cap(budget: int, headroom: float) -> int:
-    """The lowered cap the safe batch runs under: ``(1 - headroom) x budget``."""
-    return math.floor(budget * (1 - headroom))
+def safe_cap(budget: int, headroom: float, keep_free: int = 0) -> int:
+    """The lowered cap the safe batch runs under: ``(1 - headroom) x budget``, and at most the budget less
+    ``keep_free`` (room for one more of the step's largest allocation: `boundary_room`)."""
+    return min(math.floor(budget * (1 - headroom)), budget - keep_free)
+
+
+def boundary_room(trials: list[Trial], largest_fit: int) -> tuple[int, str | None]:
+    """What the safe batch's cap keeps free beyond the headroom's share, and why (``None``: nothing).
+
+    On a caching allocator the step's largest single allocation at the boundary (one more of it: the
+    longer sequence, the epoch-2 fragmentation a headroom is for), plus under ``backend:cudaMallocAsync``
+    the largest overhead the driver's pool showed beyond the bytes requested (it differs between
+    processes, while the fraction caps requested bytes only: taken off the safe batch, not the max).
+    """
+    facts = [t.allocator for t in trials if t.allocator is not None]
+    at_boundary = [
+        t.allocator.largest_request_bytes
+        for t in trials
+        if t.allocator is not None and t.allocator.largest_request_bytes and t.batch_size >= largest_fit
+    ]
+    block = max(at_boundary, default=0)
+    pool = max((f.pool_overhead_bytes or 0 for f in facts), default=0)
+    if not block and not pool:
+        return 0, None
+    parts = [f"one more of the step's largest allocation ({format_bytes(block)})"] if block else []
+    if pool:
+        parts.append(f"the cudaMallocAsync pool's overhead seen ({format_bytes(pool)})")
+    return block + pool, " and ".join(parts)
 
 
 def _verified_within(
@@ -51,6 +76,7 @@ def safe_batch(
     run: RunTrial,
     keep_within: float = 0.0,
     steps: int | None = None,
+    keep_free: tuple[int, str | None] = (0, None),
 ) -> tuple[int, bool, list[str]]:
     """The largest size that *runs* under a cap of ``(1 - headroom) x budget``, verified there.
 
@@ -74,7 +100,8 @@ def safe_batch(
     fraction) below the candidate is kept as the safe batch instead of verifying the candidate
     (the frontier's lengths: 0 for ``find()``). ``steps``: the verification's steps, when they
     are more than ``options.verify_steps`` (its last steps then time the safe batch warm, see
-    ``batchfit.probe.timing``).
+    ``batchfit.probe.timing``). ``keep_free``: bytes the cap keeps free whatever the headroom, and why
+    (`boundary_room`); a note says so when they lower it.
     """
     notes: list[str] = []
     grid, headroom = options.grid(), options.headroom
@@ -84,7 +111,13 @@ def safe_batch(
     if budget is None:
         safe = largest
     else:
-        cap = safe_cap(budget, headroom)
+        cap = safe_cap(budget, headroom, keep_free[0])
+        if cap < safe_cap(budget, headroom):
+            notes.append(
+                f"the safe batch runs under {format_bytes(cap)}, below the {headroom:.0%} headroom's "
+                f"{format_bytes(safe_cap(budget, headroom))}: the headroom keeps room for {keep_free[1]} "
+                "(see docs/concepts/measuring.md#what-fits-on-cuda)"
+            )
         measured = [t.batch_size for t in trials if t.fits and t.peak_in(unit) is not None and t.peak_in(unit) <= cap]
         predicted = grid.floor(memory.largest_batch_within(cap, ceiling=largest)) if memory else 0
         safe = min(largest, max([*measured, predicted, 0]))

@@ -52,6 +52,11 @@ from batchfit.report import Phase, Trial, TrialKind
 #: scale starts at 2**16 and halves on every skip, so 24 skips reach 2**-8: gradients that
 #: still overflow there are inf or NaN whatever the scale.
 MAX_SKIPPED_STEPS = 24
+#: The steps a replay of a fresh process runs at least (`run_trial`'s ``settle``): step 1 allocates the
+#: optimizer state, step 2 is the first with it live, step 3 the first whose cache step 2 shaped.
+REPLAY_STEPS = 3
+#: The most steps a replay runs while the allocator's layout at the end of a step still changes.
+SETTLE_LIMIT = 10
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ def run_trial(
     optimizer: torch.optim.Optimizer | None = None,
     ranks: Solo | None = None,
     plain_from: int | None = None,
+    settle: bool = False,
 ) -> TrialRun:
     """Run ``steps`` real steps at ``batch_size`` and return the record.
 
@@ -104,8 +110,16 @@ def run_trial(
     (``batchfit.distributed.ranks``), so an out-of-memory on one fails the trial on all. The record is
     this rank's: `Solo.combine` makes the group's. ``plain_from``: the steps from this one on (0-based)
     run without the meter's per-operation bookkeeping and alone are timed (`Meter.unobserved`).
+    ``settle``: a replay of a fresh process (`Meter.fresh_process`): at least `REPLAY_STEPS` steps, and
+    more (up to `SETTLE_LIMIT`) while the allocator's layout at the end of a step still changes.
+
+    Steps that ran without an out-of-memory error can still not fit by the allocator's rule
+    (`Meter.refusal`: on CUDA's native allocator, a step that needed the allocator to flush its cache at
+    the cap): then the trial failed, with the reason as its message.
     """
     ranks = ranks if ranks is not None else Solo()
+    if settle:
+        steps = max(steps, REPLAY_STEPS)
     before = meter.allocated_bytes()
     meter.begin_trial()
     warm = optimizer is not None
@@ -115,7 +129,7 @@ def run_trial(
     # A probe started under torch.no_grad() or inference_mode() still trains for real.
     with meter.tracking(), torch.inference_mode(False), torch.enable_grad(), ranks.deferred_sync(workload.model):
         try:
-            _run_steps(workload, meter, batch_size, steps, progress, times, ranks, plain_from)
+            _run_steps(workload, meter, batch_size, steps, progress, times, ranks, plain_from, settle)
         except PeerOutOfMemory as exc:  # another rank ran out of memory: this trial failed too
             failure = (str(exc), (None, None))
         except (RankFailedError, RanksTimeoutError):
@@ -131,6 +145,10 @@ def run_trial(
             else:
                 annotate(exc, f"batchfit: raised during {progress.phase} of a trial at batch size {batch_size}")
                 raise
+        facts = meter.trial_facts()  # while the steps' segments are still held
+    refused = meter.refusal() if failure is None else None
+    if refused is not None:
+        progress.phase = refused[0]  # type: ignore[assignment]  (a phase name the meter recorded)
     kept = progress.optimizer if progress.optimizer_ready else None
     progress.optimizer = None
     try:
@@ -152,6 +170,9 @@ def run_trial(
         raise
     phase_peaks = _ordered(meter.phase_peaks())
     phase_reserved = _ordered(meter.phase_reserved_peaks())
+    if refused is not None:  # it needed at least what its steps reached
+        peaks = (max((b for _, b in phase_peaks), default=None), max((b for _, b in phase_reserved), default=None))
+        failure = (refused[1], peaks)
     common = {
         "batch_size": batch_size,
         "kind": kind,
@@ -160,6 +181,8 @@ def run_trial(
         "steps": progress.steps,
         "skipped_steps": progress.skipped,
         "leaked_bytes": leaked,
+        "allocator": facts,
+        "replay": settle,
     }
     if failure is not None:
         message, (needed, needed_reserved) = failure
@@ -199,6 +222,7 @@ def _run_steps(
     times: list[float],
     ranks: Solo,
     plain_from: int | None = None,
+    settle: bool = False,
 ) -> None:
     """The steps themselves, every tensor of the trial in this frame (see the module docs). Step 1
     warms up (and allocates optimizer state); steps 2..N are timed, with the device synchronised at
@@ -241,8 +265,9 @@ def _run_steps(
     stepped: list[int] = []  # one entry per optimizer.step() that really ran
     hook = optimizer.register_step_post_hook(lambda *_: stepped.append(1))
     scaler = workload.grad_scaler(progress.grad_scale)
+    layouts: list[tuple[int, ...]] = []  # the allocator's layout after each step, while settling
     try:
-        while progress.steps < steps:
+        while progress.steps < steps or (settle and _unsettled(layouts) and progress.steps < SETTLE_LIMIT):
             plain = plain_from is not None and progress.steps >= plain_from
             timed = (bool(stepped) or steps == 1) and (plain_from is None or plain)
             unobserved = meter.unobserved() if plain else contextlib.nullcontext()
@@ -289,11 +314,18 @@ def _run_steps(
             progress.optimizer_ready = True
             if progress.steps == 1:
                 progress.optimizer_state_bytes = state_bytes(optimizer, meter)
+            if settle:
+                layouts.append(meter.layout())
     finally:
         hook.remove()
         if scaler is not None:  # read once (it synchronises), for the next trial to start from
             with contextlib.suppress(Exception):  # a failed device must not hide the real error
                 progress.grad_scale = float(scaler.get_scale())
+
+
+def _unsettled(layouts: list[tuple[int, ...]]) -> bool:
+    """Whether the allocator's layout still changed over the last step."""
+    return len(layouts) < 2 or layouts[-1] != layouts[-2]
 
 
 class _Timing:

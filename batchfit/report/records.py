@@ -33,6 +33,37 @@ Unit = Literal["allocated", "reserved"]
 
 
 @dataclass(frozen=True)
+class AllocatorFacts:
+    """What the allocator did during one trial: the facts that decide "fits" near a caching
+    allocator's cap, and the safe batch's headroom (see docs/concepts/measuring.md#what-fits-on-cuda).
+
+    Attributes:
+        retries: times the allocator, refused a new segment at the cap, synchronised, gave back every
+            wholly free cached segment and tried again (CUDA's ``num_alloc_retries``). On the native
+            allocator a step that needed one does not fit: whether it survives depends on which
+            segments happen to be whole at that moment, which a fresh process's history changes.
+        inactive_split_peak_bytes: the peak of free bytes split off inside segments that still hold a
+            live block (``inactive_split_bytes``): reserved, but not usable for a larger request.
+        largest_request_bytes: the largest single allocation the trial made (the block a headroom must
+            hold to absorb one more of it), ``None`` where it could not be read.
+        largest_segment_bytes: the largest segment the allocator held during the trial.
+        pool_overhead_bytes: under ``backend:cudaMallocAsync``, what the driver's pool reserved beyond the
+            bytes in use at the peak (the fraction caps requested bytes; the pool varies between processes).
+        rule: which allocator's rule judged the trial: ``"native"`` (a retry does not fit),
+            ``"expandable"`` (expandable segments: out-of-memory alone), ``"async"``
+            (``backend:cudaMallocAsync``: out-of-memory alone), ``"pluggable"`` (one swapped in by the
+            program, whose counters are not read: out-of-memory alone); ``None`` off a caching allocator.
+    """
+
+    retries: Count = 0
+    inactive_split_peak_bytes: Bytes | None = None
+    largest_request_bytes: Bytes | None = None
+    largest_segment_bytes: Bytes | None = None
+    pool_overhead_bytes: Bytes | None = None
+    rule: Literal["native", "expandable", "async", "pluggable"] | None = None
+
+
+@dataclass(frozen=True)
 class Trial:
     """One batch size, run for real.
 
@@ -67,6 +98,11 @@ class Trial:
             batch is verified under the budget less its headroom (what the headroom means).
         kv_bytes_per_token: with ``mode="generate"``, the KV cache the generation returned, in bytes
             per token of one row (``None`` when it returned no cache).
+        allocator: what the allocator did during the trial (`AllocatorFacts`), ``None`` where the
+            meter cannot say (a fake trial, a job per trial).
+        replay: the trial replayed a fresh process on a caching allocator (``Prober.trial(...,
+            from_scratch=True)``: nothing cached, no workspace, steps until the layout settled); its verdict
+            overrules a warm trial's at the same size and below (docs/concepts/search.md).
     """
 
     batch_size: Batch
@@ -86,6 +122,8 @@ class Trial:
     step_times_s: tuple[Seconds, ...] = ()
     cap_bytes: Bytes | None = None
     kv_bytes_per_token: Bytes | None = None
+    allocator: AllocatorFacts | None = None
+    replay: bool = False
 
     @property
     def peaks_by_phase(self) -> dict[str, int]:

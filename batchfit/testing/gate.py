@@ -165,7 +165,7 @@ def check_fits(
             on_start(prober.device_info, prober.budget_bytes)
         if on_trial_start is not None:
             on_trial_start(batch_size, "gate")
-        trial = prober.trial(batch_size, kind="gate")
+        trial = prober.trial(batch_size, kind="gate", from_scratch=True)  # as a fresh training run meets it
         # reserve="auto": what lives outside the allocator grows after the warm-up (kernels load on
         # first launch), and a card of the limit's size holds it too: the verdict uses it.
         budget, device = prober.settle_reserve(), prober.device_info
