@@ -1,14 +1,20 @@
 """The checks of ``benchmarks/gpu.py``: each runs fresh processes and returns one :class:`Record`.
 
 The parent process never imports torch, so it holds no CUDA context and no GPU memory that a
-child's cap or ``--reserve auto`` would have to share. Every child has a timeout, clipped to the
-run's hard end (the deadline plus a grace); a check that its child left unanswered because the
-hard end came says so and counts as not run, not as failed.
+child's cap or ``--reserve auto`` would have to share. The checks run at once, each in a thread of
+the parent, and their children share the GPU through :class:`Lanes`: a child starts when its cap
+and a CUDA context fit beside those running in the memory that was free at the preflight. A
+section that times steps or reads the whole device's free memory runs alone (:meth:`Lanes.alone`).
+Every child has a timeout, clipped to the run's hard end (``--deadline``); a check that its child
+left unanswered because the hard end came says so and counts as not run, not as failed.
 """
 
 from __future__ import annotations
 
+import ast
+import concurrent.futures
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -16,20 +22,28 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proof_children import MARK
+from proof_children import FRESH_STEPS, MARK
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_PY = Path(__file__).resolve().parent / "gpu.py"
-#: Seconds a check may run past ``--deadline`` before its child is stopped.
-GRACE_S = 30.0
+GiB = 2**30
 #: Seconds a child has, after SIGINT, to write what it has (pytest: its JUnit XML) before SIGKILL.
 INTERRUPT_GRACE_S = 15.0
+#: What a CUDA child holds outside its cap (its context, lazily loaded kernels), counted in its lane:
+#: 0.5-1 GiB on an H100/H200 with CUDA 12-13, so 2 GiB leaves room.
+CONTEXT_BYTES = 2 * GiB
+#: What the lanes leave of the memory free at the preflight, for what nobody counted.
+POOL_MARGIN_BYTES = 4 * GiB
+#: The compile tests' lane on CUDA: their caps are 1-2 GiB, plus a context and Triton's.
+COMPILE_TESTS_BYTES = 6 * GiB
 #: ``estimate max / find max`` inside this band passes (above 1, the estimate promises sizes
 #: that did not train); one batch either side of ``find()``'s max always passes
 #: (:func:`estimate_within_band`).
@@ -38,6 +52,11 @@ ESTIMATE_BAND = (0.85, 1.05)
 #: fine. Any other skip of a test marked ``cuda`` fails the check.
 ALLOWED_SKIPS = {
     r"needs two visible CUDA devices": "one GPU here: the cuda:1 test needs two",
+}
+#: CUDA tests the proof leaves out of its pytest run (``--deselect``, by node id prefix), and why.
+DESELECTED = {
+    "tests/test_cuda_allocator.py::test_the_largest_batch_trains_in_a_fresh_process_under_the_same_cap_and_one_"
+    "more_does_not": "the 3 allocator tests, which repeat the cap checks",
 }
 #: The user property batchfit's pytest plugin gives every ``cuda`` test (``CUDA_PROPERTY`` there).
 CUDA_PROPERTY = ("batchfit-marker", "cuda")
@@ -73,17 +92,42 @@ class Case:
 
 @dataclass
 class Plan:
-    """What runs here: the main case (estimate, throughput), the caps checked, the gate, timings."""
+    """What runs here: the main case (estimate, throughput), the caps checked, the gate, timings,
+    and what the children share (``capacity``: bytes of GPU memory on CUDA, cores on CPU)."""
 
     cuda: bool
     main: Case
     caps: list[tuple[str, Case, str, str | None]]  # (check name, case, allocator, PYTORCH_CUDA_ALLOC_CONF)
-    gate: Case  # probed by the CLI as ``gate_target``; its max + 1 also trained from scratch
+    gate: Case  # probed by the CLI as ``gate_target``; its max and max + 1 also trained from scratch
     gate_target: str
     warmup: int
     timed: int
     timeouts: dict[str, float]
     seq_lens: list[int] = field(default_factory=list)  # the frontier's lengths
+    capacity: int = 1
+
+    def cost(self, limit_bytes: int | None = None, allocator: str = "native") -> int:
+        """A child's lane: on CUDA its cap and a context (``cudaMallocAsync``'s pool may reserve a
+        little over the cap: a sixteenth more); on CPU one core."""
+        if not self.cuda:
+            return 1
+        limit = limit_bytes or 0
+        return limit + CONTEXT_BYTES + (limit // 16 if allocator == "cudaMallocAsync" else 0)
+
+    @property
+    def compile_cost(self) -> int:
+        return COMPILE_TESTS_BYTES if self.cuda else 1
+
+
+def pool_bytes(free_bytes: int) -> int:
+    """The lanes' capacity on CUDA: the memory free at the preflight less :data:`POOL_MARGIN_BYTES`."""
+    return max(0, free_bytes - POOL_MARGIN_BYTES)
+
+
+def at_once(capacity: int, cost: int, beside: int = 0) -> int:
+    """How many children of ``cost`` run at once in ``capacity`` beside ``beside`` (at least one:
+    a child larger than the rest runs when nothing else does)."""
+    return max(1, (capacity - beside) // cost) if cost > 0 else 1
 
 
 @dataclass
@@ -120,53 +164,214 @@ class Cut(Exception):
         self.output = output  # what the child printed before it was stopped
 
 
+class Lanes:
+    """The GPU memory free at the preflight (on CPU: the cores) shared out among the children.
+
+    A child asks for its cost (:meth:`Plan.cost`) and starts once its cost and those of the
+    children running fit the capacity: a lane is no fixed slot, only the rule that what runs at
+    once fits what was free. The earliest request that fits starts first (a smaller later one may
+    pass a larger one that does not fit yet), and a request larger than the whole capacity starts
+    when nothing else runs.
+
+    A section that must run alone (timed steps; ``--reserve auto`` and the CUDA tests, which read
+    the whole device's free memory) waits until every other check has finished or waits to run
+    alone too; such sections then run one at a time, in the order given. ``workers`` counts the
+    checks at work (set before their threads start; each says :meth:`done` at its end).
+    """
+
+    def __init__(self, capacity: int, workers: int = 0) -> None:
+        self.capacity = capacity
+        self.workers = workers
+        self.held: dict[int, int] = {}  # ticket -> cost, of the children running
+        self.queue: dict[int, int] = {}  # ticket -> cost, of the children waiting (in arrival order)
+        self.first: set[int] = set()  # tickets that go before the others (the longest process)
+        self.alone_queue: list[tuple[int, int]] = []  # (order, ticket) of the sections waiting to run alone
+        self.alone_owner: int | None = None  # the thread running alone now
+        self.peak = (0, 0)  # (children at once, their costs) at the busiest
+        self._tickets = itertools.count()
+        self._cond = threading.Condition()
+
+    def next_admitted(self) -> int | None:
+        """The waiting request that starts now, if any: the earliest that fits beside those running."""
+        if self.alone_owner is not None:
+            return None
+        used, order = sum(self.held.values()), sorted(self.queue, key=lambda t: (t not in self.first, t))
+        return next((t for t in order if not self.held or used + self.queue[t] <= self.capacity), None)
+
+    @contextlib.contextmanager
+    def lane(self, cost: int, until: float, first: bool = False) -> Iterator[None]:
+        """Hold ``cost`` while the block runs; :class:`Cut` if no lane came free by ``until``
+        (monotonic). ``first``: before the requests that are not (the longest process)."""
+        if self.alone_owner == threading.get_ident():  # a section running alone has the whole device
+            yield
+            return
+        with self._cond:
+            ticket = next(self._tickets)
+            self.queue[ticket] = cost
+            if first:
+                self.first.add(ticket)
+            admitted = self._cond.wait_for(
+                lambda: self.next_admitted() == ticket, timeout=max(0.0, until - time.monotonic())
+            )
+            del self.queue[ticket]
+            self.first.discard(ticket)
+            if not admitted:
+                self._cond.notify_all()
+                raise Cut("no lane came free before the hard end")
+            self.held[ticket] = cost
+            if len(self.held) > self.peak[0]:
+                self.peak = (len(self.held), sum(self.held.values()))
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                del self.held[ticket]
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def alone(self, order: int, until: float) -> Iterator[None]:
+        """Run the block with nothing else running, after every other check's shared work."""
+        with self._cond:
+            entry = (order, next(self._tickets))
+            self.alone_queue.append(entry)
+            self.alone_queue.sort()
+            self.workers -= 1
+            self._cond.notify_all()
+            ready = self._cond.wait_for(
+                lambda: (
+                    self.alone_owner is None and not self.held and self.workers == 0 and self.alone_queue[0] == entry
+                ),
+                timeout=max(0.0, until - time.monotonic()),
+            )
+            self.alone_queue.remove(entry)
+            self.workers += 1
+            if not ready:
+                self._cond.notify_all()
+                raise Cut("its turn to run alone did not come before the hard end")
+            self.alone_owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.alone_owner = None
+                self._cond.notify_all()
+
+    def done(self) -> None:
+        """A check's thread has finished."""
+        with self._cond:
+            self.workers -= 1
+            self._cond.notify_all()
+
+
 class Run:
-    """What the checks share: the plan, the output folder, the clock and the documents written."""
+    """What the checks share: the plan, the output folder, the clock, the lanes and the documents written."""
 
     def __init__(self, plan: Plan, out: Path, deadline_s: float, started: float) -> None:
         self.plan, self.out, self.started = plan, out, started
-        self.deadline_s, self.hard_end = deadline_s, started + deadline_s + GRACE_S
-        self.finds: dict[str, Path] = {}  # find() results by case key
+        self.deadline_s, self.hard_end = deadline_s, started + deadline_s
+        self.lanes = Lanes(plan.capacity)
+        self.finds: dict[str, dict[str, Any]] = {}  # find() answers by "<case>-<allocator>", their JSON in "path"
         self.documents: list[tuple[str, Path]] = []  # every result document, for the leak check
+        self.timeline: list[dict[str, Any]] = []  # every process started: when, how long, its lane
         self.logs = out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._find_locks: dict[str, threading.Lock] = {}
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def command(self, argv: list[str], log: str, timeout: float, alloc_conf: str | None = None) -> tuple[int, str]:
-        """Run ``argv`` with a timeout; ``(exit code, output)``; the output also goes to ``logs/``.
+    def say(self, text: str) -> None:
+        with self._lock:
+            print(f"[{self.elapsed():5.0f} s] {text}", flush=True)
+
+    def find_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            return self._find_locks.setdefault(key, threading.Lock())
+
+    def command(
+        self,
+        argv: list[str],
+        log: str,
+        timeout: float,
+        alloc_conf: str | None = None,
+        cost: int | None = None,
+        first: bool = False,
+    ) -> tuple[int, str]:
+        """Run ``argv`` in a lane of ``cost`` (default: a child without a cap; ``first``: before the
+        other requests) with a timeout; ``(exit code, output)``; the output also goes to ``logs/``.
 
         At the timeout the process group gets SIGINT first (pytest then writes its JUnit XML and
         summary, a Python child its traceback) and SIGKILL only :data:`INTERRUPT_GRACE_S` later.
         """
-        left = self.hard_end - time.monotonic() - INTERRUPT_GRACE_S  # SIGINT early enough to end by then
-        if left < 5:
-            raise Cut(f"{log}: no time left before the hard end")
-        limit = min(timeout, left)
-        env = child_env(not self.plan.cuda, alloc_conf)
-        # A session of its own, so that a timeout stops its children too (pytest starts some).
-        with subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        ) as process:
-            try:
-                output, _ = process.communicate(timeout=limit)
-            except subprocess.TimeoutExpired:
-                output = _interrupt(process)
+        cost = self.plan.cost() if cost is None else cost
+        queued = self.elapsed()
+        with self.lanes.lane(cost, self.hard_end - INTERRUPT_GRACE_S - 5, first):
+            left = self.hard_end - time.monotonic() - INTERRUPT_GRACE_S  # SIGINT early enough to end by then
+            if left < 5:
+                raise Cut(f"{log}: no time left before the hard end")
+            limit = min(timeout, left)
+            began = self.elapsed()
+            entry = {"log": log, "cost": cost, "queued_s": round(queued, 1), "start_s": round(began, 1)}
+            if cost >= self.plan.capacity or self.lanes.alone_owner == threading.get_ident():
+                lane = "alone"
+            else:
+                lane = size(cost) if self.plan.cuda else f"{cost} core"
+            self.say(f"  + {log} ({lane}{f', waited {began - queued:.0f} s' if began - queued >= 1 else ''})")
+            env = child_env(not self.plan.cuda, alloc_conf)
+            # A session of its own, so that a timeout stops its children too (pytest starts some).
+            with subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            ) as process:
+                timed_out = False
+                try:
+                    output, _ = process.communicate(timeout=limit)
+                except subprocess.TimeoutExpired:
+                    output, timed_out = _interrupt(process), True
+            rc = 124 if timed_out else process.returncode
+            entry.update(end_s=round(self.elapsed(), 1), exit_code=rc)
+            with self._lock:
+                self.timeline.append(entry)
+            if timed_out:
                 (self.logs / f"{log}.log").write_text(" ".join(argv) + "\n" + output + "\n[timed out]\n")
                 if timeout > left:
-                    raise Cut(f"{log}: stopped at the hard end (deadline + {GRACE_S:.0f} s)", output) from None
+                    raise Cut(f"{log}: stopped at the hard end (--deadline {self.deadline_s:.0f} s)", output)
                 return 124, output + f"\n[timed out after {timeout:.0f} s]"
         (self.logs / f"{log}.log").write_text(" ".join(argv) + "\n" + output)
-        return process.returncode, output
+        return rc, output
 
-    def child(self, name: str, args: dict[str, Any], log: str, alloc_conf: str | None = None) -> dict[str, Any]:
+    def child(
+        self, name: str, args: dict[str, Any], log: str, alloc_conf: str | None = None, cost: int | None = None
+    ) -> dict[str, Any]:
         """A fresh process running ``proof_children.CHILDREN[name]``; its answer, or ``ok: False``."""
         args = {"device": "cuda" if self.plan.cuda else "cpu", **args}
-        rc, output = self.command(child_argv(name, args), log, self.plan.timeouts.get(name, 300), alloc_conf)
+        timeout = self.plan.timeouts.get(name, 300)
+        rc, output = self.command(child_argv(name, args), log, timeout, alloc_conf, cost)
         answer = answer_of(output) or {"ok": False, "error": f"exit {rc}, no answer: {output.strip()[-300:]}"}
         answer["exit_code"] = rc
         return answer
+
+    def alone(self, order: int) -> contextlib.AbstractContextManager[None]:
+        """A section of a check that runs with nothing else running (see :meth:`Lanes.alone`)."""
+        return self.lanes.alone(order, self.hard_end - INTERRUPT_GRACE_S - 5)
+
+
+def parallel(jobs: dict[Any, Callable[[], Any]]) -> dict[Any, Any]:
+    """Each job in a thread of its own (their children then wait for lanes); their results by
+    key, or the first exception (a :class:`Cut` included) once all have ended."""
+    if len(jobs) <= 1:
+        return {key: job() for key, job in jobs.items()}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {key: pool.submit(job) for key, job in jobs.items()}
+        concurrent.futures.wait(futures.values())
+    return {key: future.result() for key, future in futures.items()}
 
 
 def child_env(cpu_only: bool, alloc_conf: str | None = None) -> dict[str, str]:
@@ -198,19 +403,6 @@ def answer_of(output: str) -> dict[str, Any] | None:
     return json.loads(marked[-1][len(MARK) :]) if marked else None
 
 
-def plain_loop_text(fresh: dict[str, Any], over: bool = False) -> str:
-    """How a fresh process's plain loop went: it trained (with its reserved peak and how often the
-    allocator freed its cache at the cap and retried), trained only by reserving more than the cap
-    (``over``: ``cudaMallocAsync``), ran out of memory, or failed otherwise."""
-    if not fresh.get("ok"):
-        return f"error: {fresh.get('error')}"
-    if not fresh["fits"]:
-        return "OOM"
-    peak, retries = fresh.get("max_reserved_bytes", fresh.get("peak_bytes")), fresh.get("alloc_retries")
-    word = "trains, reserving more than the cap" if over else "trains"
-    return f"{word} ({size(peak)}" + (f", {retries} alloc retries)" if retries else ")")
-
-
 def _interrupt(process: subprocess.Popen[str]) -> str:
     """SIGINT to ``process``'s group, SIGKILL if it is still there after the grace; its output."""
     with contextlib.suppress(ProcessLookupError):
@@ -225,7 +417,7 @@ def _interrupt(process: subprocess.Popen[str]) -> str:
         return output + "\n[killed: no exit within the grace after SIGINT]"
 
 
-# The checks ---------------------------------------------------------------------------------------
+# The CUDA tests -----------------------------------------------------------------------------------
 @dataclass
 class JUnitCases:
     """A JUnit XML report read as the proof judges it: CUDA tests apart from the rest."""
@@ -265,6 +457,15 @@ def read_junit(path: Path) -> JUnitCases:
     return cases
 
 
+def merge_junit(paths: list[Path], target: Path) -> None:
+    """The test suites of several JUnit reports in one ``<testsuites>`` (a GPU box sends back 8 files)."""
+    root = ElementTree.Element("testsuites")
+    for path in paths:
+        top = ElementTree.parse(path).getroot()
+        root.extend([top] if top.tag == "testsuite" else list(top.iter("testsuite")))
+    ElementTree.ElementTree(root).write(target, encoding="utf-8", xml_declaration=True)
+
+
 #: pytest's closing count (``-q``: ``31 passed, 3 skipped, 1617 deselected in 147.01s``).
 PYTEST_COUNTS = re.compile(r"^=*\s*\d+ (passed|failed|skipped|deselected|errors?)\b.* in [\d.]+s\b", re.M)
 
@@ -276,44 +477,80 @@ def pytest_finished(output: str) -> bool:
     return PYTEST_COUNTS.search(output) is not None and "KeyboardInterrupt" not in output
 
 
-def cuda_tests(name: str, marks: str, timeout_key: str) -> Any:
-    """``pytest -m MARKS --require-cuda`` with JUnit XML; on CPU the same collection, all skipped.
+def marks_cuda(source: str) -> bool:
+    """Whether a test module's source marks a test ``cuda``: ``@pytest.mark.cuda`` on a test or a
+    class, or a ``pytestmark`` that holds it (read as code: a test that writes such a file in a
+    string does not count)."""
+    if "pytest.mark.cuda" not in source:
+        return False
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if any(ast.unparse(d).startswith("pytest.mark.cuda") for d in node.decorator_list):
+                return True
+        elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            if "pytest.mark.cuda" in ast.unparse(node.value):
+                return True
+    return False
+
+
+def cuda_test_files(root: Path = ROOT) -> list[str]:
+    """The test files that hold tests marked ``cuda``, as paths from ``root``: pytest collects these
+    alone, not the whole suite's ~1,900 tests (22-25 s a run on the H200 only to deselect them)."""
+    tests = sorted((root / "tests").glob("test_*.py"))
+    return [str(path.relative_to(root)) for path in tests if marks_cuda(path.read_text())]
+
+
+def pytest_check(name: str, marks: str, timeout_key: str, alone: int | None, deselect: dict[str, str]) -> Any:
+    """``pytest FILES -m MARKS --require-cuda`` on :func:`cuda_test_files` with JUnit XML, less the
+    tests of ``deselect`` (node id prefixes), in a lane (``alone=None``) or alone (its order); on
+    CPU the same collection, all skipped.
 
     Stopped by SIGINT at its time (``plan.timeouts[timeout_key]``, clipped to the run's hard end),
     so that the tests which ran are still reported: the check then says how far it got.
     """
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
     def check(run: Run) -> Record:
-        xml = fresh(run.out / "cuda-tests.xml")
-        argv = [sys.executable, "-m", "pytest", "-m", marks, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
-        argv += ["--require-cuda"] if run.plan.cuda else []
+        xml = fresh(run.out / f"{slug}.xml")
+        files = cuda_test_files()
+        argv = [sys.executable, "-m", "pytest", *files, "-m", marks, "-q", "-p", "no:cacheprovider"]
+        argv += [f"--junitxml={xml}", *(["--require-cuda"] if run.plan.cuda else [])]
+        argv += [arg for node in deselect for arg in ("--deselect", node)]
+        cost = run.plan.compile_cost if alone is None else run.plan.capacity
         try:
-            rc, output = run.command(argv, "cuda-tests", run.plan.timeouts[timeout_key])
+            with run.alone(alone) if alone is not None else contextlib.nullcontext():
+                # In a lane, the longest process of all: it goes first.
+                rc, output = run.command(argv, slug, run.plan.timeouts[timeout_key], cost=cost, first=alone is None)
         except Cut as exc:  # at the hard end: what ran is still worth reading
-            rc, output = 124, exc.output
+            rc, output = 124, exc.output or str(exc)
         stopped = rc == 124 and not pytest_finished(output)
-        details: dict[str, Any] = {"exit_code": rc, "marks": marks, "junit_xml": xml.name, "tail": output[-1500:]}
+        details: dict[str, Any] = {"exit_code": rc, "marks": marks, "files": files, "deselected": deselect}
+        details.update(junit_xml=xml.name, alone=alone is not None, tail=output[-1500:])
         if not xml.exists():
-            return Record(name, None if stopped else False, f"no JUnit XML (exit {rc})", details)
+            return Record(name, None if stopped else False, f"no JUnit XML (exit {rc}): {output[-120:]}", details)
         cases = read_junit(xml)
         details.update(cases.__dict__)
+        left_out = f"; deselected: {'; '.join(deselect.values())}" if deselect else ""
         if not run.plan.cuda:
             ok = (rc == 0 or stopped) and not cases.failed and not cases.ran
-            summary = f"no CUDA: {len(cases.skipped) + len(cases.allowed_skips)} collected, all skipped (JUnit XML)"
-            return Record(name, None if ok else False, summary + ("; stopped" if stopped else ""), details)
+            summary = f"no CUDA: {len(cases.skipped) + len(cases.allowed_skips)} collected in {len(files)} files, "
+            summary += "all skipped (JUnit XML)" + ("; stopped" if stopped else "")
+            return Record(name, None if ok else False, summary + left_out, details)
         allowed = f", {len(cases.allowed_skips)} skipped as expected" if cases.allowed_skips else ""
-        summary = f"-m '{marks}': {len(cases.ran)} ran, {len(cases.failed)} failed{allowed}"
+        summary = f"-m '{marks}' ({len(files)} files): {len(cases.ran)} ran, {len(cases.failed)} failed{allowed}"
         summary += f", {len(cases.skipped)} skipped: {'; '.join(cases.skipped.values())[:120]}" if cases.skipped else ""
         summary += f": {', '.join(f.split('::')[-1] for f in cases.failed[:4])}" if cases.failed else ""
         if stopped:
             summary += "; STOPPED by its time limit (the rest did not run)"
         bad = bool(cases.failed or cases.skipped) or (rc != 0 and not stopped) or not cases.ran
-        return Record(name, False if bad else (None if stopped else True), summary + f" (exit {rc})", details)
+        passed = False if bad else (None if stopped else True)
+        return Record(name, passed, summary + f" (exit {rc})" + left_out, details)
 
     check.__name__ = name
     return check
 
 
+# The checks ---------------------------------------------------------------------------------------
 def devices(run: Run) -> Record:
     """``batchfit devices --json``: the GPUs NVML sees (on CPU: that it says there are none)."""
     path = fresh(run.out / "devices.json")
@@ -333,18 +570,63 @@ def devices(run: Run) -> Record:
 
 
 def run_find(run: Run, case: Case, allocator: str, conf: str | None) -> dict[str, Any]:
-    """``find()`` in a fresh process; its result is kept for the checks after it."""
+    """``find()`` in a fresh process, once per case and allocator: its answer is kept for the checks
+    after it (its result's JSON in ``answer["path"]``)."""
     key = f"{case.key}-{allocator}"
-    path = fresh(run.out / f"find-{key}.json")
-    answer = run.child("find", {"case": case.as_dict(), "out": str(path)}, f"find-{key}", conf)
-    if answer.get("ok"):
-        run.finds[key] = path
-        run.documents.append((f"find {key}", path))
-    return answer
+    with run.find_lock(key):
+        if key not in run.finds:
+            path = fresh(run.out / f"find-{key}.json")
+            args = {"case": case.as_dict(), "out": str(path)}
+            answer = run.child("find", args, f"find-{key}", conf, run.plan.cost(case.limit_bytes, allocator))
+            if answer.get("ok"):
+                answer["path"] = str(path)
+                run.documents.append((f"find {key}", path))
+            run.finds[key] = answer
+        return run.finds[key]
+
+
+def main_find(run: Run) -> tuple[dict[str, Any] | None, str | None]:
+    """The main case's ``find()`` result (native allocator), from the cap check or run now."""
+    answer = run_find(run, run.plan.main, "native", None)
+    if not answer.get("ok"):
+        return None, f"find() failed: {answer.get('error')}"
+    return json.loads(Path(answer["path"]).read_text()), None
+
+
+def fresh_text(answer: dict[str, Any]) -> str:
+    """How a fresh process went, in the words of its rule (``proof_children.judge_fresh``), short."""
+    if not answer.get("ok"):
+        return f"error: {answer.get('error')}"
+    oom = answer.get("oom")
+    if not oom:
+        return str(answer.get("why") or ("trains" if answer.get("fits") else "does not fit"))
+    asked = re.search(r"Tried to allocate [\d.]+ \w+", oom.get("message") or "")
+    text = f"OOM in the {oom.get('phase') or '?'}" + (f" of step {oom['step']}" if oom.get("step") else "")
+    text += f" ({asked.group(0)})" if asked else ""
+    return text + (" VOID: the whole device ran full, not the cap" if answer.get("void") else "")
+
+
+def train_both_sides(run: Run, case: Case, top: int, above: bool, conf: str | None, allocator: str, log: str) -> Any:
+    """Fresh ``train`` children at ``top`` (must fit) and, when ``above``, ``top + 1`` (must not),
+    in parallel lanes: ``{size: (answer, as expected)}``."""
+    cost = run.plan.cost(case.limit_bytes, allocator)
+    expected = {top: True} | ({top + 1: False} if above else {})
+
+    def job(batch: int) -> Callable[[], dict[str, Any]]:
+        args = {"case": case.as_dict(), "size": batch, "steps": FRESH_STEPS}
+        return lambda: run.child("train", args, f"{log}-{batch}", conf, cost)
+
+    answers = parallel({batch: job(batch) for batch in expected})
+    return {
+        batch: (answer, bool(answer.get("ok") and not answer.get("void") and answer.get("fits") is expected[batch]))
+        for batch, answer in answers.items()
+    }
 
 
 def cap_check(name: str, case: Case, allocator: str, conf: str | None) -> Any:
-    """The cap's honesty: ``find()``'s max trains in a fresh process under the same cap, max + 1 does not."""
+    """The cap's honesty from scratch on both sides: ``find()``'s max trains :data:`FRESH_STEPS`
+    steps in a fresh process under the same cap, and max + 1 does not, each by the rule of its
+    allocator (``proof_children.judge_fresh``)."""
 
     def check(run: Run) -> Record:
         found = run_find(run, case, allocator, conf)
@@ -355,25 +637,16 @@ def cap_check(name: str, case: Case, allocator: str, conf: str | None) -> Any:
         wanted = {"native": "native", "cudaMallocAsync": "cudaMallocAsync"}.get(allocator)
         if run.plan.cuda and wanted and found.get("allocator") != wanted:
             return Record(name, False, f"the child ran allocator {found.get('allocator')}, not {wanted}", details)
-        tries = {top: True} | ({top + 1: False} if found["boundary_reached"] else {})
-        verdicts = []
-        for batch, expected in tries.items():
-            log = f"train-{case.key}-{allocator}-{batch}"
-            fresh = run.child("train", {"case": case.as_dict(), "size": batch}, log, conf)
-            details[f"fresh_{batch}"] = fresh
-            if not fresh.get("ok"):
-                verdicts.append((False, f"{batch} error: {fresh.get('error')}"))
-                continue
-            peak = fresh.get("max_reserved_bytes", fresh.get("peak_bytes"))
-            # A card of the limit's size holds what the allocator reserves; under cudaMallocAsync
-            # the fraction caps only requested bytes, so a pool above the limit did not fit.
-            over = run.plan.cuda and fresh["fits"] and peak is not None and peak > case.limit_bytes
-            fits = fresh["fits"] and not over
-            verdicts.append((fits == expected, f"{batch} {plain_loop_text(fresh, over)}"))
+        log = f"train-{case.key}-{allocator}"
+        sides = train_both_sides(run, case, top, found["boundary_reached"], conf, allocator, log)
+        details.update({f"fresh_{batch}": answer for batch, (answer, _) in sides.items()})
+        verdicts = [(ok, f"{batch} {fresh_text(answer)}") for batch, (answer, ok) in sides.items()]
         if not found["boundary_reached"]:
             verdicts.append((True, f"(search stopped: {found['stop_reason']}, max + 1 not tried)"))
+        rule = next((a.get("allocator") for a, _ in sides.values() if a.get("allocator")), "?")
         safe = f"safe {found['safe_batch']}{'' if found['safe_verified'] else ' UNVERIFIED'}"
-        summary = f"{case.limit_text}: find max {top}, {safe}; fresh: " + ", ".join(text for _, text in verdicts)
+        summary = f"{case.limit_text}: find max {top}, {safe}; fresh ({FRESH_STEPS} steps, {rule} rule): "
+        summary += ", ".join(text for _, text in verdicts)
         if allocator == "expandable_segments" and run.plan.cuda:
             # torch checks the fraction against mapped memory plus the whole request, then maps
             # only the missing pages: the emulated card is stricter than a real one of this size.
@@ -384,16 +657,6 @@ def cap_check(name: str, case: Case, allocator: str, conf: str | None) -> Any:
     return check
 
 
-def main_find(run: Run) -> tuple[dict[str, Any] | None, str | None]:
-    """The main case's ``find()`` result (native allocator), from the cap check or run now."""
-    key = f"{run.plan.main.key}-native"
-    if key not in run.finds:
-        answer = run_find(run, run.plan.main, "native", None)
-        if not answer.get("ok"):
-            return None, f"find() failed: {answer.get('error')}"
-    return json.loads(run.finds[key].read_text()), None
-
-
 def estimate_vs_find(run: Run) -> Record:
     """``estimate()`` beside ``find()``: same model, same limit, nothing kept aside."""
     case = run.plan.main
@@ -401,7 +664,8 @@ def estimate_vs_find(run: Run) -> Record:
     if found is None:
         return Record("estimate vs find", False, str(error))
     path = fresh(run.out / f"estimate-{case.key}.json")
-    answer = run.child("estimate", {"case": case.as_dict(), "out": str(path)}, f"estimate-{case.key}")
+    args = {"case": case.as_dict(), "out": str(path)}
+    answer = run.child("estimate", args, f"estimate-{case.key}", cost=run.plan.cost(case.limit_bytes))
     details = {"case": case.as_dict(), "estimate": answer, "find": {k: found[k] for k in ("max_batch", "safe_batch")}}
     if not answer.get("ok"):
         return Record("estimate vs find", False, f"estimate() failed: {answer.get('error')}", details)
@@ -429,7 +693,8 @@ def estimate_within_band(estimated: int, found: int) -> bool:
 
 
 def throughput(run: Run) -> Record:
-    """``find()``'s samples/s and knee beside plain steady-state steps at the same sizes."""
+    """``find()``'s samples/s and knee beside plain steady-state steps at the same sizes (both run
+    alone: ``gpu.py`` runs this check, and the ``find()`` it reads, before the others start)."""
     case = run.plan.main
     found, error = main_find(run)
     if found is None:
@@ -444,7 +709,7 @@ def throughput(run: Run) -> Record:
     best = found["best_throughput_batch"]
     sizes = sorted({min(timed) if timed else 1, knee or best, best, found["max_batch"]})
     args = {"case": case.as_dict(), "sizes": sizes, "warmup": run.plan.warmup, "timed": run.plan.timed}
-    plain = run.child("throughput", args, f"throughput-{case.key}")
+    plain = run.child("throughput", args, f"throughput-{case.key}", cost=run.plan.capacity)
     details: dict[str, Any] = {"knee": knee, "best": best, "sizes": sizes, "plain": plain}
     details["find_throughput"] = found.get("throughput")
     if not plain.get("ok"):
@@ -469,22 +734,31 @@ def throughput(run: Run) -> Record:
     return Record("throughput", judged_ok, summary, details)
 
 
+#: The order of the sections that run alone once the shared work is done: the short one first.
+ALONE_ORDER = {"gate": 1, "cuda tests": 2}
+
+
 def gate(run: Run) -> Record:
     """``batchfit probe --require-batch`` against the probe's max, with and without ``--reserve
-    auto``, and the probe's max + 1 trained from scratch by a plain loop in a fresh process.
+    auto``, at max + 1, and both sides from scratch: max trains in a fresh process and max + 1
+    does not, by the native rule.
 
     The model (``plan.gate``) holds far more per sample than the allocator's 2 MiB segment
     rounding, so max + 1 cannot pass in the slack of max's segments; the required batch is 3/4 of
-    the max, as a CI gate keeps a margin.
+    the max, as a CI gate keeps a margin. The gate at max + 1 runs with ``--init-batch max + 1``:
+    no search below it (the probe already made it). ``--reserve auto`` measures what lives outside
+    the allocator on the whole device, so that run waits to run alone.
     """
     case = run.plan.gate
+    cost = run.plan.cost(case.limit_bytes)
     base = [sys.executable, "-m", "batchfit", "probe", run.plan.gate_target, "--memory-limit", str(case.limit_bytes)]
     base += ["--device", "cuda" if run.plan.cuda else "cpu", "--quiet"]
     runs: dict[str, dict[str, Any]] = {}
 
     def cli(label: str, extra: list[str]) -> dict[str, Any]:
         path = fresh(run.out / f"gate-{label}.json")
-        rc, output = run.command(base + extra + ["--json", str(path)], f"gate-{label}", run.plan.timeouts["cli"])
+        argv = base + extra + ["--json", str(path)]
+        rc, output = run.command(argv, f"gate-{label}", run.plan.timeouts["cli"], cost=cost)
         document = json.loads(path.read_text()) if path.exists() else None
         if document is not None:
             run.documents.append((f"gate {label}", path))
@@ -497,24 +771,33 @@ def gate(run: Run) -> Record:
         return Record("gate", False, f"the probe failed: exit {probe['exit_code']}", details)
     top, boundary = probe["document"]["max_batch"], probe["document"]["boundary_reached"]
     n = max(1, top * 3 // 4)
-    plain = cli(f"require-{n}", ["--require-batch", str(n)])["exit_code"]
-    reserved = cli(f"require-{n}-reserve-auto", ["--require-batch", str(n), "--reserve", "auto"])
-    above = cli(f"require-{top + 1}", ["--require-batch", str(top + 1)])["exit_code"] if boundary else None
-    scratch = run.child("train", {"case": case.as_dict(), "size": top + 1}, f"train-gate-{top + 1}") if boundary else {}
-    details["scratch"] = scratch
+    jobs: dict[str, Callable[[], Any]] = {
+        "plain": lambda: cli(f"require-{n}", ["--require-batch", str(n)]),
+        "sides": lambda: train_both_sides(run, case, top, boundary, None, "native", "train-gate"),
+    }
+    if boundary:
+        above_args = ["--require-batch", str(top + 1), "--init-batch", str(top + 1)]
+        jobs["above"] = lambda: cli(f"require-{top + 1}", above_args)
+    done = parallel(jobs)
+    with run.alone(ALONE_ORDER["gate"]):
+        reserved = cli(f"require-{n}-reserve-auto", ["--require-batch", str(n), "--reserve", "auto"])
+    plain, above = done["plain"]["exit_code"], done["above"]["exit_code"] if boundary else None
+    sides = done["sides"]
+    details["fresh"] = {batch: answer for batch, (answer, _) in sides.items()}
     budget = (reserved["document"] or {}).get("budget_bytes")
     checks = {
         "verdicts, not errors": plain in (0, 3) and reserved["exit_code"] in (0, 3) and above in (0, 3, None),
         f"require {n} agrees with max {top}": plain == 0,
         "a reserve never passes what the full limit fails": not (plain == 3 and reserved["exit_code"] == 0),
         f"require {top + 1} fails": above in (3, None),
-        f"{top + 1} does not train from scratch": not boundary or (scratch.get("ok") and not scratch.get("fits")),
+        f"{top} trains from scratch": sides[top][1],
+        f"{top + 1} does not train from scratch": not boundary or sides[top + 1][1],
     }
     details["checks"] = checks
+    fresh_said = "; ".join(f"{batch} from scratch: {fresh_text(answer)}" for batch, (answer, _) in sides.items())
     summary = (
         f"{case.limit_text}: probe max {top}; exit codes: require {n} {plain}, with --reserve auto "
-        f"{reserved['exit_code']} (budget {size(budget)}), require {top + 1} {above}"
-        + (f"; {top + 1} from scratch: {plain_loop_text(scratch)}" if boundary else "")
+        f"{reserved['exit_code']} (budget {size(budget)}), require {top + 1} {above}; {fresh_said}"
     )
     failed = [k for k, ok in checks.items() if not ok]
     return Record("gate", not failed, summary + (f"; wrong: {'; '.join(failed)}" if failed else ""), details)
@@ -552,7 +835,7 @@ def frontier(run: Run) -> Record:
     case = run.plan.main
     out, plot = fresh(run.out / f"frontier-{case.key}.json"), fresh(run.out / f"frontier-{case.key}.png")
     args = {"case": case.as_dict(), "seq_lens": run.plan.seq_lens, "out": str(out), "plot": str(plot)}
-    answer = run.child("frontier", args, f"frontier-{case.key}")
+    answer = run.child("frontier", args, f"frontier-{case.key}", cost=run.plan.cost(case.limit_bytes))
     details = {"case": case.as_dict(), "frontier": answer}
     if not answer.get("ok"):
         return Record("frontier", False, f"frontier() failed: {answer.get('error')}", details)
@@ -567,6 +850,13 @@ def frontier(run: Run) -> Record:
         + ("" if answer["plotted"] else "; no picture (matplotlib missing)")
     )
     return Record("frontier", passed, summary, details)
+
+
+#: The CUDA tests but the compile ones, alone (they read the whole device's free memory:
+#: ``reserve="auto"``, a limit clipped to what is reachable), less the allocator tests.
+cuda_tests = pytest_check("cuda tests", "cuda and not compile", "pytest", ALONE_ORDER["cuda tests"], DESELECTED)
+#: The compile tests (torch.compile; caps of 1-2 GiB), in a lane beside the children.
+compile_tests = pytest_check("compile tests", "cuda and compile", "pytest compile", None, {})
 
 
 def status_of(record: Record) -> str:

@@ -6,18 +6,27 @@ cached block or an earlier out-of-memory, and so that a crash, a hang or a poiso
 cannot end the run: the parent reads the last line that starts with :data:`MARK` and keeps the
 rest of the output as a log.
 
-The training loop here (:func:`plain_steps`) is deliberately not batchfit's: AdamW, forward, loss,
+The training loop here (:func:`plain_step`) is deliberately not batchfit's: AdamW, forward, loss,
 backward, step, ``zero_grad``, the way a training script writes it, so that an error batchfit's
-trials share with batchfit's own checks cannot hide. On CUDA the cap is the one ``find()`` uses,
-``torch.cuda.set_per_process_memory_fraction(limit / total)`` after ``torch.cuda.empty_cache()``.
-The CPU has no allocator cap, so on CPU the fresh-process check runs batchfit's own verification
-trial under its live-tensor limit (``Prober.trial(..., kind="verify", fresh_optimizer=True)``) and
-says so.
+trials share with batchfit's own checks cannot hide. The ``train`` child is the fresh process of
+the rule of "batch b fits on CUDA" (issue 47): it builds the model on the GPU, empties the cache,
+sets the cap ``find()`` sets, ``torch.cuda.set_per_process_memory_fraction(limit / total)``, runs
+``steps`` (the proof: :data:`FRESH_STEPS`) plain steps, reads ``num_alloc_retries`` before the first
+step and after each, and :func:`judge_fresh` gives its verdict per allocator:
+
+* native: fits iff no step ran out of memory and the retries did not grow during the steps (a step
+  that lived only by the allocator flushing its cache at the cap sits where history decides);
+* ``expandable_segments:True``: fits iff no out-of-memory; the retries are reported, not judged;
+* ``backend:cudaMallocAsync``: fits iff no out-of-memory (the fraction caps requested bytes); the
+  pool's overhead (reserved peak less allocated peak) is reported.
+
+The CPU has no allocator cap, so on CPU the ``train`` child runs batchfit's own from-scratch trial
+under its live-tensor limit and says so; the same function judges it (an out-of-memory there is
+batchfit's limit raising one).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -66,24 +75,42 @@ def loss_of(output: Any) -> tuple[Any, Any]:
     return (own, None) if own is not None else (default_loss(output), output)
 
 
-def plain_steps(model: Any, batch: Any, optimizer: Any, amp: str | None, device: Any, steps: int) -> list[float]:
-    """``steps`` ordinary training steps; the wall time of each, synchronised."""
+def plain_step(model: Any, batch: Any, optimizer: Any, amp: str | None, device: Any, where: dict[str, Any]) -> None:
+    """One ordinary training step; ``where["phase"]`` names the phase in progress (``forward``,
+    ``backward``, ``step``), so that an out-of-memory can say where it happened."""
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "")
-    times = []
+    where["phase"] = "forward"
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        loss, output = loss_of(model(**batch) if isinstance(batch, Mapping) else model(batch))
+    where["phase"] = "backward"
+    loss.backward()
+    where["phase"] = "step"
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    del output, loss  # a plain loop holds them through the step (``criterion(model(x), y)``'s output)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_steps(model: Any, batch: Any, optimizer: Any, amp: str | None, device: Any, steps: int) -> list[float]:
+    """``steps`` ordinary training steps; the wall time of each, synchronised."""
+    times, where = [], {}
     for _ in range(steps):
         started = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss, output = loss_of(model(**batch) if isinstance(batch, Mapping) else model(batch))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        del output, loss
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        plain_step(model, batch, optimizer, amp, device, where)
         times.append(time.perf_counter() - started)
     return times
+
+
+def set_cap(device: Any, limit_bytes: int) -> None:
+    """The cap ``find()`` sets: the cache emptied, then the fraction of the runtime's total."""
+    import torch
+
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
 
 
 def capped_device(args: dict[str, Any]) -> Any:
@@ -94,10 +121,18 @@ def capped_device(args: dict[str, Any]) -> Any:
         return torch.device("cpu")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args["case"]["limit_bytes"] / total), device)
+    set_cap(device, args["case"]["limit_bytes"])
     return device
+
+
+def memory_stats(device: Any) -> dict[str, Any]:
+    """``torch.cuda.memory_stats``, or nothing where the allocator backend keeps none."""
+    import torch
+
+    try:
+        return dict(torch.cuda.memory_stats(device))
+    except RuntimeError:
+        return {}
 
 
 def cuda_peaks(device: Any) -> dict[str, Any]:
@@ -109,8 +144,7 @@ def cuda_peaks(device: Any) -> dict[str, Any]:
     peaks: dict[str, Any] = {"allocator": getattr(torch.cuda, "get_allocator_backend", lambda: "native")()}
     # How often the allocator hit the cap, freed its cache and tried again: a step that trained only
     # that way sat at the edge, where the order of its allocations decides (the native allocator).
-    with contextlib.suppress(RuntimeError):
-        peaks["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries")
+    peaks["alloc_retries"] = memory_stats(device).get("num_alloc_retries")
     reads = {"max_allocated_bytes": torch.cuda.max_memory_allocated}
     reads["max_reserved_bytes"] = torch.cuda.max_memory_reserved
     for key, read in reads.items():
@@ -122,6 +156,79 @@ def cuda_peaks(device: Any) -> dict[str, Any]:
     return peaks
 
 
+# The rule of "batch b fits" ------------------------------------------------------------------------
+#: What each allocator's fresh process is judged by (:func:`judge_fresh`).
+RULES = {
+    "native": "no out-of-memory in any step and no allocator retry during the steps",
+    "expandable": "no out-of-memory in any step (allocator retries reported, not judged)",
+    "async": "no out-of-memory in any step (the fraction caps requested bytes; the pool's overhead reported)",
+    "cpu": "batchfit's from-scratch trial under its live-tensor limit (the CPU has no allocator cap)",
+}
+#: The proof's fresh processes run this many steps (the rule: at least 10).
+FRESH_STEPS = 10
+#: An out-of-memory with less than this free on the whole device was the device running full (the
+#: proof's other processes), not the cap: the answer says nothing about the cap.
+DEVICE_FULL_BYTES = 2**30
+
+
+def allocator_kind(backend: str | None, conf: str | None) -> str:
+    """``native``, ``expandable`` or ``async``: the allocator a CUDA process runs, from
+    ``torch.cuda.get_allocator_backend()`` and ``PYTORCH_CUDA_ALLOC_CONF`` (the backend alone
+    does not tell expandable segments from the native allocator)."""
+    if backend == "cudaMallocAsync" or "cudamallocasync" in (conf or "").replace(" ", "").lower():
+        return "async"
+    settings = dict(part.split(":", 1) for part in (conf or "").replace(" ", "").split(",") if ":" in part)
+    return "expandable" if settings.get("expandable_segments", "").lower() == "true" else "native"
+
+
+def judge_fresh(facts: Mapping[str, Any]) -> dict[str, Any]:
+    """The verdict of a fresh process on its recorded ``facts`` (what :func:`train` records:
+    ``allocator`` (``native``/``expandable``/``async``/``cpu``), ``steps_wanted``, ``steps`` run,
+    ``oom`` (``None`` or its ``step``, ``phase`` and ``message``), ``retries_before`` and
+    ``per_step`` (``retries`` so far, ``max_allocated_bytes``, ``max_reserved_bytes``), and on an
+    out-of-memory ``device_free_bytes``): ``fits``, the ``rule`` applied, ``why`` in words, the
+    ``retries`` during the steps, the async pool's ``pool_overhead_bytes``, and ``void`` when the
+    answer says nothing about the cap (the whole device was full)."""
+    kind = facts.get("allocator") or "native"
+    steps, wanted = facts.get("steps") or 0, facts.get("steps_wanted") or 0
+    per_step = list(facts.get("per_step") or [])
+    before = facts.get("retries_before")
+    counts = [s.get("retries") for s in per_step]
+    retries = None
+    if before is not None and counts and counts[-1] is not None:
+        retries = counts[-1] - before
+    grew = [s["step"] for s, c, p in zip(per_step, counts, [before, *counts]) if None not in (c, p) and c > p]
+    last = per_step[-1] if per_step else {}
+    peak_reserved = facts.get("max_reserved_bytes", last.get("max_reserved_bytes"))
+    peak_allocated = facts.get("max_allocated_bytes", last.get("max_allocated_bytes"))
+    overhead = None
+    if kind == "async" and peak_reserved is not None and peak_allocated is not None:
+        overhead = peak_reserved - peak_allocated
+    verdict: dict[str, Any] = {"rule": RULES.get(kind, RULES["native"]), "retries": retries, "void": False}
+    verdict["pool_overhead_bytes"] = overhead
+    oom = facts.get("oom")
+    if oom:
+        where = f" of step {oom['step']}" if oom.get("step") else ""
+        why = f"OOM in the {oom.get('phase') or '?'}{where}: {oom.get('message') or ''}".rstrip(": ")
+        free = facts.get("device_free_bytes")
+        if free is not None and free < DEVICE_FULL_BYTES:
+            why += f" (VOID: {free / 2**30:.2f} GiB free on the whole device: it ran full, not the cap)"
+            verdict["void"] = True
+        return {**verdict, "fits": False, "why": why}
+    if steps < wanted:
+        return {**verdict, "fits": False, "why": f"ran {steps} of {wanted} steps"}
+    shown = f"{steps} steps" + (f", reserved peak {peak_reserved / 2**30:.2f} GiB" if peak_reserved else "")
+    if kind == "native" and retries:
+        steps_text = ", ".join(str(s) for s in grew)
+        why = f"trains only by flushing the cache at the cap: {retries} allocator retries (step {steps_text}); {shown}"
+        return {**verdict, "fits": False, "why": why}
+    if kind == "expandable" and retries:
+        shown += f", {retries} allocator retries (not judged)"
+    if overhead is not None:
+        shown += f", pool overhead {overhead / 2**30:.2f} GiB"
+    return {**verdict, "fits": True, "why": f"trains ({shown})"}
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
@@ -129,7 +236,8 @@ def first_line(exc: BaseException) -> str:
 
 # The children ------------------------------------------------------------------------------------
 def describe(args: dict[str, Any]) -> dict[str, Any]:
-    """What torch sees, for the preflight: versions, the GPU, the driver, a C compiler for Triton."""
+    """What torch sees, for the preflight: versions, the GPU and its free memory, the driver, a C
+    compiler for Triton."""
     import shutil
 
     import torch
@@ -164,6 +272,9 @@ def describe(args: dict[str, Any]) -> dict[str, Any]:
             gpu_count=torch.cuda.device_count(),
             driver=query_devices().driver_version,
         )
+        # What the proof's children may share (its lanes): free now, this process's context
+        # included, so a little less than they will find.
+        info["gpu_free_bytes"] = torch.cuda.mem_get_info(0)[0]
     return info
 
 
@@ -221,40 +332,99 @@ def find(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def train(args: dict[str, Any]) -> dict[str, Any]:
-    """Does batch ``args["size"]`` train for 3 steps from scratch under the cap, in this fresh process?"""
+    """Does batch ``args["size"]`` train ``args["steps"]`` steps (default :data:`FRESH_STEPS`) from
+    scratch under the cap, in this fresh process? Its facts and :func:`judge_fresh`'s verdict on
+    them (``fits``)."""
+    case, size = args["case"], int(args["size"])
+    steps = int(args.get("steps") or FRESH_STEPS)
+    facts = train_cuda(case, size, steps) if args["device"] == "cuda" else train_cpu(case, size, steps)
+    return {**facts, **judge_fresh(facts)}
+
+
+def train_cpu(case: dict[str, Any], size: int, steps: int) -> dict[str, Any]:
+    """On CPU: batchfit's from-scratch trial under its live-tensor limit (the CPU has no cap)."""
+    import inspect
+
+    import batchfit
+
+    model, sample = build(case)
+    with batchfit.Prober(model, sample, memory_limit=case["limit_bytes"], amp=case["amp"], device="cpu") as prober:
+        # Prober.trial(from_scratch=True) where this batchfit has it (issue 47), else a fresh optimizer.
+        scratch = "from_scratch" if "from_scratch" in inspect.signature(prober.trial).parameters else "fresh_optimizer"
+        trial = prober.trial(size, steps=steps, kind="verify", **{scratch: True})
+    oom = None if trial.fits else {"step": None, "phase": getattr(trial, "phase", None), "message": trial.message}
+    return {
+        "how": f"Prober.trial(kind='verify', {scratch}=True) under batchfit's live-tensor limit (no CPU cap)",
+        "allocator": "cpu",
+        "size": size,
+        "steps_wanted": steps,
+        "steps": trial.steps if trial.fits else 0,
+        "oom": oom,
+        "peak_bytes": trial.peak_bytes,
+        "message": trial.message,
+    }
+
+
+def train_cuda(case: dict[str, Any], size: int, steps: int) -> dict[str, Any]:
+    """On CUDA: the model built on the GPU, the cache emptied, the cap set, then plain AdamW steps,
+    with the allocator's retries, peaks and split-free peak read before the first step and after
+    each, and an out-of-memory's step, phase and first line."""
     import torch
 
-    case, size, steps = args["case"], args["size"], args.get("steps", 3)
-    if args["device"] != "cuda":
-        import batchfit
-
-        model, sample = build(case)
-        with batchfit.Prober(model, sample, memory_limit=case["limit_bytes"], amp=case["amp"], device="cpu") as prober:
-            trial = prober.trial(size, steps=steps, kind="verify", fresh_optimizer=True)
-        return {
-            "how": "Prober.trial(kind='verify', fresh_optimizer=True) under batchfit's live-tensor limit (no CPU cap)",
-            "fits": trial.fits,
-            "steps": trial.steps,
-            "peak_bytes": trial.peak_bytes,
-            "message": trial.message,
-        }
-    device = capped_device(args)
-    answer: dict[str, Any] = {"how": "plain AdamW loop under set_per_process_memory_fraction(limit / total)"}
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    backend = getattr(torch.cuda, "get_allocator_backend", lambda: "native")()
+    facts: dict[str, Any] = {
+        "how": "plain AdamW loop in a fresh process: model on the GPU, empty_cache, "
+        "set_per_process_memory_fraction(limit / total), then the steps",
+        "allocator": allocator_kind(backend, conf),
+        "alloc_conf": conf,
+        "size": size,
+        "steps_wanted": steps,
+        "steps": 0,
+        "oom": None,
+    }
+    per_step: list[dict[str, Any]] = []
+    where: dict[str, Any] = {"phase": "setup"}
+    step = 0
     try:
         model, sample = build(case)
         model.to(device).train()
+        set_cap(device, case["limit_bytes"])
         optimizer = torch.optim.AdamW(model.parameters())
+        where["phase"] = "batch"
         batch = tile(sample, size, device)
-        times = plain_steps(model, batch, optimizer, case["amp"], device, steps)
-        answer.update(fits=True, steps=len(times), step_times_s=times)
-    except torch.OutOfMemoryError as exc:
-        answer.update(fits=False, message=first_line(exc))
-    except RuntimeError as exc:  # cuBLAS/cuDNN failing to get their workspace is out of memory too
-        if not any(word in str(exc) for word in OOM_WORDS):
+        facts["retries_before"] = memory_stats(device).get("num_alloc_retries")
+        for step in range(1, steps + 1):
+            started = time.perf_counter()
+            plain_step(model, batch, optimizer, case["amp"], device, where)
+            stats = memory_stats(device)
+            per_step.append(
+                {
+                    "step": step,
+                    "seconds": time.perf_counter() - started,
+                    "retries": stats.get("num_alloc_retries"),
+                    "max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+                    "max_reserved_bytes": torch.cuda.max_memory_reserved(device),
+                    "inactive_split_peak_bytes": stats.get("inactive_split_bytes.all.peak"),
+                }
+            )
+            facts["steps"] = step
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        # cuBLAS/cuDNN failing to get their workspace is an out-of-memory too
+        if not isinstance(exc, torch.OutOfMemoryError) and not any(word in str(exc) for word in OOM_WORDS):
             raise
-        answer.update(fits=False, message=first_line(exc))
-    answer.update(cuda_peaks(device))
-    return answer
+        facts["oom"] = {"step": step or None, "phase": where["phase"], "message": first_line(exc)}
+        facts["retries_at_oom"] = memory_stats(device).get("num_alloc_retries")
+        facts["reserved_at_oom_bytes"] = torch.cuda.memory_reserved(device)
+        facts["device_free_bytes"] = torch.cuda.mem_get_info(device)[0]
+    facts["per_step"] = per_step
+    facts["step_times_s"] = [s["seconds"] for s in per_step]
+    facts["inactive_split_peak_bytes"] = memory_stats(device).get("inactive_split_bytes.all.peak")
+    peaks = cuda_peaks(device)
+    peaks["backend"] = peaks.pop("allocator")  # "allocator" is the kind judged (expandable is "native" here)
+    return {**facts, **peaks}
 
 
 def estimate(args: dict[str, Any]) -> dict[str, Any]:
