@@ -68,8 +68,9 @@ deselected by node id; the verdict says so).
   fails unless its reason is one of ``proof_checks.ALLOWED_SKIPS``.
 * **leaks**: ``leaked_bytes`` of every trial of every result above.
 
-The comparison of batchfit with Lightning and Accelerate on a GPU is ``benchmarks/gpu_compare.py``:
-run it when a loan has time left after the proof.
+After it, in calls of their own while a loan lasts: ``benchmarks/gpu_experiment.py`` (which
+definition of "fits" holds between the probe and fresh processes) and ``benchmarks/gpu_compare.py``
+(batchfit beside Lightning and Accelerate, every answer judged by fresh processes).
 
 Without CUDA it says so and runs the same checks on CPU with small models and limits (the cap
 there is batchfit's own live-tensor limit, so the fresh-process check runs batchfit's own
