@@ -35,8 +35,11 @@ class Card:
     batch size: from ``retry_at`` on a step flushes the cache once; from ``oom_at`` (``fresh_oom_at`` in a
     trial that had to make its workspaces, i.e. one that met the card as a fresh process) it runs out."""
 
-    def __init__(self, oom_at: int, fresh_oom_at: int | None = None, retry_at: int | None = None) -> None:
+    def __init__(
+        self, oom_at: int, fresh_oom_at: int | None = None, retry_at: int | None = None, block: str = "20.00 MiB"
+    ) -> None:
         self.oom_at, self.fresh_oom_at, self.retry_at = oom_at, fresh_oom_at or oom_at, retry_at
+        self.block = block  # what an out-of-memory message says the allocator tried to allocate
         self.workspaces = 0
         self.retries = 0
         self.fresh = False
@@ -50,7 +53,7 @@ class Card:
         if not self.workspaces:  # cuBLAS makes its workspaces at the first matmul that finds none
             self.workspaces, self.fresh = WORKSPACES, True
         if batch >= (self.fresh_oom_at if self.fresh else self.oom_at):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {self.block}")
         if self.retry_at is not None and batch >= self.retry_at:
             self.retries += 1
 
@@ -189,6 +192,18 @@ def test_a_replay_clears_the_workspaces_makes_them_in_its_steps_and_leaves_no_le
     assert all(t.leaked_bytes == 0 for t in result.trials)
     assert card.workspaces == WORKSPACES  # made again for the probe's other trials, then left as they were
     assert not any("allocated after release" in note for note in result.notes)
+
+
+def test_the_safe_batch_keeps_room_for_one_more_of_the_largest_block_at_the_boundary(on_card: Any) -> None:
+    """A 300 MiB block at the boundary is more than a 10% headroom of 1 GiB: the verification's cap is
+    the budget less that block, and a note says why; a small block leaves the headroom as it was."""
+    big = on_card(Card(oom_at=9, block="300.00 MiB"))
+    verified = [t for t in big.trials if t.kind == "verify"]
+    assert verified and verified[-1].cap_bytes == GiB - 300 * MiB
+    assert any("one more of the step's largest allocation (300.00 MiB)" in note for note in big.notes)
+    small = on_card(Card(oom_at=9))
+    assert [t.cap_bytes for t in small.trials if t.kind == "verify"][-1] == int(GiB * 0.9)
+    assert not any("largest allocation" in note for note in small.notes)
 
 
 def test_the_watch_counts_retries_per_phase_and_reads_the_largest_request() -> None:

@@ -73,7 +73,6 @@ class CudaBackend(AcceleratorBackend):
             del weight, bias, inputs, out
             torch.cuda.synchronize(device)
 
-
     def clear_workspaces(self, device: torch.device) -> None:
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None:

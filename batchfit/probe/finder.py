@@ -203,7 +203,7 @@ def search_with(
         #    batch's rate, the top of the curve (`SearchRun.verify_steps`).
         searched_trials = [t for t in run.trials if t.kind != "time"]
         if prober.layout_carries:  # a caching allocator: the headroom holds one more of the largest block
-            run.keep_free = boundary_room(searched_trials, report.largest_fit)
+            run.keep_free = boundary_room(searched_trials, report.largest_fit, report.smallest_fail)
         safe, verified, safe_notes = safe_batch(
             report,
             searched_trials,
@@ -442,4 +442,3 @@ def settings_of(
         time_budget_s=answer["time_budget"],
         reserve_bytes=reserve_bytes,
     )
-

@@ -25,19 +25,22 @@ def safe_cap(budget: int, headroom: float, keep_free: int = 0) -> int:
     return min(math.floor(budget * (1 - headroom)), budget - keep_free)
 
 
-def boundary_room(trials: list[Trial], largest_fit: int) -> tuple[int, str | None]:
+def boundary_room(trials: list[Trial], largest_fit: int, smallest_fail: int | None) -> tuple[int, str | None]:
     """What the safe batch's cap keeps free beyond the headroom's share, and why (``None``: nothing).
 
     On a caching allocator the step's largest single allocation at the boundary (one more of it: the
-    longer sequence, the epoch-2 fragmentation a headroom is for), plus under ``backend:cudaMallocAsync``
+    longer sequence, the epoch-2 fragmentation a headroom is for), read from the trials at the largest
+    fit and the smallest failure (a failure further up asks for a larger block than the boundary's
+    step makes), plus under ``backend:cudaMallocAsync``
     the largest overhead the driver's pool showed beyond the bytes requested (it differs between
     processes, while the fraction caps requested bytes only: taken off the safe batch, not the max).
     """
     facts = [t.allocator for t in trials if t.allocator is not None]
+    neighbours = (largest_fit, smallest_fail)
     at_boundary = [
         t.allocator.largest_request_bytes
         for t in trials
-        if t.allocator is not None and t.allocator.largest_request_bytes and t.batch_size >= largest_fit
+        if t.allocator is not None and t.allocator.largest_request_bytes and t.batch_size in neighbours
     ]
     block = max(at_boundary, default=0)
     pool = max((f.pool_overhead_bytes or 0 for f in facts), default=0)
