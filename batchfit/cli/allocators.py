@@ -29,8 +29,9 @@ _DROPPED = ("--json", "--compare-expandable", "--quiet", "-q")
 
 
 def advised(result: Any) -> bool:
-    """Whether the answer advises expandable segments on CUDA and this process does not run them yet."""
-    if result.device.type != "cuda" or EXPANDABLE in _alloc_conf():
+    """Whether the answer advises expandable segments (only a caching allocator's facts do) and this process
+    does not run them yet."""
+    if EXPANDABLE in _alloc_conf():
         return False
     return any(f"PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}" in note for note in result.notes)
 
