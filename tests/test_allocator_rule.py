@@ -25,6 +25,7 @@ from batchfit.cli import main
 from batchfit.cli.allocators import child_argv
 from batchfit.probe import prober as prober_module
 from batchfit.report.records import AllocatorFacts
+from batchfit.view.cells import trial_cells
 
 MiB, GiB = 2**20, 2**30
 WORKSPACES = 64 * MiB
@@ -159,6 +160,7 @@ def test_a_step_that_needed_a_retry_does_not_fit_on_the_native_allocator(on_card
     assert flushed and not any(t.fits for t in flushed)
     assert all("allocator retry" in (t.message or "") and t.allocator.retries >= 1 for t in flushed)
     assert all(t.allocator.retries == 0 for t in result.trials if t.fits)
+    assert all(t.refused_for_retry and trial_cells(0, t, None).outcome.startswith("retry in") for t in flushed)
 
 
 def test_expandable_segments_report_retries_and_judge_on_out_of_memory_alone(on_card: Any) -> None:
@@ -167,6 +169,7 @@ def test_expandable_segments_report_retries_and_judge_on_out_of_memory_alone(on_
     assert result.max_batch == 8
     at_max = [t for t in result.trials if t.batch_size == 8 and t.fits]
     assert at_max and at_max[-1].allocator.retries >= 1
+    assert trial_cells(0, at_max[-1], None).outcome == f"fits, {at_max[-1].allocator.retries} retries"
     assert any("flushed its cache" in note and "expandable" in note for note in result.notes)
 
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from batchfit.backends.alloc_conf import AllocatorConfig
-from batchfit.report.records import AllocatorFacts
+from batchfit.report.records import RETRY_REFUSAL, AllocatorFacts
 from batchfit.units import format_bytes
 
 #: Which rule judges a trial: the allocator the process runs (`rule_of`).
@@ -131,7 +131,7 @@ class AllocatorWatch:
         if self.rule != "native" or not self._retries or self._retry_phase is None:
             return None
         return self._retry_phase, (
-            f"CUDA allocator retry: the step ran only after the allocator flushed its cache at the cap "
+            f"{RETRY_REFUSAL}: the step ran only after the allocator flushed its cache at the cap "
             f"{self._retries} time(s) (num_alloc_retries); on the native allocator that does not fit, since a fresh "
             "process's history decides whether the retry succeeds (see docs/concepts/measuring.md#what-fits-on-cuda)"
         )

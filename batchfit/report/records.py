@@ -8,6 +8,9 @@ from typing import Annotated, Any, Literal
 from batchfit.report.codec import Batch, Bytes, Count, NotAbove, OneOf, Range, Rate, Seconds, read_document
 
 PHASES = ("batch", "forward", "backward", "step")
+#: How the message of a trial begins whose steps ran but needed an allocator retry, which on CUDA's native
+#: allocator does not fit (``batchfit.backends.allocator_rule``).
+RETRY_REFUSAL = "CUDA allocator retry"
 
 #: Where a step was when it ran out of memory, and the phases peaks are recorded for.
 Phase = Literal["batch", "forward", "backward", "step"]
@@ -124,6 +127,12 @@ class Trial:
     kv_bytes_per_token: Bytes | None = None
     allocator: AllocatorFacts | None = None
     replay: bool = False
+
+    @property
+    def refused_for_retry(self) -> bool:
+        """Whether the trial failed without running out of memory: its steps needed an allocator retry,
+        which on CUDA's native allocator does not fit (docs/concepts/measuring.md#what-fits-on-cuda)."""
+        return not self.fits and (self.message or "").startswith(RETRY_REFUSAL)
 
     @property
     def peaks_by_phase(self) -> dict[str, int]:

@@ -41,8 +41,11 @@ def trial_cells(index: int, trial: Trial, budget_bytes: int | None) -> TrialCell
     """Format one trial. A failed trial's peak is a lower bound of what that size needs (what
     was held when it failed, plus the refused request where the backend states it), hence the
     ``>=``."""
+    retries = trial.allocator.retries if trial.allocator is not None else 0
     if trial.fits:
-        outcome = "fits"
+        outcome = f"fits, {retries} retries" if retries else "fits"  # reported, not failed on (expandable)
+    elif trial.refused_for_retry:
+        outcome = f"retry in {trial.phase}"  # ran only by flushing the cache: does not fit (native)
     else:
         outcome = f"OOM in {trial.phase}" if trial.phase else "OOM"
     value = trial.capped_peak_bytes
