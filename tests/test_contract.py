@@ -570,7 +570,12 @@ def test_a_cuda_equation_is_not_fitted_to_neighbouring_sizes_at_the_boundary() -
     """Item 11: under CUDA's segments (reserved bytes move in 2-20 MiB steps) the equation was the
     line through the search's last sizes, 1372..1379 of GPT under bf16: -3.31 GiB fixed and
     3.57 MiB per sample, so the what-if row that fits 49% more showed twice the bytes per sample.
-    The upper piece must now span enough sizes to pin its slope."""
+    The upper piece must now span enough sizes to pin its slope.
+
+    The boundary itself is now confirmed from scratch (issue 47), where fragmentation, not bytes,
+    sets it: bf16 833 runs out of memory from scratch with a reserved peak 7% under the cap. So the
+    equation is held to the sizes it was fitted on (its slope that of the span of sizes that did
+    not press against the cap), and where it calls the failing neighbour a fit the result says so."""
     model, sample = examples.gpt()
     # The logits kept through backward (loss_fn), as when this case was written: freed, they leave
     # holes the simulated segments fragment around, and the line is another test's subject.
@@ -582,10 +587,22 @@ def test_a_cuda_equation_is_not_fitted_to_neighbouring_sizes_at_the_boundary() -
     assert bf16.memory.per_sample_bytes < base.memory.per_sample_bytes
     for result in (base, bf16):
         assert result.memory is not None and result.memory.fixed_bytes > 0
-        # ... and the equation predicts the boundary, within a few segments: it is fitted on the
-        # trials that did not press against the cap (2% of the budget or a segment below it)
+        # ... its slope is that of the widest span of sizes that fitted without pressing against
+        # the cap (2% of the budget or a segment below it), not a line through neighbouring sizes
+        pressed = result.budget_bytes - max(20 * 2**20, 0.02 * result.budget_bytes)  # type: ignore[operator]
+        free = sorted(
+            {t.batch_size: t.peak_in("reserved") or 0 for t in result.trials if t.fits}.items(), key=lambda p: p[0]
+        )
+        free = [(size, peak) for size, peak in free if peak < pressed]
+        (low, low_peak), (high, high_peak) = free[len(free) // 2 - 1], free[-1]
+        assert high - low >= result.max_batch // 4
+        span_slope = (high_peak - low_peak) / (high - low)
+        assert 0.75 * span_slope <= result.memory.per_sample_bytes <= 1.25 * span_slope
+        # ... and near the boundary either it predicts the cap within a few segments or the
+        # result warns that it calls the failing neighbour a fit
         predicted = result.memory.predict(result.max_batch)
-        assert abs(predicted - result.budget_bytes) <= 0.03 * result.budget_bytes  # type: ignore[operator]
+        warned = any(f"for batch {result.max_batch + 1}, within the budget" in note for note in result.notes)
+        assert warned or abs(predicted - result.budget_bytes) <= 0.03 * result.budget_bytes  # type: ignore[operator]
 
 
 def _hugging_face(kind: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:

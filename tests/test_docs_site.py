@@ -107,10 +107,17 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "batchfit.report.noise.NoiseScale": ("from_dict", "interval_text", "plain", "summary"),
     "batchfit.report.recommendation.Recommendation": ("decision", "exact", "from_dict", "lines", "metrics", "split"),
     "batchfit.report.recommendation.recommend": (),
+    "batchfit.report.records.AllocatorFacts": (),
     "batchfit.report.records.CacheHit": (),
     "batchfit.report.records.DeviceInfo": ("from_dict",),
     "batchfit.report.records.Settings": (),
-    "batchfit.report.records.Trial": ("capped_peak_bytes", "from_dict", "peak_in", "phase_peaks_in"),
+    "batchfit.report.records.Trial": (
+        "capped_peak_bytes",
+        "from_dict",
+        "peak_in",
+        "phase_peaks_in",
+        "refused_for_retry",
+    ),
     "batchfit.report.result.Result": (
         "from_dict",
         "eval_max_batch",
