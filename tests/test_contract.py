@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import batchfit
 from batchfit import examples
+from batchfit.probe.checks import PRESSED_FRACTION, PRESSED_SEGMENT_BYTES
 from batchfit.probe.options import parameters_of
 
 MiB = 2**20
@@ -587,13 +588,12 @@ def test_a_cuda_equation_is_not_fitted_to_neighbouring_sizes_at_the_boundary() -
     assert bf16.memory.per_sample_bytes < base.memory.per_sample_bytes
     for result in (base, bf16):
         assert result.memory is not None and result.memory.fixed_bytes > 0
-        # ... its slope is that of the widest span of sizes that fitted without pressing against
-        # the cap (2% of the budget or a segment below it), not a line through neighbouring sizes
-        pressed = result.budget_bytes - max(20 * 2**20, 0.02 * result.budget_bytes)  # type: ignore[operator]
-        free = sorted(
-            {t.batch_size: t.peak_in("reserved") or 0 for t in result.trials if t.fits}.items(), key=lambda p: p[0]
-        )
-        free = [(size, peak) for size, peak in free if peak < pressed]
+        # ... its slope is that of the upper half of the sizes that fitted without pressing against
+        # the cap (the fit's own threshold), a span of at least a quarter of the largest batch, not
+        # a line through neighbouring sizes
+        pressed = result.budget_bytes - max(PRESSED_SEGMENT_BYTES, PRESSED_FRACTION * result.budget_bytes)  # type: ignore[operator]
+        peaks = {t.batch_size: t.peak_in("reserved") or 0 for t in result.trials if t.fits}
+        free = sorted((size, peak) for size, peak in peaks.items() if peak < pressed)
         (low, low_peak), (high, high_peak) = free[len(free) // 2 - 1], free[-1]
         assert high - low >= result.max_batch // 4
         span_slope = (high_peak - low_peak) / (high - low)
