@@ -102,9 +102,10 @@ def fit(
         model: the `nn.Module` to probe, in one process.
         sample: one batch, or a `DataLoader`, as [`find`][batchfit.find] takes it.
         target_batch: the samples one optimizer step should see (micro-batch x accumulation).
-        checkpointing: `"auto"`: the blocks found by structure (the largest `nn.ModuleList` or
-            `nn.Sequential` of 2+ modules of one type: `transformer.h`, `model.layers`); or the
-            blocks' module names, in order.
+        checkpointing: `"auto"`: the blocks found by structure (every `nn.ModuleList` or
+            `nn.Sequential` of 2+ modules of one type: `transformer.h`, `model.layers`; several
+            groups ordered by the bytes they save, measured in one step); or the blocks' module
+            names, in order (a module that is never called, a `ModuleList`, is refused).
         placement: `"first"`: k blocks are the first k (their activations live longest, so
             recomputing them lowers the peak most); `"evenly"`: spread over the N.
         accumulate: allow gradient accumulation to reach the target; `False` asks for it in one step.
@@ -117,7 +118,7 @@ def fit(
         `recommendation` with its `policy`. `batchfit.probe.recompute.apply_policy` applies it.
 
     Raises:
-        ValueError: no repeated blocks and no names; a name that is no module; `mode` other than
+        ValueError: no repeated blocks and no names; a name that is no module, or one never called; `mode` other than
             `"train"`; with `accumulate=False`, a target no policy fits (the closest is named).
         Exception: what [`find`][batchfit.find] raises.
     """

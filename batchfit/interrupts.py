@@ -19,9 +19,11 @@ operation, e.g. waiting on a queue) raises at once, as a second press convention
 lands inside a finalizer and is dropped there, the recorded one still surfaces at the next safe
 point: it is not cleared until it has been raised from `InterruptGuard.check` or on exit.
 
-The guard only takes over where Python's default handler is in place and only in the main
-thread (signal handlers can only be set there, and only the main thread receives
-``KeyboardInterrupt``). A program that installed its own SIGINT handler keeps it.
+The guard only takes over where Python's default handler (or another guard's) is in place and
+only in the main thread (signal handlers can only be set there, and only the main thread receives
+``KeyboardInterrupt``). A program that installed its own SIGINT handler keeps it. A guard entered
+inside another takes over until it finishes, then puts the outer one's handler back (a checkpointing
+policy's guard around a probe's: `batchfit.probe.recompute.applied`).
 """
 
 from __future__ import annotations
@@ -48,13 +50,16 @@ class InterruptGuard:
         self.deferred = False
         self._installed = False
         self._critical = 0
+        #: The handler put back on the way out: Python's, or the guard's this one was entered inside.
+        self._outer: Any = signal.default_int_handler
 
     def __enter__(self) -> InterruptGuard:
-        if threading.current_thread() is threading.main_thread() and (
-            signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        ):
-            signal.signal(signal.SIGINT, self._record)
-            self._installed = True
+        if threading.current_thread() is threading.main_thread():
+            handler = signal.getsignal(signal.SIGINT)
+            if handler is signal.default_int_handler or installed_guard() is not None:
+                self._outer = handler
+                signal.signal(signal.SIGINT, self._record)
+                self._installed = True
         return self
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
@@ -98,8 +103,11 @@ class InterruptGuard:
         finally:
             try:
                 if self._installed:
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
                     self._installed = False
+                    if signal.getsignal(signal.SIGINT) == self._record:  # not when a guard inside is still on
+                        outer = getattr(self._outer, "__self__", None)
+                        gone = isinstance(outer, InterruptGuard) and not outer._installed
+                        signal.signal(signal.SIGINT, signal.default_int_handler if gone else self._outer)
             finally:
                 self._critical -= 1
             if self.pending and not isinstance(exc, KeyboardInterrupt):
@@ -115,6 +123,21 @@ class InterruptGuard:
 
 def _nothing() -> None:
     """An undo with nothing to undo."""
+
+
+def installed_guard() -> InterruptGuard | None:
+    """The guard whose handler receives SIGINT in this thread now (the main thread's), if one does."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    owner = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
+    return owner if isinstance(owner, InterruptGuard) else None
+
+
+def critical_section() -> contextlib.AbstractContextManager[None]:
+    """The installed guard's critical section (a Ctrl-C inside is only recorded), or nothing where no
+    guard is installed: for code that must finish whether or not it runs inside a probe."""
+    guard = installed_guard()
+    return contextlib.nullcontext() if guard is None else guard.critical()
 
 
 def _in_exit(frame: FrameType | None, codes: frozenset[CodeType], depth: int = 4) -> bool:

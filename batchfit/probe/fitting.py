@@ -2,7 +2,8 @@
 
 `fit_with` reads top to bottom as what [`batchfit.fit`][batchfit.fit] does:
 
-1. check the target, the blocks and the options before any trial;
+1. check the target, the blocks and the options before any trial; blocks of several groups are
+   ordered by the bytes each saves for backward, measured in one step at batch 1 (`saving`);
 2. probe the model as it is (policy *none*): `find()`'s memory answer (its search, its verified
    safe batch), nothing timed;
 3. when the target does not fit there: one trial with the first N - 1 blocks checkpointed, at the
@@ -55,12 +56,15 @@ from batchfit.probe.recompute import (
     Blocks,
     applied,
     budget_policy,
+    by_saving,
     find_blocks,
     policy_for,
+    saving,
 )
 from batchfit.probe.safe_batch import safe_cap
 from batchfit.probe.timing import UNTIMED_STEPS
-from batchfit.report import Fit, Placement, Policy, PolicyRow, Recommendation, Result, Trial
+from batchfit.report import Fit, Placement, Policy, PolicyRow, Result, Trial
+from batchfit.report.checkpointing import fit_recommendation
 from batchfit.report.recommendation_rules import split_global
 from batchfit.search.near import HEDGE
 from batchfit.units import format_bytes, positive_int
@@ -89,7 +93,6 @@ def fit_with(
     """[`fit`][batchfit.fit] for callers that hold an [`Options`][batchfit.Options] (see the module)."""
     started = time.monotonic()
     target = positive_int("target_batch", target_batch)
-    choose, n, chosen_from, found_in, notes = _policies(model, checkpointing, placement, accumulate, options)
     quiet = replace(options, timed_steps=0)
     trials: list[Trial] = []
 
@@ -98,6 +101,9 @@ def fit_with(
         if callback is not None:
             callback(trial)
 
+    measure = functools.partial(_saved_bytes, model, sample, quiet, told, on_trial_start)
+    policies = _policies(model, checkpointing, placement, accumulate, options, measure)
+    choose, n, chosen_from, found_in, notes, already = policies
     results: dict[int, Result] = {}
 
     def probe(k: int, line: tuple[float, float] | None) -> Result:
@@ -159,7 +165,7 @@ def fit_with(
         blocks_from=found_in,
         rows=rows,
         chosen=rows.index(best),
-        recommendation=_recommendation(best, timed, target),
+        recommendation=fit_recommendation(best, timed, rows, target, n, already),
         predicted=predicted,
         budget_bytes=budget,
         budget_counts=unit,
@@ -171,14 +177,22 @@ def fit_with(
 
 
 def _policies(
-    model: nn.Module, checkpointing: Any, placement: Any, accumulate: Any, options: Options
-) -> tuple[Callable[[int], Policy], int, tuple[str, ...], str, list[str]]:
+    model: nn.Module,
+    checkpointing: Any,
+    placement: Any,
+    accumulate: Any,
+    options: Options,
+    measure: Callable[[Blocks], dict[str, int]],
+) -> tuple[Callable[[int], Policy], int, tuple[str, ...], str, list[str], int]:
     """Every argument `fit` adds to `find`'s, checked before any trial; then the policies: ``k ->
-    policy`` for k from 0 to N, N, the blocks they choose from, where those were found, notes.
+    policy`` for k from 0 to N, N, the blocks they choose from, where those were found, notes, and
+    how many blocks you had checkpointed already.
 
     A ``torch.compile``'d model on a device whose probe runs compiled code gets the compile
     partitioner's activation memory budget in `BUDGET_STEPS` steps (with ``checkpointing="auto"``);
-    elsewhere (the CPU runs it eagerly) its blocks, and a note says so."""
+    elsewhere (the CPU runs it eagerly) its blocks, and a note says so. Blocks found in several
+    groups (a ResNet's stages, T5's encoder and decoder) are ordered by the bytes each saves for
+    backward, measured in one step (``measure``): the first k save most."""
     if placement not in ("first", "evenly"):
         raise ValueError(f"placement must be 'first' or 'evenly', got {placement!r}")
     if not isinstance(accumulate, bool):
@@ -196,7 +210,7 @@ def _policies(
     compiled = compiled_info(model) is not None
     device = resolve_device(options.device, model)
     if compiled and checkpointing == "auto" and backend_for(device).runs_compiled:
-        return functools.partial(budget_policy, steps=BUDGET_STEPS), BUDGET_STEPS, (), BUDGET_SOURCE, []
+        return functools.partial(budget_policy, steps=BUDGET_STEPS), BUDGET_STEPS, (), BUDGET_SOURCE, [], 0
     blocks = find_blocks(model, None if checkpointing == "auto" else checkpointing)
     notes = _notes(blocks)
     if compiled:
@@ -204,17 +218,44 @@ def _policies(
             f"the model is torch.compile'd, but on {device.type} the probe runs it eagerly: its blocks were "
             f"checkpointed instead of searching {BUDGET_SOURCE} (searched where compiled code runs, a GPU)"
         )
+    if len(blocks.groups) > 1 and blocks.free:
+        blocks, note = by_saving(blocks, measure(blocks))
+        notes.append(note)
     free = blocks.free
-    return functools.partial(policy_for, free, placement=placement), len(free), free, blocks.found_in, notes
+    choose = functools.partial(policy_for, free, placement=placement)
+    return choose, len(free), free, blocks.found_in, notes, len(blocks.already)
+
+
+def _saved_bytes(
+    model: nn.Module,
+    sample: Any,
+    options: Options,
+    told: TrialCallback,
+    on_trial_start: StartCallback | None,
+    blocks: Blocks,
+) -> dict[str, int]:
+    """The bytes each free block saves for backward in one step at batch 1 (`saving`), in a probe:
+    everything that step changes is put back."""
+    if on_trial_start is not None:
+        on_trial_start(1, "search")
+    with Prober(model, sample, options=options) as prober, saving(model, blocks.free) as saved:
+        trial = prober.trial(1, steps=1)
+    told(trial)
+    return saved if trial.fits else {}
 
 
 def _notes(blocks: Blocks) -> list[str]:
     if not blocks.already:
         return []
     shown = ", ".join(blocks.already[:3]) + (", ..." if len(blocks.already) > 3 else "")
+    rest = (
+        f"the policies choose among the other {len(blocks.free)}"
+        if blocks.free
+        else "no block is left to checkpoint, so only the model as it is (with yours) was measured"
+    )
     return [
         f"{len(blocks.already)} of the {len(blocks.names)} blocks were checkpointed already ({shown}): measured "
-        f"from there, as you run it; the policies choose among the other {len(blocks.free)}"
+        f"from there, as you run it; {rest}"
     ]
 
 
@@ -374,41 +415,6 @@ def _row(
         micro_batch=micro,
         accumulation=accumulation,
         samples_per_s=rate,
-    )
-
-
-def _recommendation(best: PolicyRow, timed: list[PolicyRow], target: int) -> Recommendation:
-    """`best` in `Result.recommendation`'s form, its reason naming the others' rates."""
-    micro, steps, rate = best.micro_batch or 1, best.accumulation or 1, best.samples_per_s or 0.0
-    split = f"{micro}" + (f" x {steps} accumulation steps" if steps > 1 else "")
-    others = "; ".join(
-        f"{row.policy.label} at {row.micro_batch}" + (f" x {row.accumulation}" if (row.accumulation or 1) > 1 else "")
-        + f": {row.samples_per_s:.1f} samples/s ({rate / (row.samples_per_s or rate) - 1:+.0%} for this one)"
-        for row in timed
-        if row is not best
-    )
-    if best.policy.k == 0 and len(timed) == 1:
-        reason = (
-            f"target {target} fits without checkpointing (safe batch {best.safe_batch}): nothing to recompute, "
-            f"{rate:.1f} samples/s"
-        )
-    else:
-        reason = f"{best.policy.label} trains target {target} as {split} at {rate:.1f} samples/s" + (
-            f", the fastest measured ({others})" if others else ""
-        )
-    return Recommendation(
-        batch_size=micro,
-        accumulation=steps,
-        world_size=1,
-        global_batch=micro * steps,
-        decided_by="target",
-        reason=reason,
-        max_batch=best.max_batch,
-        safe_batch=best.safe_batch,
-        best_batch=micro,
-        samples_per_s=rate,
-        target=target,
-        target_changed_by=micro * steps - target,
     )
 
 

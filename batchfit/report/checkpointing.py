@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from batchfit.report.recommendation import Recommendation
 from batchfit.report.records import DeviceInfo, Unit
 
-__all__ = ["Fit", "Placement", "Policy", "PolicyRow"]
+__all__ = ["Fit", "Placement", "Policy", "PolicyRow", "fit_recommendation"]
 
 #: Where k of N blocks are checkpointed: the first k (their activations live longest: made first,
 #: freed last in backward, so recomputing them lowers the peak most), or spread evenly.
@@ -99,7 +100,8 @@ class Fit:
     Attributes:
         target_batch: the samples one optimizer step should see (per process).
         blocks: the repeated blocks the policies chose from, in order (empty for budgets).
-        blocks_from: where they were found (``"transformer.h"``), ``"given"``, or
+        blocks_from: where they were found (``"transformer.h"``; several groups comma-separated,
+            those that save most first: ``"layer1, layer2, layer3, layer4"``), ``"given"``, or
             ``"torch.compile's activation memory budget"`` for a compiled model's budgets.
         rows: the policies measured by real steps, fewest checkpointed first.
         chosen: the index in ``rows`` of the recommended policy.
@@ -157,3 +159,57 @@ class Fit:
     def to_json(self, indent: int | None = 2) -> str:
         """The fit as a JSON document (`to_dict`)."""
         return json.dumps(self.to_dict(), indent=indent)
+
+
+def fit_recommendation(
+    best: PolicyRow, timed: Sequence[PolicyRow], rows: Sequence[PolicyRow], target: int, free: int, already: int = 0
+) -> Recommendation:
+    """``best`` (the fastest of the ``timed`` rows) in `Result.recommendation`'s form, its reason
+    saying what was measured: whether the target fits in one step as the model is, why no policy
+    was timed beside it (``free``: the blocks a policy could choose; ``already``: yours, checkpointed
+    before the fit), and each other candidate's rate against the chosen one."""
+    micro, steps, rate = best.micro_batch or 1, best.accumulation or 1, best.samples_per_s or 0.0
+    split = f"{micro}" + (f" x {steps} accumulation steps" if steps > 1 else "")
+    others = "; ".join(
+        f"{row.policy.label} at {row.micro_batch}" + (f" x {row.accumulation}" if (row.accumulation or 1) > 1 else "")
+        + f": {row.samples_per_s:.1f} samples/s, the chosen {rate / (row.samples_per_s or rate) - 1:.0%} faster"
+        for row in timed
+        if row is not best
+    )
+    as_is = "as the model is" + (f", with the {already} blocks you checkpointed" if already else "")
+    if best.policy.k == 0 and len(timed) == 1 and micro * steps == target and steps == 1:
+        reason = (
+            f"target {target} fits in one step {as_is} (safe batch {best.safe_batch}): nothing to recompute, "
+            f"{rate:.1f} samples/s"
+        )
+    elif best.policy.k == 0 and len(timed) == 1:
+        tried = [row for row in rows if row.policy.k]
+        if not free:
+            why = "no block is left to checkpoint"
+        elif tried:
+            most = max(tried, key=lambda row: row.policy.k)
+            why = f"no policy measured holds it in one step ({most.policy.label}: safe batch {most.safe_batch})"
+        else:
+            why = "no policy was measured to hold it in one step"
+        reason = (
+            f"target {target} does not fit in one step {as_is} (max {best.max_batch}, safe batch "
+            f"{best.safe_batch}), and {why}: trains it as {split} at {rate:.1f} samples/s"
+        )
+    else:
+        reason = f"{best.policy.label} trains target {target} as {split} at {rate:.1f} samples/s" + (
+            f", the fastest measured ({others})" if others else ""
+        )
+    return Recommendation(
+        batch_size=micro,
+        accumulation=steps,
+        world_size=1,
+        global_batch=micro * steps,
+        decided_by="target",
+        reason=reason,
+        max_batch=best.max_batch,
+        safe_batch=best.safe_batch,
+        best_batch=micro,
+        samples_per_s=rate,
+        target=target,
+        target_changed_by=micro * steps - target,
+    )
