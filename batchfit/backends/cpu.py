@@ -54,6 +54,15 @@ DEFAULT_CPU_LIMIT = 2**30
 SAFE_CPU_FRACTION = 0.75
 
 
+def cap_words(available_bytes: int) -> str:
+    """Why a CPU limit was capped (`CpuBackend.reachable_bytes`): the note's words, and the CLI header's."""
+    return (
+        f"a memory limit takes at most {SAFE_CPU_FRACTION:.0%} of the host memory available when the probe starts "
+        f"({format_bytes(available_bytes)}), the rest left for what the meter does not see and the rest of the "
+        "machine; batchfit.estimate() sizes a larger device"
+    )
+
+
 class CpuBackend(Backend):
     """The host: live-tensor meter, host memory from ``/proc/meminfo``, the CPU generator."""
 
@@ -98,11 +107,7 @@ class CpuBackend(Backend):
         # The meter counts storages it sees created; what exists before the probe it is told.
         said: list[str] = []
         if budget_bytes is not None and limit_bytes is not None and budget_bytes < limit_bytes:  # clipped to reach
-            said.append(
-                f"on the CPU a memory limit takes at most {SAFE_CPU_FRACTION:.0%} of the host memory available when "
-                f"the probe starts ({format_bytes(int(budget_bytes / SAFE_CPU_FRACTION))}), the rest left for what "
-                "the meter does not see and the rest of the machine; batchfit.estimate() sizes a larger device"
-            )
+            said.append(f"on the CPU {cap_words(int(budget_bytes / SAFE_CPU_FRACTION))}")
         return LiveTensorMeter(budget_bytes, total_host_bytes(), tensors=tensors, notes=said)
     # The CPU generator is saved and restored by the snapshot for every probe, whatever the device.
 
@@ -183,9 +188,7 @@ class LiveTensorMeter(Meter):
         ``out=``); return the bytes they added (negative where a known storage shrank)."""
         inputs: set[int] | None = None  # built only when an output storage is not known yet
         added = 0
-        for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor):
-                continue
+        for tensor in _tensors_in(out):
             for storage in _storages_of(tensor):
                 key = storage._cdata
                 known = self._live.get(key)
@@ -377,7 +380,7 @@ class _DispatchObserver(TorchDispatchMode):
         added += meter._observe(args, kwargs, out)
         if not self._main:
             return out
-        error = meter._over_limit(func, added)
+        error = meter._over_limit(func, added) if added > 0 else None  # most add nothing (views, in-place ops)
         if error is not None:
             # A real allocator never hands out the failing block: drop it before raising, so no
             # frame of the traceback keeps it alive. And drop the error's local name: this frame is
@@ -411,17 +414,36 @@ class _ThreadWatch:
 
 
 def _storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
-    """A CPU tensor's data storages (`data_storages`); none elsewhere."""
-    if tensor.device.type != "cpu":
-        return []
-    return data_storages(tensor)
+    """A CPU tensor's data storages (`data_storages`), a plain strided one's the short way; none elsewhere."""
+    if type(tensor) is torch.Tensor and tensor.layout == torch.strided:
+        return [tensor.untyped_storage()] if tensor.is_cpu else []
+    return data_storages(tensor) if tensor.device.type == "cpu" else []
+
+
+#: What an operator's arguments hold besides tensors and lists of them: nothing to count.
+_SCALARS = (int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or outputs, as ``tree_leaves`` finds them: aten's lists and
+    tuples walked directly (the pytree's walk cost more than the rest of the bookkeeping), others by it."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if type(tree) is not tuple and type(tree) is not list:
+        return [] if isinstance(tree, _SCALARS) else [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    found: list[torch.Tensor] = []
+    for item in tree:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif not isinstance(item, _SCALARS):
+            found += _tensors_in(item)
+    return found
 
 
 def _input_keys(args: tuple, kwargs: dict) -> set[int]:
     """The storages an operation was given: outputs that alias them are not new memory."""
     keys: set[int] = set()
-    for leaf in tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor):
-            with contextlib.suppress(UncountableMemoryError):
-                keys.update(storage._cdata for storage in _storages_of(leaf))
+    for leaf in _tensors_in(args) + (_tensors_in(list(kwargs.values())) if kwargs else []):
+        with contextlib.suppress(UncountableMemoryError):
+            keys.update([storage._cdata for storage in _storages_of(leaf)])
     return keys

@@ -44,7 +44,7 @@ from batchfit.probe.batches import META_BATCH, check_has_values, tensor_leaves
 from batchfit.probe.finder import described, search_with, verdict
 from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
 from batchfit.probe.options import Options, check_takes_length
-from batchfit.probe.positions import position_limit
+from batchfit.probe.positions import generation_positions, position_limit
 from batchfit.probe.probing import FromLine, ProbesTrials
 from batchfit.probe.real_data import sequence_dims
 from batchfit.report import Frontier, FrontierPoint, LongestLimit, Result, Surface
@@ -102,7 +102,8 @@ def check_lengths(
         max_seq_len = positive_int("max_seq_len", max_seq_len)
     limit = position_limit(model)
     if limit is not None and new_tokens:
-        limit = (limit[0] - new_tokens, f"{limit[1]}, less max_new_tokens={new_tokens:,} generated after the prompt")
+        fed = generation_positions(0, new_tokens)  # every new token but the last is fed back after the prompt
+        limit = (limit[0] - fed, f"{limit[1]}, less {fed:,} of max_new_tokens={new_tokens:,} fed back after the prompt")
     if limit is not None:
         too_long = [s for s in lengths if s > limit[0]]
         if too_long:

@@ -56,7 +56,9 @@ class WorkOptions(TypedDict, total=False):
     """With `mode="generate"`: the tokens each row generates, all of them (stopping is disabled). Default: None."""
     generate_fn: Callable[[Any, Any, int], Any] | None
     """With `mode="generate"`: `(model, batch, max_new_tokens) -> output`, the loop to size instead of
-    `model.generate`. Default: None, the model's own greedy `generate` with its KV cache."""
+    `model.generate`; it returns the ids (a tensor, or an object with `.sequences`) at full length, which
+    is checked (an output that stopped early or cannot be read is refused). Default: None, the model's own
+    greedy `generate` with its KV cache."""
     eval_step: Callable[[Any, Any], Any] | None
     """`(model, batch) -> anything`, the evaluation step `mode="eval"` and `eval=True` size. Default: None,
     forward and the loss as training computes them, under `torch.no_grad`."""
@@ -144,7 +146,7 @@ class AnswerOptions(TypedDict, total=False):
     """Forward/backward passes the noise scale may take. Default: 128."""
     cache: str | os.PathLike[str] | None
     """A directory where the answer is kept, keyed by everything that changes it; a hit checks the
-    stored safe batch with one real run. Default: None, no cache."""
+    stored safe batch and max batch with one real run each. Default: None, no cache."""
 
 
 class NoiseOptions(WorkOptions, PlacementOptions, RunOptions, total=False):

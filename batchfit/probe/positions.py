@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-__all__ = ["CONFIG_NAMES", "check_seq_len", "position_limit"]
+__all__ = ["CONFIG_NAMES", "check_seq_len", "generation_positions", "position_limit"]
 
 #: The Hugging Face config attributes that hold the longest sequence, in the order they are read.
 CONFIG_NAMES = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
@@ -60,19 +60,28 @@ def check_seq_len(model: object, seq_len: int | None) -> None:
         )
 
 
+def generation_positions(prompt: int, max_new_tokens: int) -> int:
+    """The positions a generation of ``max_new_tokens`` after a ``prompt`` feeds the model: the
+    prompt's and every new token's but the last, which comes out of the logits of the one before and
+    is never fed back (a 64-position model generates 1 token after a 64-token prompt, not 2)."""
+    return prompt + max_new_tokens - 1
+
+
 def check_generation_length(model: object, sample: object, seq_len: int | None, max_new_tokens: int) -> None:
-    """Refuse a generation whose context (the prompt, ``seq_len`` when given, plus every new token)
-    is beyond the model's position limit, before anything runs."""
+    """Refuse a generation that feeds the model more positions (the prompt, ``seq_len`` when given,
+    and every new token but the last: `generation_positions`) than its position limit, before
+    anything runs."""
     if not isinstance(model, nn.Module):
         return
     limit = position_limit(model)
     prompt = seq_len if seq_len is not None else prompt_length(sample)
-    if limit is None or prompt is None or prompt + max_new_tokens <= limit[0]:
+    if limit is None or prompt is None or generation_positions(prompt, max_new_tokens) <= limit[0]:
         return
     raise ValueError(
-        f"the prompt ({prompt:,} tokens) and max_new_tokens={max_new_tokens:,} make a context of "
-        f"{prompt + max_new_tokens:,} tokens, longer than the model's position embeddings take ({limit[0]:,}, "
-        f"its {limit[1]}): shorten the prompt or generate fewer tokens"
+        f"the prompt ({prompt:,} tokens) and max_new_tokens={max_new_tokens:,} feed the model "
+        f"{generation_positions(prompt, max_new_tokens):,} positions (every new token but the last is fed back), "
+        f"longer than the model's position embeddings take ({limit[0]:,}, its {limit[1]}): shorten the prompt or "
+        "generate fewer tokens"
     )
 
 
