@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import batchfit
 from batchfit import Result, examples
 from batchfit.cli import main
 from batchfit.probe import Options, Prober
+from batchfit.probe.cache import open_cache
 from batchfit.probe.cache_files import CACHE_SCHEMA, ENTRY_CAP_BYTES, check_entry, entry_document
 from batchfit.probe.keys import cache_key, probe_key
 from batchfit.probe.safe_batch import safe_cap
@@ -81,7 +83,8 @@ def test_a_hit_runs_no_trial_and_gives_the_answer_the_miss_stored(tmp_path: Path
     hit = batchfit.find(model, sample, memory_limit="1MiB", cache=tmp_path, **counted.kwargs())
 
     assert (counted.trials, counted.started) == (0, 0)  # no trial of a search: no callback
-    assert counted.forwards == 2  # the stored safe batch checked once, with the 2 steps that show its peak
+    # The stored safe batch checked once, with the 2 steps that show its peak, then the max with 1.
+    assert counted.forwards == 3
     for name in ("max_batch", "safe_batch", "best_throughput_batch", "trials", "memory", "throughput"):
         assert getattr(hit, name) == getattr(missed, name), name
     assert (hit.budget_bytes, hit.settings, hit.device) == (missed.budget_bytes, missed.settings, missed.device)
@@ -94,6 +97,7 @@ def test_a_hit_runs_no_trial_and_gives_the_answer_the_miss_stored(tmp_path: Path
     assert hit.notes[: len(missed.notes)] == missed.notes
     cap = f"{format_bytes(safe_cap(missed.budget_bytes or 0, 0.10))}"
     said = f"no search ran; safe batch {missed.safe_batch} checked with 2 steps under {cap}: it fits"
+    said += f"; max batch {missed.max_batch} with 1 step under {format_bytes(missed.budget_bytes or 0)}: it fits"
     assert f"from the cache: {path}, written {hit.from_cache.written_at}; {said}" in hit.notes
     shown = [line for line in str(hit).splitlines() if line.startswith("from the cache")]
     assert len(shown) == 1 and str(path) in shown[0] and hit.from_cache.written_at in shown[0]
@@ -497,6 +501,43 @@ def test_a_hit_whose_safe_batch_no_longer_fits_is_probed_again(tmp_path: Path) -
     assert f"the cache entry {path} was ignored: {said}; probed again" in result.notes
     assert Result.from_dict(json.loads(path.read_text())["result"]).safe_batch == result.safe_batch  # rewritten
     assert sum("budget" in note for note in result.notes) == sum("budget" in note for note in roomy.notes)
+
+
+def _max_moved_up(text: str) -> str:
+    """The issue's forgery, consistent with itself: the boundary's failing trial (``max_batch + 1``)
+    now a copy of the max's fitting one, and ``max_batch`` moved onto it."""
+    entry = json.loads(text)
+    result = entry["result"]
+    top = result["max_batch"]
+    (fitted,) = [t for t in result["trials"] if t["batch_size"] == top and t["kind"] == "search"]
+    result["trials"] = [
+        {**fitted, "batch_size": top + 1} if t["batch_size"] == top + 1 and not t["fits"] else t
+        for t in result["trials"]
+    ]
+    result["max_batch"] = top + 1
+    return json.dumps(entry)
+
+
+def test_a_hit_whose_max_batch_does_not_fit_is_not_trusted(stored: tuple[str, str], tmp_path: Path) -> None:
+    """An entry that agrees with itself, its max one above the truth (a shared directory is written
+    by anyone who reaches it): the hit's check runs the stored max once, under the budget, and it
+    runs out of memory. The look-up alone: what follows a refused entry is an ordinary probe."""
+    name, text = stored
+    forged = _max_moved_up(text)
+    top = json.loads(forged)["result"]["max_batch"]
+    assert check_entry(forged.encode(), Path(name).stem) is None  # nothing in it contradicts itself
+    (tmp_path / name).write_text(forged)
+    model, sample = small()
+    options = Options(cache=tmp_path, **FAST)
+    prober = Prober(model, sample, options=options)
+    cache = open_cache(prober, options)
+    assert cache.path.name == name
+
+    assert cache.look_up(time.monotonic()) is None  # a miss: the probe runs
+
+    budget = format_bytes(Result.from_json(json.dumps(json.loads(text)["result"])).budget_bytes or 0)
+    said = f"its max batch {top} ran out of memory when checked under {budget}"
+    assert cache.notes == [f"the cache entry {tmp_path / name} was ignored: {said}; probed again"]
 
 
 def test_a_file_larger_than_any_entry_is_not_read(stored: tuple[str, str], tmp_path: Path) -> None:

@@ -15,7 +15,10 @@ __all__ = ["UnevenShare", "uneven_split"]
 
 
 class UnevenShare(NamedTuple):
-    """One rank's share of an uneven split: unpack it as ``part, weight = uneven_split(...)``.
+    """One rank's share of an uneven split: five fields.
+
+    Unpack all five, ``part, weight, micro_batch, steps, pass_batch = uneven_split(...)``, or read
+    them by name (``uneven_split(...).weight``).
 
     Attributes:
         part: this rank's slice of one pass's ``pass_batch`` samples (the same samples, in the same

@@ -16,16 +16,20 @@ search's settings, the versions; not the weights, not the world size) and looks 
 * **the check on a hit** (on by default; ``verify_steps=0``, which verifies nothing, skips it and
   a hit never runs the model): before the stored answer is returned, its safe batch runs for real
   once, under the cap its verification ran under (the budget less its headroom), for the fewest
-  steps that show the peak with the optimizer state live (two on a fresh process), on every rank,
-  outside the trial callbacks. If it runs out of memory, the entry is ignored with a note and the probe runs.
+  steps that show the peak with the optimizer state live (two on a fresh process), then its
+  ``max_batch`` once under the budget itself (one step: the state is live by then; skipped where
+  it is the safe batch), on every rank, outside the trial callbacks. If either runs out of
+  memory, the entry is ignored with a note and the probe runs.
   Why on by default: the key cannot see everything that changes memory (the model's Python code,
   a configuration attribute that is not a module or a parameter, another process on the device,
   a driver), and a directory shared by nodes can be written by anyone who reaches it, with an
-  entry that agrees with itself. The safe batch is the one a run trains with, so one real run of
-  it is the check that matters, and it costs about one training step, against the tens of
-  trials of the probe a hit saves; the hit still never searches. What it does not check:
-  ``max_batch`` and the rates stay the stored ones (the max is the boundary's other side: running
-  it would be a trial that may fail by design);
+  entry that agrees with itself (issue 48: the boundary's failing trial flipped to "fits" and
+  ``max_batch`` moved onto it, one above the truth). The two runs cost about two training steps,
+  against the tens of trials of the probe a hit saves; the hit still never searches. What a
+  checked hit proves: the safe batch fits with its headroom and ``max_batch`` fits, on this
+  device now. What it does not: that ``max_batch + 1`` does not fit (an entry whose max was moved
+  *down* answers smaller than the truth, never a batch that runs out of memory), and the rates,
+  which stay the stored ones;
 * **miss**: the probe runs as usual and its answer is written at the end. An entry that cannot be
   trusted is ignored with a note naming the file and why, and overwritten by the fresh answer: never
   trusted, never a crash. That is: not a regular file (a FIFO, a device: the file type is checked
@@ -33,8 +37,8 @@ search's settings, the versions; not the weights, not the world size) and looks 
   entry), not JSON, empty or truncated, another schema, a key that is not its file's, key fields
   that do not hash to it, a time not as batchfit writes it, a result the codec refuses, an answer
   its own trials contradict (`contradiction`: ``max_batch`` at or above a size that ran out of
-  memory, a max, safe or best-throughput size no trial fitted), or a safe batch that no longer fits
-  (the check). A probe that ends otherwise (Ctrl-C, an error) writes nothing.
+  memory, a max, safe or best-throughput size no trial fitted), or a safe or max batch that no
+  longer fits (the check). A probe that ends otherwise (Ctrl-C, an error) writes nothing.
 
 Every string of a stored answer (notes, names, the device's configuration, the settings' words)
 is made printable as it is read (`printable`: escapes are
@@ -77,6 +81,7 @@ from batchfit.report import CacheHit, Result
 from batchfit.units import format_bytes
 
 __all__ = ["ResultCache", "open_cache"]
+
 
 def open_cache(prober: Prober, options: Options) -> ResultCache:
     """The cache entry of the probe ``prober`` is set up for (built, not entered)."""
@@ -162,18 +167,30 @@ class ResultCache:
 
     def _check(self, stored: Result) -> tuple[str | None, str]:
         """Run the stored safe batch for real, once, under the cap its verification ran under (the
-        budget less its headroom): ``(None, what was checked)`` when it fits, else ``(why, "")``. Every
-        rank runs it and takes the group's verdict (``Prober.trial``), so the ranks still agree."""
+        budget less its headroom), then the stored max under the budget itself: ``(None, what was
+        checked)`` when both fit, else ``(why, "")``. Every rank runs them and takes the group's
+        verdict (``Prober.trial``), so the ranks still agree. The max is skipped where it is the
+        safe batch (the first run was it, under at most the budget)."""
         prober, settings = self._prober, stored.settings
         before = len(prober.notes)  # the set-up's notes: the probe that may follow says them again
         with prober:
             budget = prober.budget_bytes
             lowered = budget is not None and stored.safe_batch > settings.init_batch  # as safe_batch() runs it
             cap = safe_cap(budget, settings.headroom) if budget is not None and lowered else None
-            trial = prober.trial(stored.safe_batch, kind="verify", cap_bytes=cap)
+            safe = prober.trial(stored.safe_batch, kind="verify", cap_bytes=cap)
+            top = prober.trial(stored.max_batch) if safe.fits and stored.max_batch > stored.safe_batch else None
         del prober.notes[before:]
         under = f" under {format_bytes(cap)}" if cap is not None else ""
-        if not trial.fits:
+        if not safe.fits:
             return f"its safe batch {stored.safe_batch} ran out of memory when checked{under}", ""
-        steps = f"{trial.steps} step{'s' if trial.steps != 1 else ''}"
-        return None, f"no search ran; safe batch {stored.safe_batch} checked with {steps}{under}: it fits"
+        said = f"no search ran; safe batch {stored.safe_batch} checked with {_steps(safe.steps)}{under}: it fits"
+        if top is None:
+            return None, said
+        within = f" under {format_bytes(budget)}" if budget is not None else ""
+        if not top.fits:
+            return f"its max batch {stored.max_batch} ran out of memory when checked{within}", ""
+        return None, f"{said}; max batch {stored.max_batch} with {_steps(top.steps)}{within}: it fits"
+
+
+def _steps(count: int) -> str:
+    return f"{count} step{'s' if count != 1 else ''}"

@@ -53,9 +53,10 @@ from batchfit.report.recommendation_rules import (
     by_speed,
     by_target,
     caveats_for,
+    off_text,
     split_text,
 )
-from batchfit.report.uneven import UnevenSplit, split_uneven, weights_of
+from batchfit.report.uneven import TARGET_TOLERANCE, UnevenSplit, split_uneven, weights_of
 from batchfit.units import check_positive_int
 
 __all__ = ["Recommendation", "recommend"]
@@ -89,7 +90,8 @@ class Recommendation:
         target: the global batch asked for, in samples (``None``: none).
         target_tokens, seq_len, tokens_per_step: the token view, where a length is known.
         target_changed_by: ``global_batch - target`` (0: reached exactly; ``None``: no target).
-        uneven: with ``recommend(uneven=True)``, the same global batch split over the ranks in
+        uneven: with ``recommend(uneven=True)``, the same global batch (within `TARGET_TOLERANCE`,
+            1%, for fewer passes: a caveat says where it moved) split over the ranks in
             proportion to what each fits, with the loss weights that keep the gradient the mean
             (``None``: not asked). The fields above stay the even split, for comparison;
             [`uneven_split`][batchfit.distributed.uneven_split] applies this one in a training loop.
@@ -229,7 +231,10 @@ def recommend(
         uneven: also split the global batch (the target, else the one the rules chose) over the
             ranks in proportion to each rank's own safe batch (``result.per_rank``; ranks that
             probed alike split evenly), with the loss weights that keep the gradient the mean
-            over every sample (`batchfit.report.uneven`): ``Recommendation.uneven``.
+            over every sample (`batchfit.report.uneven`): ``Recommendation.uneven``. The fewest
+            passes whose global batch is within `TARGET_TOLERANCE` (1%) of it (`split_uneven`):
+            a caveat names the target and what it became where they differ, and the split's
+            reason says when it gains nothing over the even split.
 
     Raises:
         TypeError: ``result`` is not a result; a target, ``seq_len`` or ``world_size`` is not an
@@ -270,7 +275,11 @@ def recommend(
     caveats += caveats_for(result, facts, micro)
     noise = facts.noise
     global_batch = micro * steps * facts.ranks
-    split = None if not uneven else _uneven(target_batch or global_batch, safe_batches, micro, steps)
+    split = None
+    if uneven:
+        asked = target_batch is not None
+        split, said = _uneven(target_batch or global_batch, safe_batches, micro, steps, facts.ranks, asked)
+        caveats += said
     return Recommendation(
         batch_size=micro,
         accumulation=steps,
@@ -314,18 +323,41 @@ def _rank_safe_batches(result: Measured, world_size: int | None) -> tuple[int, .
     return tuple(answer.safe_batch for answer in sorted(per_rank, key=lambda a: a.rank))
 
 
-def _uneven(target: int, safe_batches: tuple[int, ...], micro: int, steps: int) -> UnevenSplit:
-    """``target`` split unevenly (`split_uneven`), said against the even split ``micro x steps``."""
+def _uneven(
+    target: int, safe_batches: tuple[int, ...], micro: int, steps: int, ranks: int, asked: bool
+) -> tuple[UnevenSplit, list[str]]:
+    """``target`` split unevenly (`split_uneven`), said against the even split ``micro x steps``, and
+    a caveat when its global batch is not ``target`` (``asked``: the user's target, else the even
+    split's global batch). Where it needs as many passes as the even split, and is no nearer the
+    target, it gains nothing, and says so first."""
     micro_batches, passes = split_uneven(target, safe_batches)
-    reached = sum(micro_batches) * passes
+    reached, even = sum(micro_batches) * passes, micro * steps * ranks
+    nearer = abs(reached - target) < abs(even - target)
     said = f"in proportion to each rank's safe batch ({', '.join(map(str, safe_batches))})"
+    more = "as many passes per step" if passes == steps else f"more passes per step ({passes} against {steps})"
     if passes < steps:
         said += f": {passes} pass{'es' * (passes != 1)} per step instead of {steps} at the even micro-batch {micro}"
-    elif len(set(safe_batches)) == 1:
-        said += ": the ranks fit alike, so the split is even and every weight is 1"
+    elif nearer:
+        said += f": nearer the target than the even split's {even} (micro-batch {micro}), with {more}"
+    else:
+        farther = ", no nearer the target" if reached != target else ""
+        said = (
+            f"gains nothing over the even split {split_text(micro, steps, ranks)}: {more}{farther}; "
+            "train with that, this one is for comparison"
+        )
+    if len(set(micro_batches)) == 1:
+        said += "; every rank runs the same micro-batch: the split is even, every weight is 1"
+    caveats = []
     if reached != target:
-        said += f"; no uneven split reaches {target} exactly, {reached} is the nearest"
-    return UnevenSplit(
+        whose = f"the target {target}" if asked else f"the even split's global batch {target}"
+        within = abs(reached - target) <= TARGET_TOLERANCE * target
+        why = (
+            f"within {TARGET_TOLERANCE:.0%} of it in the fewest passes; an exact split, where there is one, needs more"
+            if within
+            else f"no split comes within {TARGET_TOLERANCE:.0%} of it: the fewest passes, nearest"
+        )
+        caveats.append(f"the uneven split's global batch is {reached}, {off_text(reached - target)} {whose} ({why})")
+    split = UnevenSplit(
         micro_batches=micro_batches,
         accumulation=passes,
         global_batch=reached,
@@ -333,3 +365,4 @@ def _uneven(target: int, safe_batches: tuple[int, ...], micro: int, steps: int) 
         safe_batches=safe_batches,
         reason=said,
     )
+    return split, caveats

@@ -31,6 +31,7 @@ __all__ = [
     "by_speed",
     "by_target",
     "caveats_for",
+    "off_text",
     "split_global",
     "split_text",
 ]
@@ -189,14 +190,14 @@ def by_target(facts: Facts, target: int, tokens: int | None, length: int | None)
             caveats.append(
                 f"the exact split runs small micro-batches: {split_text(*quick, facts.ranks)} would need "
                 f"{quick[1]} passes per step instead of {steps}, at a global batch of {other} "
-                f"({_off(other - target)} the target)"
+                f"({off_text(other - target)} the target)"
             )
     else:
         why = f"no split into {bound}" + (f" over {facts.ranks} ranks" if facts.ranks > 1 else "") + " reaches it"
-        reason = f"{asked} becomes {reached}, {_off(reached - target)} it, because {why}"
+        reason = f"{asked} becomes {reached}, {off_text(reached - target)} it, because {why}"
     if tokens is not None and length is not None and reached * length != tokens:
         caveats.append(
-            f"a step holds {reached * length:,} tokens, {_off(reached * length - tokens, ' tokens')} the "
+            f"a step holds {reached * length:,} tokens, {off_text(reached * length - tokens, ' tokens')} the "
             f"{tokens:,} asked"
         )
     noise = facts.noise
@@ -359,7 +360,7 @@ def _per(ranks: int) -> str:
     return f" over {ranks} ranks" if ranks > 1 else ""
 
 
-def _off(change: int, unit: str = "") -> str:
+def off_text(change: int, unit: str = "") -> str:
     """``"3 over"``, ``"3 short of"``, ``"exactly"``; tokens (``unit``) with thousands separated."""
     size = f"{abs(change):,}{unit}" if unit else f"{abs(change)}"
     if change > 0:

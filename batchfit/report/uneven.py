@@ -25,7 +25,12 @@ from typing import Annotated
 from batchfit.report.codec import Batch, Bytes, Count, NotAbove, Range
 from batchfit.units import check_positive_int
 
-__all__ = ["RankBatch", "UnevenSplit", "split_uneven"]
+__all__ = ["TARGET_TOLERANCE", "RankBatch", "UnevenSplit", "split_uneven"]
+
+#: How far an uneven split's global batch may be from the target to need fewer passes (a fraction
+#: of the target): within 1%, a learning rate tuned for the target trains alike, where an exact
+#: split may need many times the passes. The one place it is declared; the answer says the change.
+TARGET_TOLERANCE = 0.01
 
 #: How far a stored loss weight may be from ``W x b_r / T`` (a document's float rounding).
 _WEIGHT_TOLERANCE = 1e-9
@@ -130,20 +135,28 @@ def weights_of(micro_batches: Sequence[int]) -> tuple[float, ...]:
     return tuple(len(micro_batches) * micro / total for micro in micro_batches)
 
 
-def split_uneven(target: int, safe_batches: Sequence[int]) -> tuple[tuple[int, ...], int]:
+def split_uneven(
+    target: int, safe_batches: Sequence[int], *, tolerance: float = TARGET_TOLERANCE
+) -> tuple[tuple[int, ...], int]:
     """``(micro_batches, accumulation)`` for a global batch of ``target`` samples over ranks whose
     safe batches are ``safe_batches``.
 
-    The fewest passes that reach ``target`` exactly, each rank's micro-batch in proportion to its
-    safe batch (never above it, at least 1; the remainders go to the ranks furthest below their
-    share). Exact whenever some number of passes divides ``target`` into passes of at least one
-    sample per rank that fit; otherwise the fewest passes, with the pass nearest ``target`` (more
-    samples on a tie).
+    The fewest passes (never fewer than hold ``target``, ``ceil(target / sum(safe_batches))``)
+    whose global batch is within ``tolerance`` of ``target`` (default `TARGET_TOLERANCE`, 1%), and
+    with them the global batch nearest ``target`` (exact where one is; more samples on a tie);
+    each rank's micro-batch in proportion to its safe batch (never above it, at least 1; the
+    remainders go to the ranks furthest below their share). A few samples more or fewer cost
+    nothing a learning rate can tell, where an exact split may need far more passes: 3,000,009
+    over safe batches (526, 263) is 3,000,567 in 3,803 passes, not (2, 1) x 1,000,003.
+    ``tolerance=0`` asks for an exact split. Where no pass count comes within ``tolerance``, the
+    fewest passes, nearest. Bounded time for any target, a prime one included: at most one try
+    per samples-per-pass (``sum(safe_batches)``), and one in the usual case.
 
     Raises:
         TypeError: ``target`` or a safe batch is not an int.
         ValueError: ``target`` is not positive or is smaller than the number of ranks (every rank
-            needs a sample per pass); a rank's safe batch is below 1 (it fits nothing); no ranks.
+            needs a sample per pass); a rank's safe batch is below 1 (it fits nothing); no ranks;
+            ``tolerance`` not in ``[0, 1)``.
     """
     check_positive_int("target_batch", target)
     if not safe_batches:
@@ -153,19 +166,39 @@ def split_uneven(target: int, safe_batches: Sequence[int]) -> tuple[tuple[int, .
             raise TypeError(f"the safe batch of rank {rank} must be an int, got {type(safe).__name__} {safe!r}")
         if safe < 1:
             raise ValueError(f"rank {rank} fits no sample (safe batch {safe}): an uneven split cannot use it")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+        raise ValueError(f"tolerance must be a fraction of the target in [0, 1), got {tolerance!r}")
     ranks, total = len(safe_batches), sum(safe_batches)
     if target < ranks:
         raise ValueError(
             f"target_batch {target} is smaller than the {ranks} ranks: every rank needs at least one sample per pass"
         )
+    passes = _fewest_passes(target, ranks, total, math.floor(tolerance * target))
+    return proportional(_nearest(target, passes, ranks, total), safe_batches), passes
+
+
+def _fewest_passes(target: int, ranks: int, total: int, slack: int) -> int:
+    """The fewest passes of ``ranks`` to ``total`` samples each whose product is within ``slack``
+    of ``target``, never fewer than hold it; none: that fewest. Tried by samples per pass, each
+    with its own fewest passes in closed form: those passes fall as the samples per pass grow, so
+    the largest that comes within ``slack`` decides. The first try (``total``) decides unless a
+    pass holds fewer than about ``1 / (2 x tolerance)`` samples (each pass rounds by at most half
+    of the passes), so the loop is short exactly where it runs at all."""
     fewest = -(-target // total)
-    for steps in range(fewest, target // ranks + 1):
-        if target % steps == 0:
-            return proportional(target // steps, safe_batches), steps
-    ideal = target / fewest
-    low, high = (min(total, max(ranks, bound(ideal))) for bound in (math.floor, math.ceil))
-    per_pass = high if abs(high * fewest - target) <= abs(low * fewest - target) else low
-    return proportional(per_pass, safe_batches), fewest
+    if abs(_nearest(target, fewest, ranks, total) * fewest - target) <= slack:
+        return fewest
+    for per_pass in range(total, ranks - 1, -1):
+        passes = max(fewest, -(-(target - slack) // per_pass))
+        if per_pass * passes <= target + slack:
+            return passes
+    return fewest
+
+
+def _nearest(target: int, passes: int, ranks: int, total: int) -> int:
+    """The samples per pass, ``ranks`` to ``total``, whose ``passes`` come nearest ``target``
+    (more samples on a tie). Integer arithmetic: exact for any target."""
+    low, high = (min(total, max(ranks, bound)) for bound in (target // passes, -(-target // passes)))
+    return high if abs(high * passes - target) <= abs(low * passes - target) else low
 
 
 def proportional(per_pass: int, safe_batches: Sequence[int]) -> tuple[int, ...]:
