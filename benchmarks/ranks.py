@@ -11,14 +11,16 @@ so both sides do the same work per process):
 1. **The answer and the time.** Per case, ``find()`` in one process, then ``find()`` on two
    ranks (spawned, file-store rendezvous, the model wrapped in DDP), each rank under the same
    live-tensor cap; each side runs ``find()`` once to warm up and times the second run.
-   Answers must agree (same memory per rank); the wall time shows what the meetings (one gloo
+   Answers agree up to DDP's gradient buckets (a rank holds one more gradient's bytes than one
+   process: `batchfit.distributed.buckets`); the wall time shows what the meetings (one gloo
    all-reduce per phase of every step, one gather per trial) and the second process on a 2-core
    machine cost.
 2. **Memory of the deferred step.** A probe step runs DDP under ``no_sync()`` and all-reduces
    the gradients itself once every rank's backward worked (``batchfit/ranks.py``). Per batch
    size, the peaks per phase of a real synchronised DDP step (``distributed=False``: DDP as the
    user runs it) and of the probe's deferred step (``distributed=True``), both measured by the
-   live-tensor meter on both ranks, two steps from a fresh optimizer.
+   live-tensor meter on both ranks, two steps from a fresh optimizer (both count the buckets; the
+   synchronised step's first step also sees DDP rebuild them once).
 
 Output: a table on stdout and JSON under ``benchmarks/results/ranks-cpu-*.json``. Nothing here
 asserts a timing.

@@ -126,8 +126,11 @@ def scenario_limits(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model, sample = gpt()
     reference_started = time.monotonic()
-    alone = batchfit.find(copy.deepcopy(model), sample, memory_limit=LIMITS[rank], distributed=False)
-    record: dict[str, Any] = {"alone": result_record(alone, time.monotonic() - reference_started)}
+    # One process without DDP, under the limit less what a DDP rank holds besides: its gradient buckets.
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+    limit = parse_memory_limit(LIMITS[rank], None) - buckets
+    alone = batchfit.find(copy.deepcopy(model), sample, memory_limit=limit, distributed=False)
+    record: dict[str, Any] = {"alone": result_record(alone, time.monotonic() - reference_started), "buckets": buckets}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     train_step(model, optimizer, gpt_batch(sample, 2))  # the user trained a step already (state to restore)
     # Wrapped afterwards: a DDP that already synchronised once rebuilds its gradient buckets in
@@ -156,9 +159,10 @@ def scenario_phase(rank: int, phase: str, peaks: dict[str, int]) -> dict[str, An
     below = max(peaks[p] for p in order[: order.index(phase)])
     if not below < peaks[phase]:
         raise AssertionError(f"the MLP's {phase} peak is not above the earlier phases: {peaks}")
-    limit = (below + peaks[phase]) // 2 if rank == 1 else None
     torch.manual_seed(2)
     ddp = DistributedDataParallel(mlp())
+    buckets = sum(p.numel() * p.element_size() for p in ddp.parameters())  # DDP's, beside the peaks of one process
+    limit = (below + peaks[phase]) // 2 + buckets if rank == 1 else None
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     sample = torch.randn(4, 128)
     before = state_of(ddp, optimizer)

@@ -29,7 +29,7 @@ from batchfit.examples import gpt
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB_TIMEOUT_S = 120
-LIMIT = "64MiB"
+LIMIT, LIMIT_BYTES = "64MiB", 64 * 2**20
 PROBE = ["-m", "batchfit", "probe", "batchfit.examples:gpt", "--memory-limit", LIMIT, "--json", "out.json"]
 
 #: ``find()`` from a user's script: the group is the script's own; every rank writes what it got.
@@ -140,8 +140,18 @@ def leader_and_follower(nodes: list[Node], marker: str) -> tuple[Node, Node]:
 
 @pytest.fixture(scope="module")
 def alone() -> batchfit.Result:
+    """One process's answer under LIMIT: what a job of one rank (no DDP) finds."""
     model, sample = gpt()
     return batchfit.find(model, sample, memory_limit=LIMIT)
+
+
+@pytest.fixture(scope="module")
+def beside_buckets() -> batchfit.Result:
+    """One process's answer under LIMIT less DDP's gradient buckets (the gradients' bytes once more):
+    what each of two DDP ranks finds under LIMIT."""
+    model, sample = gpt()
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+    return batchfit.find(model, sample, memory_limit=LIMIT_BYTES - buckets)
 
 
 @pytest.fixture(scope="module")
@@ -162,19 +172,19 @@ def test_two_nodes_end_and_only_global_rank_0_writes_and_prints(probe_nodes: lis
 
 @pytest.mark.distributed
 def test_two_nodes_answer_as_one_node_with_two_processes_and_as_one_process(
-    probe_nodes: list[Node], alone: batchfit.Result, tmp_path: Path
+    probe_nodes: list[Node], beside_buckets: batchfit.Result, tmp_path: Path
 ) -> None:
     leader, _ = leader_and_follower(probe_nodes, "out.json")
     launcher = ["--standalone", "--nproc-per-node", "2"]
     [one_node] = finish([tmp_path], [torchrun(tmp_path, launcher, PROBE)])
     assert one_node.returncode == 0, one_node.stderr[-3000:]
     answers = [(doc["world_size"], doc["max_batch"], doc["safe_batch"]) for doc in (leader.json(), one_node.json())]
-    assert answers == [(2, alone.max_batch, alone.safe_batch)] * 2
+    assert answers == [(2, beside_buckets.max_batch, beside_buckets.safe_batch)] * 2
 
 
 @pytest.mark.distributed
 def test_find_from_a_script_gives_every_rank_the_same_answer_and_only_rank_0_shows_progress(
-    tmp_path: Path, alone: batchfit.Result
+    tmp_path: Path, beside_buckets: batchfit.Result
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -184,7 +194,7 @@ def test_find_from_a_script_gives_every_rank_the_same_answer_and_only_rank_0_sho
                      key=lambda answer: answer["rank"])  # fmt: skip
     assert [(a["rank"], a["group_rank"]) for a in answers] == [(0, 0), (1, 1)]  # one rank per node
     assert {(a["world_size"], a["max_batch"], a["safe_batch"]) for a in answers} == {
-        (2, alone.max_batch, alone.safe_batch)
+        (2, beside_buckets.max_batch, beside_buckets.safe_batch)
     }
     leader, follower = leader_and_follower(nodes, "rank0.json")
     assert leader.stderr.count("batchfit: probing DistributedDataParallel") == 1  # find(progress=True): rank 0 only

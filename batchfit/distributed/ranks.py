@@ -26,9 +26,10 @@ hang (Composer's PRs #2117, #3016, #3510). So no data collective may start unles
 to it. DDP's gradient all-reduce runs inside backward; a probe step therefore runs DDP under
 ``no_sync()`` and all-reduces the gradients itself at the start of the optimizer step, once the
 ranks agreed that backward worked everywhere (`Group.sync_gradients`). DDP's gradient
-buckets are allocated when the model is wrapped, so the deferred step holds the memory a synced
-one does (``benchmarks/ranks.py`` measures the difference). The only other collective in a DDP
-step, the buffer broadcast at the start of forward, runs after the batch phase was agreed.
+buckets are allocated when the model is wrapped and held in every step, synchronised or not: a
+device's allocator counts them, and the CPU meter is told of them (``batchfit.distributed.buckets``).
+The only other collective in a DDP step, the buffer broadcast at the start of forward, runs after
+the batch phase was agreed.
 
 What is *not* made safe in-process: collectives inside the model's own forward or backward
 (FSDP, ``SyncBatchNorm``, tensor parallelism). A rank that fails before such a collective leaves
@@ -54,6 +55,7 @@ import torch
 from torch import nn
 
 from batchfit.backends import is_oom
+from batchfit.distributed.buckets import ddp_of, grad_buckets
 from batchfit.distributed.solo import FAILED, INTERRUPTED, OK, OUT_OF_MEMORY, PHASES, PeerOutOfMemory, Solo
 from batchfit.errors import RankFailedError, RanksTimeoutError, first_line
 from batchfit.interrupts import InterruptGuard
@@ -247,24 +249,25 @@ class Group(Solo):
     # DDP ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def deferred_sync(self, model: nn.Module) -> Iterator[None]:
-        ddp = _ddp(model)
-        if ddp is None:
-            yield
-            return
-        # no_sync() keeps backward's all-reduce back; DDP also flips this flag in a no_sync()
-        # forward, which would skip the buffer broadcast of the user's next forward.
-        flag = ddp.require_forward_param_sync
-        try:
-            with ddp.no_sync():
+        ddp = ddp_of(model)
+        with super().deferred_sync(model):
+            if ddp is None:
                 yield
-        finally:
-            ddp.require_forward_param_sync = flag
+                return
+            # no_sync() keeps backward's all-reduce back; DDP also flips this flag in a no_sync()
+            # forward, which would skip the buffer broadcast of the user's next forward.
+            flag = ddp.require_forward_param_sync
+            try:
+                with ddp.no_sync():
+                    yield
+            finally:
+                ddp.require_forward_param_sync = flag
 
     def sync_gradients(self, model: nn.Module, phase: str = "step", batch_size: int | None = None) -> None:
         """All-reduce (average) the gradients over DDP's own process group, as DDP would have in
         backward: the ranks agreed that backward worked everywhere, and in a meeting at ``phase`` that
         each made the buffer the buckets pass through, before any rank enters an all-reduce."""
-        ddp = _ddp(model)
+        ddp = ddp_of(model)
         if ddp is None:
             return
         grads = [p.grad for p in ddp.parameters() if p.grad is not None]
@@ -273,7 +276,7 @@ class Group(Solo):
         # make the timed step far slower than training's); without DDP's overlap with backward,
         # so a step under DDP is timed a little slower than training runs it. One buffer per device,
         # its largest bucket's size (the last wins), serves every bucket in turn: one bucket's memory.
-        buckets = _buckets(grads, int(getattr(ddp, "bucket_bytes_cap", 25 * 2**20)))
+        buckets = grad_buckets(grads, int(getattr(ddp, "bucket_bytes_cap", 25 * 2**20)))
         sizes = [sum(grad.numel() * grad.element_size() for grad in bucket) for bucket in buckets]
         largest = {b[0].device: n for n, b in sorted(zip(sizes, buckets), key=lambda pair: pair[0])}
         with self.meet(phase, batch_size):
@@ -287,7 +290,7 @@ class Group(Solo):
             torch._foreach_copy_(bucket, views)
 
     def notes(self, model: nn.Module) -> list[str]:
-        ddp = _ddp(model)
+        ddp = ddp_of(model)
         if ddp is None or not getattr(ddp, "gradient_as_bucket_view", False):
             return []
         grads = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
@@ -298,6 +301,7 @@ class Group(Solo):
         ]
 
     def close(self, settled: bool = False) -> None:
+        super().close(settled)
         group, self._group = self._group, None
         if group is not None:
             with contextlib.suppress(Exception):
@@ -377,12 +381,6 @@ def _max_phases(per_rank: Any) -> tuple[tuple[str, int], ...]:
     return tuple(merged.items())
 
 
-def _ddp(model: nn.Module) -> Any:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return model if isinstance(model, DistributedDataParallel) else None
-
-
 #: Modules whose forward or backward runs collectives of its own (see the module docs), and what
 #: to do instead.
 _COLLECTIVE_MODULES = {
@@ -431,19 +429,3 @@ def leads(distributed: bool | None) -> bool:
         return True
     return dist.get_world_size() < 2 or dist.get_rank() == 0
 
-
-def _buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
-    """``grads`` in order, in runs of one dtype and device of at most ``cap_bytes`` (a gradient
-    larger than the cap is a bucket of its own)."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for grad in grads:
-        nbytes = grad.numel() * grad.element_size()
-        last = buckets[-1] if buckets else None
-        if last is None or size + nbytes > cap_bytes or (last[0].dtype, last[0].device) != (grad.dtype, grad.device):
-            buckets.append([grad])
-            size = nbytes
-        else:
-            last.append(grad)
-            size += nbytes
-    return buckets

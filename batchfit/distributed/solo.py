@@ -9,8 +9,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
+from batchfit.distributed.buckets import Buckets
 from batchfit.report import Trial
 
 #: The phases of a step as a message names them.
@@ -34,6 +36,8 @@ class Solo:
 
     world_size = 1
     rank = 0
+    #: The stand-ins for a DDP model's gradient buckets (`held`), for the probe's lifetime.
+    _buckets: Buckets | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -70,10 +74,21 @@ class Solo:
         (the result cache's hit or miss: ``batchfit.probe.cache``) is every rank's. Alone: ``value``."""
         return value
 
+    def held(self, model: nn.Module) -> list[torch.Tensor]:
+        """Every tensor ``model`` holds before a step, for a meter that counts what it is told exists:
+        its parameters and buffers, and for a DDP model on the CPU one stand-in per gradient bucket
+        (``batchfit.distributed.buckets``: the buckets themselves are out of Python's reach)."""
+        self._buckets = Buckets()
+        return [*model.parameters(), *model.buffers(), *self._buckets.held(model)]
+
     @contextlib.contextmanager
     def deferred_sync(self, model: nn.Module) -> Iterator[None]:
-        """Run the steps inside without the data group's collectives in backward."""
-        yield
+        """Run the steps inside without the data group's collectives in backward (alone: as they are)."""
+        try:
+            yield
+        finally:
+            if self._buckets is not None:
+                self._buckets.settle()
 
     def sync_gradients(self, model: nn.Module, phase: str = "step", batch_size: int | None = None) -> None:
         """The gradient all-reduce `deferred_sync` held back; ``phase`` and ``batch_size`` name
@@ -84,5 +99,7 @@ class Solo:
         return []
 
     def close(self, settled: bool = False) -> None:
-        """Leave the group (no meeting). ``settled``: every rank ended the probe normally, so the
-        ranks meet once more before the group goes (`Group.close`)."""
+        """Leave the group (no meeting), and stop counting DDP's buckets. ``settled``: every rank ended
+        the probe normally, so the ranks meet once more before the group goes (`Group.close`)."""
+        if self._buckets is not None:
+            self._buckets.drop()

@@ -257,7 +257,7 @@ class Prober:
         if options.reserve == "auto":  # measured once the warm-up made what the device keeps
             self.limit_bytes, self.limit_source, self.reserve_bytes = self._resolve_limit()
         self.budget_bytes = self._budget()
-        held = [*model.parameters(), *model.buffers()] + [t for _, t in tensor_leaves(sample, "sample")]
+        held = self.ranks.held(model) + [t for _, t in tensor_leaves(sample, "sample")]  # DDP's buckets too
         self.meter = self.backend.make_meter(device, self.budget_bytes, self.limit_bytes, tensors=held)
         self.meter.interrupts = self._interrupts
         assert self._stack is not None
@@ -271,7 +271,7 @@ class Prober:
         if reachable is not None and self.limit_bytes > reachable:
             self.notes.append(
                 f"the memory limit {format_bytes(self.limit_bytes)} is more than this process can reach on "
-                f"{self.device} ({format_bytes(reachable)} free or held by it): the budget is "
+                f"{self.device} ({format_bytes(reachable)} usable by it, as the backend counts): the budget is "
                 f"{format_bytes(reachable)}, and batch sizes are what fits there, not under the limit"
             )
             return reachable
