@@ -110,6 +110,25 @@ class RanksTimeoutError(BatchfitError):
     did not call ``find()``, is stuck in the user's code, or died."""
 
 
+class EstimateTimeoutError(BatchfitError, TimeoutError):
+    """A sharded estimate's process gave no answer within its time limit
+    ([`estimate_sharded`][batchfit.estimate_sharded]'s ``timeout_s``): it and every process it
+    started were killed. Attributes: ``target``, ``timeout_s``, ``output`` (the end of what the
+    process wrote to stderr: where it stood)."""
+
+    def __init__(self, target: str, timeout_s: float, output: str = "") -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.output = output
+        said = f"; its output ended with:\n{output}" if output.strip() else ""
+        super().__init__(
+            f"the sharded estimate of {target} gave no answer within timeout_s={timeout_s:g} s, so its process and "
+            "every process it started were killed: a target that waits (on a download, a lock, input, a real "
+            "process group) hangs there; a model that needs longer takes a larger timeout_s= (None waits without "
+            f"limit){said}"
+        )
+
+
 def _rebuild(cls: type[BatchfitError], args: tuple[Any, ...], state: dict[str, Any]) -> BatchfitError:
     """A pickled [`BatchfitError`][batchfit.BatchfitError] as it was: its args, attributes and notes, no
     ``__init__``."""

@@ -11,6 +11,7 @@ import math
 import os
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchfit.errors import first_line
@@ -53,7 +54,10 @@ def find_sharded(
             `loss_fn`, `step_fn`, ... (what `batchfit probe` takes).
         nproc: the ranks of every job (`--nproc-per-node`); batch sizes are per rank.
         trial_log: a JSON-lines file every job's verdicts are appended to; a later call with the
-            same settings reuses them instead of running those jobs again (resume after Ctrl-C).
+            same settings reuses them instead of running those jobs again (resume after Ctrl-C), and
+            the sharded estimate it started from. Keyed by the target's file (its SHA-256), the
+            device, the ranks and their options and the versions; a line a crash cut off is skipped,
+            a verdict that contradicts itself is not reused (docs/how-to/sharded-jobs.md).
         trial_timeout: seconds a job may take to answer before it is killed and reported.
         guess: where to start: the safe batch per rank you expect (an `int`), or a `Result` (an
             estimate, an earlier answer) whose safe batch and bytes per sample aim the search. The
@@ -72,9 +76,10 @@ def find_sharded(
         The frozen [`Result`][batchfit.Result], per rank, as `find` gives it (`world_size` is `nproc`).
 
     Raises:
-        TypeError, ValueError: a bad argument, named, before any job starts.
+        TypeError, ValueError: a bad argument, named, before any job starts (a ``trial_log`` that is
+            not a regular file, or not a trial log, included).
         RankFailedError: a rank failed with an error that is not an out-of-memory.
-        RanksTimeoutError: a job gave no answer within `trial_timeout`.
+        RanksTimeoutError: a job gave no answer within `trial_timeout`, or a rank stopped answering (named).
         NothingFitsError: even the first size runs out of memory.
     """
     check_sharded_call(target, nproc, trial_log, trial_timeout, guess)
@@ -89,7 +94,7 @@ def find_sharded(
 
     said: list[str] = []
     if guess is None and estimate:
-        guess, said = estimated_guess(target, nproc, options, trial_timeout)
+        guess, said = estimated_guess(target, nproc, options, trial_timeout, trial_log)
     run = {"trial_log": trial_log, "trial_timeout": trial_timeout, "guess": guess}
     if not progress:
         result = find_sharded_with(target, nproc, options, **run, **hooks)
@@ -130,10 +135,12 @@ def check_sharded_call(target: Any, nproc: Any, trial_log: Any, trial_timeout: A
 
 
 def estimated_guess(
-    target: str, nproc: int, options: Options, timeout_s: float
+    target: str, nproc: int, options: Options, timeout_s: float, trial_log: str | os.PathLike[str] | None = None
 ) -> tuple[Result | None, list[str]]:
     """The sharded estimate the search starts from, and a note; `None` and why not, when it cannot be made
-    (within ``timeout_s``, as a job)."""
+    (within ``timeout_s``, as a job). With a trial log, the estimate logged under the same key when
+    there is one (a resume takes the search's path again without the estimate's seconds), else the
+    one made now, logged."""
     limit = options.memory_limit
     try:
         parse_memory_limit(limit, None) if limit is not None else None
@@ -143,6 +150,7 @@ def estimated_guess(
         return None, ["the search started from init_batch: the sharded estimate needs memory_limit as a size"]
     from batchfit.backends import default_device
     from batchfit.estimation import estimate_sharded
+    from batchfit.probe.sharded import log_estimate, log_key, logged_estimate
 
     device = str(options.device or default_device()).split(":")[0]
     defaults = Options()
@@ -151,13 +159,30 @@ def estimated_guess(
         for name in keywords_of(EstimateOptions)
         if getattr(options, name) != getattr(defaults, name) and isinstance(getattr(options, name), (str, int, float))
     }
+    log = Path(trial_log) if trial_log is not None else None
+    key = {"estimate": {"device": device, "memory_limit": limit, **keywords}}
+    key = {**log_key(target, nproc, options), **key} if log is not None else key
+    logged = logged_estimate(log, key) if log is not None else None
+    if logged is not None and logged["result"] is None:
+        return None, [f"the search started from init_batch: the sharded estimate failed ({logged['failed']}; the trial "
+                      f"log {log} says so)"]  # fmt: skip
+    if logged is not None:
+        estimated = Result.from_dict(logged["result"])
+        return estimated, [
+            f"the search started from the sharded estimate (max batch {estimated.max_batch}, safe batch "
+            f"{estimated.safe_batch} per rank, read from the trial log {log}: not made again, no job)"
+        ]
     started = time.monotonic()
     try:
         estimated = estimate_sharded(
             target, nproc, memory_limit=limit, device=device, reserve=options.reserve, timeout_s=timeout_s, **keywords
         )
     except Exception as exc:  # noqa: BLE001 (the jobs still give the answer; the note says why they started low)
+        if log is not None:
+            log_estimate(log, key, None, first_line(exc))
         return None, [f"the search started from init_batch: the sharded estimate failed ({first_line(exc)})"]
+    if log is not None:
+        log_estimate(log, key, estimated, None)
     return estimated, [
         f"the search started from the sharded estimate (max batch {estimated.max_batch}, safe batch "
         f"{estimated.safe_batch} per rank, made in {time.monotonic() - started:.1f} s, no job)"

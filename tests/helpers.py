@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -174,3 +176,17 @@ def join_gloo(rank: int, out: str, world_size: int) -> None:
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
     torch.set_num_threads(1)
+
+
+def processes_naming(token: str) -> dict[int, str]:
+    """The running processes (but this one) whose command line names ``token``: pid -> command line,
+    read from Linux's /proc (zombies have none)."""
+    found = {}
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if token in line and int(path.parent.name) != os.getpid():
+            found[int(path.parent.name)] = line
+    return found

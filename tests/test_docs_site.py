@@ -46,6 +46,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "batchfit.errors": (
         "BatchfitError",
         "DeviceFailedError",
+        "EstimateTimeoutError",
         "LimitError",
         "NoOptimizerStepError",
         "NothingFitsError",

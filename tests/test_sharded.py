@@ -11,7 +11,6 @@ from __future__ import annotations
 import _thread
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import processes_naming
 
 import batchfit
 from batchfit.cli import main
@@ -185,17 +185,6 @@ def test_from_a_guess_that_holds_three_jobs_give_the_same_answer(
     assert first.cap_bytes == math.floor(16 * 2**20 * 0.9)  # each rank's budget less the headroom
 
 
-def _ours(token: str) -> list[str]:
-    """The command lines of running processes that name ``token`` (zombies have none)."""
-    found = []
-    for path in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            line = path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if token in line and path.parent.name != str(os.getpid()):
-            found.append(line)
-    return found
 
 
 @pytest.fixture
@@ -223,7 +212,8 @@ def test_ctrl_c_kills_the_job_and_leaves_no_process_of_ours(tmp_path: Path, pyth
     def interrupt_once_a_rank_runs() -> None:
         deadline = time.monotonic() + JOB_TIMEOUT_S
         while time.monotonic() < deadline and not seen:
-            seen.extend(line for line in _ours(token) if "--trial-batch" in line and "distributed.run" not in line)
+            lines = processes_naming(token).values()
+            seen.extend(line for line in lines if "--trial-batch" in line and "distributed.run" not in line)
             time.sleep(0.01)
         _thread.interrupt_main()
 
@@ -235,6 +225,6 @@ def test_ctrl_c_kills_the_job_and_leaves_no_process_of_ours(tmp_path: Path, pyth
     watcher.join()
     assert seen, "no rank was seen running"
     deadline = time.monotonic() + 10
-    while _ours(token) and time.monotonic() < deadline:
+    while processes_naming(token) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _ours(token)
+    assert not processes_naming(token)

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchfit.errors import NothingFitsError
+from batchfit.errors import EstimateTimeoutError, NothingFitsError
+from batchfit.probe.sessions import in_session
 from batchfit.report import Result, Trial
 from batchfit.units import format_bytes
 
@@ -28,10 +29,12 @@ if TYPE_CHECKING:
 
     from batchfit.probe.keywords import EstimateOptions
 
-__all__ = ["NCCL_RESERVE_BYTES", "estimate_in_group", "estimate_sharded", "sharded_assumptions"]
+__all__ = ["ESTIMATE_TIMEOUT_S", "NCCL_RESERVE_BYTES", "estimate_in_group", "estimate_sharded", "sharded_assumptions"]
 
 #: Kept aside on a GPU target for NCCL's buffers (outside the caching allocator) unless ``reserve=`` is given.
 NCCL_RESERVE_BYTES = 512 * 2**20
+#: `estimate_sharded`'s default limit on its process, in seconds (see its ``timeout_s``).
+ESTIMATE_TIMEOUT_S = 1800.0
 
 
 def estimate_sharded(
@@ -41,7 +44,7 @@ def estimate_sharded(
     memory_limit: int | str | None = None,
     device: str = "cpu",
     reserve: int | str | None = None,
-    timeout_s: float | None = None,
+    timeout_s: float | None = ESTIMATE_TIMEOUT_S,
     **options: Unpack[EstimateOptions],
 ) -> Result:
     """Estimate one rank's answer for ``target`` sharded with FSDP2 over ``world_size`` ranks, in a fresh process.
@@ -55,6 +58,13 @@ def estimate_sharded(
     fake tensors cannot trace runs rank 0's real CPU steps instead (for ``device="cpu"`` within
     256 MiB; the assumptions say so).
 
+    ``timeout_s`` bounds the process (default `ESTIMATE_TIMEOUT_S`, 30 minutes): a target that
+    hangs (waiting on a download, a lock, input) would otherwise hold the call forever. Every trial
+    builds the target afresh and traces two steps, so a big model takes minutes (a 1.1B Llama at 8
+    ranks 23 s on a laptop, a small model for 64 ranks of 80 GiB 40-80 s on 2 busy cores): half an
+    hour is far above those, and still ends a hang the same working session. ``None`` waits without
+    limit. At the limit the process and everything it started (its session) are killed.
+
     Returns:
         The [`Result`][batchfit.Result] (``estimated=True``, ``world_size`` = ``world_size``): the
         per-rank max and safe batch; ``global_max_batch`` and ``global_safe_batch`` are the global
@@ -64,6 +74,7 @@ def estimate_sharded(
         TypeError, ValueError: bad arguments, a model not sharded as ``world_size`` says, a mesh the
             fake group cannot build (before anything is traced).
         NothingFitsError: not even ``init_batch`` fits one rank's memory.
+        EstimateTimeoutError: no answer within ``timeout_s`` (the process was killed, with all it started).
         RuntimeError: the process failed otherwise (its message says how).
     """
     from batchfit.estimation.estimator import EstimateSetup
@@ -72,6 +83,14 @@ def estimate_sharded(
     check_world_size(world_size)
     if not isinstance(target, str) or ":" not in target.strip(":"):
         raise TypeError(f"target must be a 'module:factory' or 'path/to/file.py:factory' string, got {target!r}")
+    if memory_limit is None:
+        raise TypeError(
+            "estimate_sharded() needs memory_limit=: the memory of one rank's device to estimate for, e.g. '80GiB'"
+        )
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
+    ):
+        raise ValueError(f"timeout_s must be a positive number of seconds or None (no limit), got {timeout_s!r}")
     EstimateSetup.of(memory_limit, device, reserve, options)  # every keyword checked here, before the process
     keywords = {"memory_limit": memory_limit, "device": device, "reserve": reserve, **options}
     for name, value in keywords.items():
@@ -83,25 +102,31 @@ def estimate_sharded(
                 f"the target (a factory returning a dict with '{name}'), or a JSON value"
             ) from None
     with tempfile.TemporaryDirectory(prefix="batchfit-sharded-") as folder:
-        request, out = Path(folder) / "keywords.json", Path(folder) / "result.json"
+        request, out, said = (Path(folder) / name for name in ("keywords.json", "result.json", "stderr.txt"))
         request.write_text(json.dumps(keywords))
         command = [
             sys.executable, "-m", "batchfit", "estimate", target, "--world-size", str(world_size),
             "--keywords-json", str(request), "--json", str(out),
         ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        with open(said, "w") as stderr, in_session(command, stdout=subprocess.DEVNULL, stderr=stderr) as process:
+            try:
+                code = process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                code = None  # the way out of in_session kills the process's whole session
+        tail = said.read_text(errors="replace")[-2000:]
+        if code is None:
+            raise EstimateTimeoutError(target, float(timeout_s or 0), tail)
         document = json.loads(out.read_text()) if out.exists() else None
     if isinstance(document, dict) and "schema" in document:
         return Result.from_dict(document)
-    raise _failure(document, done)
+    raise _failure(document, code, tail)
 
 
-def _failure(document: Any, done: subprocess.CompletedProcess[str]) -> Exception:
+def _failure(document: Any, code: int, tail: str) -> Exception:
     """The estimate's process's error, as the type it raised where that is one of ours to raise."""
     said = document.get("error") if isinstance(document, dict) else None
     if not isinstance(said, dict):
-        tail = (done.stderr or "")[-2000:]
-        return RuntimeError(f"the sharded estimate's process ended (exit code {done.returncode}) with:\n{tail}")
+        return RuntimeError(f"the sharded estimate's process ended (exit code {code}) with:\n{tail}")
     kind, message = said.get("type"), str(said.get("message"))
     if kind == "NothingFitsError":
         fields = said.get("fields", {})

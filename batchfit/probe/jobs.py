@@ -35,26 +35,26 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from batchfit.distributed import Solo, combine_trials
 from batchfit.errors import RankFailedError, RanksTimeoutError
+from batchfit.probe.cache_files import TRIAL_LOG_SCHEMA, append_line, read_trial_log
 from batchfit.probe.options import Options
 from batchfit.probe.safe_batch import safe_cap
+from batchfit.probe.sessions import end_torchrun, in_session
 from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
 
 #: Steps of a trial in a fresh job: step 1 allocates the optimizer state, step 2 runs with it.
 FRESH_STEPS = 2
-#: The schema of a trial log line.
-LOG_SCHEMA = "batchfit.trial-log/1"
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,9 @@ class JobPerTrial:
         self.reused = 0
         self._first: tuple[tuple[int, str, int, int | None], Trial] | None = None
         self._facts: dict[str, Any] = {}
+        #: The state a rank holds (its shards), as the largest job that completed its steps said: a job
+        #: that ran out of memory mid-step read its weights gathered and its optimizer state unmade.
+        self._state: tuple[int, dict[str, Any]] = (0, {})
         self._logged = self._read_log()
 
     # lifetime ------------------------------------------------------------------------------------
@@ -171,9 +174,7 @@ class JobPerTrial:
         return trial, cap
 
     def _combine(self, batch_size: int, verdicts: dict[int, dict[str, Any]]) -> Trial:
-        for rank, verdict in sorted(verdicts.items()):
-            if "error" in verdict:
-                raise RankFailedError(rank, batch_size, verdict.get("phase") or "the trial", verdict["error"])
+        _raise_failure(batch_size, verdicts, self.ranks.world_size)
         facts = verdicts[min(verdicts)]
         self._facts = facts
         budgets = [v["budget_bytes"] for v in verdicts.values() if v.get("budget_bytes") is not None]
@@ -184,6 +185,8 @@ class JobPerTrial:
         self.reserve_bytes = facts["reserve_bytes"]
         trials = {rank: Trial.from_dict(v["trial"]) for rank, v in verdicts.items()}
         failed = sorted(rank for rank, t in trials.items() if not t.fits)
+        if not failed and batch_size >= self._state[0]:
+            self._state = (batch_size, facts)
         out_of_memory = (failed[0], trials[failed[0]].message or "") if failed else None
         # What a trial left allocated dies with its job: it cannot weigh on the next trial (FSDP
         # keeps the root's unsharded parameters after forward, which would read as a leak).
@@ -206,17 +209,14 @@ class JobPerTrial:
                 *(["--trial-cap", str(cap_bytes)] if cap_bytes is not None else []),
                 *(["--trial-headroom", repr(float(headroom))] if headroom is not None else []),
             ]  # fmt: skip
-            with open(out / "stderr.txt", "w") as stderr:
-                job: subprocess.Popen[bytes] | None = None
-                try:  # Ctrl-C as soon as the job exists kills it too
-                    job = subprocess.Popen(
-                        command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=_worker_env()
-                    )
-                    verdicts = self._wait(job, out, batch_size)
-                finally:
-                    if job is not None:
-                        _kill(job, out)
-            return verdicts
+            # From the job's start on (a Ctrl-C while Popen starts it too), every way out kills it whole.
+            with (
+                open(out / "stderr.txt", "w") as stderr,
+                in_session(
+                    command, partial(end_torchrun, out=out), stdout=subprocess.DEVNULL, stderr=stderr, env=_worker_env()
+                ) as job,
+            ):
+                return self._wait(job, out, batch_size)
 
     def _wait(self, job: subprocess.Popen[bytes], out: Path, batch_size: int) -> dict[int, dict[str, Any]]:
         deadline = time.monotonic() + self.timeout_s
@@ -242,19 +242,12 @@ class JobPerTrial:
 
     # the log ---------------------------------------------------------------------------------------
     def _read_log(self) -> list[dict[str, Any]]:
-        if self.log is None or not self.log.exists():
+        """This search's jobs in the log, each checked (`batchfit.probe.cache_files.read_trial_log`)."""
+        if self.log is None:
             return []
-        entries = []
-        for number, line in enumerate(self.log.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                raise ValueError(f"the trial log {self.log} is not a batchfit trial log (line {number})") from None
-            if isinstance(entry, dict) and entry.get("schema") == LOG_SCHEMA:
-                entries.append(entry)
-        return entries
+        logged = read_trial_log(self.log, self.key, self.ranks.world_size)
+        self.notes += logged.notes
+        return list(logged.jobs)
 
     def _from_log(
         self, batch_size: int, steps: int, cap_bytes: int | None, headroom: float | None
@@ -278,7 +271,7 @@ class JobPerTrial:
         headroom: float | None = None,
     ) -> None:
         entry = {
-            "schema": LOG_SCHEMA,
+            "schema": TRIAL_LOG_SCHEMA,
             "key": self.key,
             "batch_size": batch_size,
             "steps": steps,
@@ -288,14 +281,13 @@ class JobPerTrial:
         }
         self._logged.append(entry)
         if self.log is not None:
-            with open(self.log, "a") as log:
-                log.write(json.dumps(entry, sort_keys=True) + "\n")
+            append_line(self.log, json.dumps(entry, sort_keys=True))
 
     # what find() asks of a probe --------------------------------------------------------------------
     def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
         from batchfit.probe.checks import fit_memory
 
-        facts = self._facts
+        facts = self._state[1]
         weights, trainable = facts.get("weights_bytes", 0), facts.get("trainable_bytes", 0)
         return fit_memory(
             trials,
@@ -310,7 +302,7 @@ class JobPerTrial:
     def state_bytes(self) -> int:
         """What a rank holds whatever the batch, as its jobs said: its shards of the weights, of the
         gradients (training) and of the optimizer state."""
-        facts = self._facts
+        facts = self._state[1]
         trainable = facts.get("trainable_bytes", 0) if self.options.mode == "train" else 0
         return int(facts.get("weights_bytes", 0) + trainable + facts.get("optimizer_state_bytes", 0))
 
@@ -340,6 +332,28 @@ class JobPerTrial:
             f"every trial ran as a fresh job of {self.ranks.world_size} ranks ({self.jobs} job(s) started): the "
             "model's own collectives ran as in training, and a rank that ran out of memory ended its job"
         ]
+
+
+#: What a rank's error says when it waited for another rank in vain (to join the group, in a collective).
+_WAITED = ("RanksTimeoutError:", "DistStoreError:", "DistNetworkError:", "Timed out", "closed by peer", "reset by peer")
+
+
+def _raise_failure(batch_size: int, verdicts: dict[int, dict[str, Any]], world_size: int) -> None:
+    """The error of a rank that failed on its own; where every error only says that its rank waited
+    for others in vain, the ranks that gave no answer (stopped, stuck or dead) are the ones named."""
+    errors = {rank: v for rank, v in sorted(verdicts.items()) if "error" in v}
+    own = [rank for rank, v in errors.items() if not any(said in v["error"] for said in _WAITED)]
+    silent = sorted(set(range(world_size)) - set(verdicts))
+    if errors and not own and silent:
+        rank, verdict = next(iter(errors.items()))
+        raise RanksTimeoutError(
+            f"the trial job at batch size {batch_size}: rank(s) {', '.join(map(str, silent))} gave no answer (stopped, "
+            f"stuck or died; their own output says why, if anything) while rank(s) {', '.join(map(str, errors))} "
+            f"waited for them; rank {rank} said, during {verdict.get('phase') or 'the trial'}: {verdict['error']}"
+        )
+    for rank in own or list(errors):
+        verdict = errors[rank]
+        raise RankFailedError(rank, batch_size, verdict.get("phase") or "the trial", verdict["error"])
 
 
 def read_verdicts(out: Path) -> dict[int, dict[str, Any]]:
@@ -413,34 +427,3 @@ def _worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     return env
-
-
-def _kill(job: subprocess.Popen[bytes], out: Path) -> None:
-    """End the job: every rank and what it started (torchrun starts each in a session of its own, so
-    a rank is found by its pid file or, before it wrote one, as torchrun's child), then torchrun.
-    torchrun is stopped first, so that it starts no rank while its ranks are being killed."""
-    with contextlib.suppress(OSError):
-        os.killpg(job.pid, signal.SIGSTOP)
-    ranks = set(_children(job.pid))
-    for path in out.glob("rank*.pid"):
-        with contextlib.suppress(ValueError, OSError):
-            ranks.add(int(path.read_text()))
-    for pid in ranks:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)  # the rank's session: its own children too
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(OSError):
-        os.killpg(job.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        job.wait(timeout=30)
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``, read from Linux's /proc (elsewhere none: the pid files remain)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(ValueError, OSError, IndexError):
-            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:  # "pid (name) state ppid ..."
-                found.append(int(stat.parent.name))
-    return found

@@ -11,17 +11,29 @@ verification, each rank under its own budget less the headroom; its peak and the
 put the next job on the boundary, and one more job shows the size above it fails. When the guess
 holds, that is three jobs for an exact, verified answer, where a search from ``init_batch`` needs
 about six; when it does not, the search goes on (`search_near`) and stays exact.
+
+The trial log's key (`log_key`) is what changes a job's verdicts and can be known before a job:
+the target (its name, and the path and SHA-256 of the file its factory is in), the device's
+identity, the ranks and their command line, torch's and batchfit's versions. The sharded estimate
+a search started from is logged under it too (`log_estimate`), so that a resume takes the same path
+without making it again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.machinery
+import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from batchfit.probe.cache_files import TRIAL_LOG_SCHEMA, append_line, read_file, read_trial_log
 from batchfit.probe.finder import search_with
 from batchfit.probe.jobs import JobPerTrial, Opening
 from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
@@ -66,11 +78,9 @@ def find_sharded_with(
     Raises:
         TypeError: ``guess`` is neither an int nor a `Result`.
     """
-    import torch
-
     started = time.monotonic()
     args = worker_args(target, options)
-    key = {"target": target, "nproc": nproc, "worker": args[1:], "torch": torch.__version__, "batchfit": __version__}
+    key = log_key(target, nproc, options)
     log = Path(trial_log) if trial_log is not None else None
     opening: Opening | None = None
     slope: float | None = None
@@ -89,6 +99,79 @@ def find_sharded_with(
     return search_with(
         prober, options, started, callback=callback, on_trial_start=on_trial_start, on_start=on_start, plan=plan
     )
+
+
+def log_key(target: str, nproc: int, options: Options) -> dict[str, Any]:
+    """What a logged job must match to be reused: everything that changes its verdicts and is known
+    before a job (see the module docs). Not the modules the target's file imports, nor the
+    environment (``PYTORCH_CUDA_ALLOC_CONF``): after changing those, start a new log."""
+    import torch
+
+    return {
+        "target": target,
+        "target_file": target_file(target),
+        "device": device_identity(options.device),
+        "nproc": nproc,
+        "worker": worker_args(target, options)[1:],
+        "torch": torch.__version__,
+        "batchfit": __version__,
+    }
+
+
+def target_file(target: str) -> dict[str, str | None]:
+    """The file a rank loads the target's factory from, found as a rank finds it (a path, else the
+    module on the working directory and ``sys.path``) without running it: its path and the SHA-256
+    of its bytes; ``None`` for what cannot be found or read (no rank could load it either)."""
+    where = target.rpartition(":")[0]
+    path = _module_file(where)
+    text = None if path is None else read_file(path)[0]
+    digest = None if text is None else hashlib.sha256(text).hexdigest()
+    return {"path": None if path is None else str(path), "sha256": digest}
+
+
+def _module_file(where: str) -> Path | None:
+    if where.endswith(".py") or os.sep in where or (os.altsep and os.altsep in where):
+        return Path(where).resolve()
+    search: list[str] = [os.getcwd(), *sys.path]
+    parts = where.split(".")
+    spec = None
+    for depth in range(1, len(parts) + 1):  # each package found, none imported
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth]), search)
+        if spec is None:
+            return None
+        search = list(spec.submodule_search_locations or [])
+    return Path(spec.origin) if spec is not None and spec.origin and spec.has_location else None
+
+
+def device_identity(device: Any) -> dict[str, Any]:
+    """The device the ranks run on, as its backend describes it: its type, name and memory (not its
+    index: every rank has its own). The driver's view of it, before any job."""
+    import torch
+
+    from batchfit.backends import backend_for, default_device
+
+    where = torch.device(device if device is not None else default_device())
+    backend = backend_for(where)
+    info = backend.describe(backend.validate(where))
+    return {"type": info.type, "name": info.name, "total_bytes": info.total_bytes}
+
+
+def logged_estimate(log: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The sharded estimate logged under ``key`` in the trial log ``log`` (its ``result`` and why it
+    ``failed``), ``None`` when there is none (`batchfit.probe.cache_files.read_trial_log`'s checks)."""
+    return read_trial_log(log, key, key["nproc"]).estimate
+
+
+def log_estimate(log: Path, key: dict[str, Any], estimated: Result | None, failed: str | None) -> None:
+    """Log the sharded estimate a search starts from (or why it failed) under ``key``."""
+    entry = {
+        "schema": TRIAL_LOG_SCHEMA,
+        "kind": "estimate",
+        "key": key,
+        "result": None if estimated is None else estimated.to_dict(),
+        "failed": failed,
+    }
+    append_line(log, json.dumps(entry, sort_keys=True))
 
 
 def aim(guess: int | Result, grid: Grid) -> tuple[int, float | None]:

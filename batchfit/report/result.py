@@ -97,6 +97,15 @@ class Result:
     generation: Generation | None = None
     per_rank: tuple[RankBatch, ...] = field(default=())
 
+    def __post_init__(self) -> None:
+        # One answer per rank: a rank listed twice would have a global batch split over ranks that do not exist.
+        ranks = [answer.rank for answer in self.per_rank]
+        twice = sorted({rank for rank in ranks if ranks.count(rank) > 1})
+        if twice:
+            raise ValueError(
+                f"field 'per_rank' lists rank {twice[0]} more than once (ranks {ranks}): one answer per rank"
+            )
+
     @property
     def eval_max_batch(self) -> int | None:
         """The largest evaluation batch (``find(eval=True)``), ``None`` when evaluation was not sized."""
@@ -185,23 +194,33 @@ class Result:
         batch sizes and ``world_size`` at least 1, byte counts, steps, times and rates not
         negative, every int below 2**63 in magnitude, ``settings.headroom`` in [0, 1), the mode,
         amp, phases and device type among those batchfit writes, ``safe_batch`` not above
-        ``max_batch`` (see `batchfit.report.codec`). Anything else raises one
+        ``max_batch`` (see `batchfit.report.codec`), each rank once in ``per_rank``. Anything else raises one
         ``ValueError`` that says what is wrong and where, e.g. ``not a batchfit result: field
         'trials[2].peak_bytes' must be an int or null, got str '17'`` or ``... field
         'settings.headroom' must be a number in [0, 1), got float 1.5``. So a result that
         loads can be printed and compared.
         """
-        return read_document(cls, data, "result")
+        return _checked(read_document, cls, data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Result:
         """The inverse of [`to_json`][batchfit.report.result.Result.to_json]; ``ValueError`` for anything else (see
         [`from_dict`][batchfit.report.result.Result.from_dict]),
         a document nested too deeply to parse included."""
-        return read_json(cls, text, "result")
+        return _checked(read_json, cls, text)
 
     # Text -----------------------------------------------------------------------------------
     def __str__(self) -> str:
         from batchfit.report.text import render_text  # text reads results; results do not need text
 
         return render_text(self)
+
+
+def _checked(read: Any, cls: type[Result], document: Any) -> Result:
+    """``read(cls, document, "result")``, a consistency check of ``__post_init__`` said as the codec says the rest."""
+    try:
+        return read(cls, document, "result")  # type: ignore[no-any-return]
+    except ValueError as exc:
+        if str(exc).startswith("not a batchfit"):
+            raise
+        raise ValueError(f"not a batchfit result: {exc}") from None
