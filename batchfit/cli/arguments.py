@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from batchfit.cli.output import UsageError
 from batchfit.cli.parser import CLI_CPU_MEMORY_LIMIT
 from batchfit.cli.values import as_keyword
 from batchfit.probe.keywords import FindOptions, keywords_of
@@ -21,41 +22,105 @@ if TYPE_CHECKING:
 def probe_plan(args: argparse.Namespace, launch: Launch | None = None) -> tuple[str, str | None, list[str], int | None]:
     """The device, the memory limit, the header lines that say where the probe runs and under
     which limit, and the budget as far as it is known before the probe starts. Under
-    ``torchrun`` (``launch``) each rank takes the GPU of its local rank."""
+    ``torchrun`` (``launch``) each rank takes the GPU of its local rank, and its own limit when
+    ``--memory-limit-per-rank`` names it."""
     from batchfit.backends import default_device
 
     device = args.device or default_device()
     if launch is not None:
         device = launch.device_for(device)
-    limit = args.memory_limit
+    limit, source = rank_limit(args, launch)
     header = [f"batchfit {__version__}: probing {args.target} ({args.mode}) on {device}"]
-    on_cpu = device.split(":")[0] == "cpu"
-    if on_cpu:
-        why = "" if args.device else "no GPU: "
-        if limit is None:
-            limit = CLI_CPU_MEMORY_LIMIT
-            source = "the CLI's CPU default; --memory-limit SIZE to change"
-        else:
-            source = "--memory-limit"
-        shown = shown_limit(limit)
-        header.append(f"{why}running on CPU under a limit of {shown} on live tensor bytes ({source})")
-    elif limit is not None:
-        reserve = f" less --reserve {args.reserve}" if args.reserve else ""
-        header.append(f"memory limit {shown_limit(limit)} (--memory-limit{reserve}), counting reserved bytes")
+    limit, lines, expected = limit_lines(device, limit, bool(args.device), args.reserve, source)
+    header += lines
     if args.require_batch is not None:
         header.append(f"gate: does batch {args.require_batch} fit?")
-    try:
-        expected = parse_memory_limit(limit, None) if limit is not None else None
-    except ValueError:  # a fraction: known once the probe has read the device
-        expected = None
     return device, limit, header, expected
 
 
-def shown_limit(limit: str) -> str:
+def rank_limit(args: argparse.Namespace, launch: Launch | None) -> tuple[str | None, str]:
+    """``--memory-limit``, or this rank's own from ``--memory-limit-per-rank`` (every use of the
+    flag checked together against the job's ranks: `batchfit.probe.options.check_rank_limits`),
+    and the flag it came from. Without ``torchrun`` the per-rank flag is refused."""
+    from batchfit.probe.options import check_rank_limits
+
+    given = getattr(args, "memory_limit_per_rank", None)
+    if not given:
+        return args.memory_limit, "--memory-limit"
+    if launch is None:
+        raise UsageError(
+            "--memory-limit-per-rank gives each rank of a torchrun job its own limit: run it under torchrun "
+            "(torchrun --nproc-per-node N -m batchfit probe ...), or use --memory-limit for one process"
+        )
+    try:
+        limits = check_rank_limits([pair for pairs in given for pair in pairs], launch.world_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if launch.rank in limits:
+        return str(limits[launch.rank]), f"--memory-limit-per-rank for rank {launch.rank}"
+    return args.memory_limit, f"--memory-limit; rank {launch.rank} is not in --memory-limit-per-rank"
+
+
+def limit_lines(
+    device: str, limit: str | None, device_given: bool, reserve: str | None, source: str = "--memory-limit"
+) -> tuple[str | None, list[str], int | None]:
+    """The limit a command probes under on ``device`` (on the CPU without one, the CLI's default),
+    the header lines that say it, and the budget in bytes as far as it is known now. A CPU limit
+    over what the host lets a probe take is said capped here, before the probe
+    (`cpu_budget`), not only in a note after it."""
+    lines: list[str] = []
+    if device.split(":")[0] == "cpu":
+        why = "" if device_given else "no GPU: "
+        if limit is None:
+            limit, source = CLI_CPU_MEMORY_LIMIT, "the CLI's CPU default; --memory-limit SIZE to change"
+        budget, capped = cpu_budget(limit)
+        if budget is not None and capped is not None:
+            lines.append(
+                f"{why}running on CPU under a limit of {format_bytes(budget)} on live tensor bytes: {source} "
+                f"{shown_limit(limit, 'the host memory available')} is capped: on the CPU {capped}"
+            )
+        else:
+            shown = shown_limit(limit, "the host memory available")
+            lines.append(f"{why}running on CPU under a limit of {shown} on live tensor bytes ({source})")
+        return limit, lines, budget if budget is not None else _bytes(limit)
+    if limit is not None:
+        taken = f" less --reserve {reserve}" if reserve else ""
+        lines.append(f"memory limit {shown_limit(limit)} ({source}{taken}), counting reserved bytes")
+    return limit, lines, _bytes(limit)
+
+
+def cpu_budget(limit: int | float | str) -> tuple[int | None, str | None]:
+    """A CPU limit (bytes, a size, or a fraction of the host memory available) as a probe started now
+    holds it: capped at what the CPU backend lets a probe reach (`SAFE_CPU_FRACTION` of the memory
+    available, as the README promises), and the words that say so when the cap applies; ``(None,
+    None)`` where the host's memory cannot be read (the probe then says what it does)."""
+    import torch
+
+    from batchfit.backends import backend_for
+    from batchfit.backends.cpu import cap_words
+
+    host = torch.device("cpu")
+    backend = backend_for(host)
+    available, cap = backend.limit_total_bytes(host), backend.reachable_bytes(host)
+    if available is None or cap is None:
+        return None, None
+    wanted = parse_memory_limit(limit, available)
+    return (wanted, None) if wanted <= cap else (cap, cap_words(available))
+
+
+def _bytes(limit: str | None) -> int | None:
+    """A limit's bytes where they are known before the probe (a fraction is known once it has read the device)."""
+    try:
+        return parse_memory_limit(limit, None) if limit is not None else None
+    except ValueError:
+        return None
+
+
+def shown_limit(limit: str, of: str = "the device's memory") -> str:
     try:
         return format_bytes(parse_memory_limit(limit, None))
     except ValueError:
-        return f"{float(limit):.0%} of the device's memory"
+        return f"{float(limit):.0%} of {of}"
 
 
 def find_kwargs(args: argparse.Namespace, target: Target | None, device: str, limit: str | None) -> dict[str, Any]:

@@ -58,7 +58,8 @@ READ_BY_THE_COMMAND = ("mode",)
 
 def add_option_flags(parser: argparse.ArgumentParser, group: type, *, own: tuple[str, ...] = ()) -> None:
     """A flag for every option of `group` (a `TypedDict` of `batchfit.probe.keywords`) that has one,
-    but those the command declares itself (`own`: its device and memory limit, whose help is its own)."""
+    but those the command declares itself or has no use for (`own`: its device and memory limit,
+    whose help is its own; ``batchfit fit``'s options that `batchfit.fit` refuses)."""
     docs = keyword_docs()
     for name in keywords_of(group):
         if name in own or name not in FLAGS:

@@ -19,9 +19,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from batchfit.cli.arguments import option_keywords, shown_limit
+from batchfit.cli.arguments import limit_lines, option_keywords
 from batchfit.cli.output import EXIT_OK, UsageError, check_json_path, load, write_json
-from batchfit.cli.parser import CLI_CPU_MEMORY_LIMIT
 from batchfit.cli.probe import Calls, probe_failed, run_shown
 from batchfit.probe.keywords import FrontierOptions
 from batchfit.version import __version__
@@ -67,22 +66,13 @@ def frontier_plan(args: argparse.Namespace) -> tuple[str, str | None, list[str]]
     from batchfit.backends import default_device
 
     device = args.device or default_device()
-    limit = args.memory_limit
     lengths = ", ".join(f"{s:,}" for s in args.seq_lens)
     longest = "" if args.no_longest else " and the longest length at batch 1"
     header = [
         f"batchfit {__version__}: frontier of {args.target} ({args.mode}) on {device}: seq_len {lengths}{longest}"
     ]
-    if device.split(":")[0] == "cpu":
-        why = "" if args.device else "no GPU: "
-        source = "--memory-limit"
-        if limit is None:
-            limit, source = CLI_CPU_MEMORY_LIMIT, "the CLI's CPU default; --memory-limit SIZE to change"
-        header.append(f"{why}running on CPU under a limit of {shown_limit(limit)} on live tensor bytes ({source})")
-    elif limit is not None:
-        reserve = f" less --reserve {args.reserve}" if args.reserve else ""
-        header.append(f"memory limit {shown_limit(limit)} (--memory-limit{reserve}), counting reserved bytes")
-    return device, limit, header
+    limit, lines, _ = limit_lines(device, args.memory_limit, bool(args.device), args.reserve)
+    return device, limit, header + lines
 
 
 def frontier_kwargs(

@@ -1,5 +1,5 @@
 """The ``batchfit`` command: ``batchfit probe TARGET``, ``batchfit estimate TARGET``, ``batchfit frontier
-TARGET --seq-lens ...`` and ``batchfit devices``.
+TARGET --seq-lens ...``, ``batchfit fit TARGET --target-batch N`` and ``batchfit devices``.
 
 Exit codes are the interface a CI pipeline reads, so they are fixed and documented:
 
@@ -11,7 +11,8 @@ Exit codes are the interface a CI pipeline reads, so they are fixed and document
   written. (A write that fails only after the probe, on a full disk, saves the JSON to a
   temporary file and names it in the error: the result is not lost.)
 * 3: does not fit: with ``--require-batch N``, batch N ran out of memory within the limit;
-  without it, not even the smallest batch fitted.
+  without it, not even the smallest batch fitted (``fit --no-accumulate``: no checkpointing
+  policy fits the target batch in one step).
 * 130: interrupted by Ctrl-C, with one line and no traceback, from start-up on. Once the probe had
   started, the model and optimizer were restored (the message says so); while batchfit was
   starting or the target was still loading there was nothing to restore.
@@ -47,6 +48,7 @@ from collections.abc import Callable, Sequence
 
 from batchfit.cli.devices import devices_command
 from batchfit.cli.estimate import estimate_command
+from batchfit.cli.fit import fit_command
 from batchfit.cli.frontier import frontier_command
 from batchfit.cli.output import (
     EXIT_BROKEN_PIPE,
@@ -66,6 +68,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "probe": probe_command,
     "estimate": estimate_command,
     "frontier": frontier_command,
+    "fit": fit_command,
     "devices": devices_command,
 }
 

@@ -267,18 +267,23 @@ def recommendation_lines(
     target_tokens: int | None = None,
     seq_len: int | None = None,
     world_size: int | None = None,
+    uneven: bool = False,
 ) -> list[str]:
     """The last lines of a probe: the noise scale when it was measured, then the batch to train
     with (``Result.recommend``: with ``--target-batch`` / ``--target-tokens`` it reaches that
-    target, on ``--world-size`` ranks when given), its reason and caveats; or why there is none
-    (tokens without a known length)."""
+    target, on ``--world-size`` ranks when given; with ``--uneven`` split over the ranks by what
+    each fits), its reason and caveats; or why there is none (tokens without a known length)."""
     lines: list[str] = []
     noise = getattr(result, "noise_scale", None)
     if noise is not None:
         lines.append(f"{'noise scale':<17}{noise_summary(noise)}")
     try:
         recommendation = result.recommend(
-            target_batch=target_batch, target_tokens=target_tokens, seq_len=seq_len, world_size=world_size
+            target_batch=target_batch,
+            target_tokens=target_tokens,
+            seq_len=seq_len,
+            world_size=world_size,
+            uneven=uneven,
         )
     except ValueError as exc:
         return [*lines, f"{'recommended':<17}none: {exc}"]

@@ -9,10 +9,12 @@ from typing import Any, NoReturn
 from batchfit.cli.flags import add_option_flags
 from batchfit.cli.output import EXIT_USAGE
 from batchfit.cli.values import (
+    block_names,
     fraction,
     int_at_least,
     memory_limit,
     positive_int,
+    rank_limits,
     seconds,
     seq_lens,
     size,
@@ -87,6 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_option_flags(probe, FindOptions, own=("device", "memory_limit"))
     probe.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-' for stdout)")
     probe.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
+    probe.add_argument(
+        "--memory-limit-per-rank",
+        type=rank_limits,
+        action="append",
+        metavar="RANK=SIZE,...",
+        help="under torchrun: each listed rank's own memory budget (sizes or fractions, as --memory-limit), e.g. "
+        "0=63.5MB,1=38.3MB for mixed cards; ranks not listed take --memory-limit (or its default); a rank listed "
+        "twice, or one the job does not have, is refused. Each rank's own max and safe batch are then found too",
+    )
+    probe.add_argument(
+        "--uneven",
+        action="store_true",
+        help="also split the recommended global batch (or --target-batch) over the ranks in proportion to each "
+        "rank's own safe batch, with the loss weights that keep the gradient the mean (Result.recommend(uneven=True))",
+    )
     probe.add_argument(
         "--nproc-per-trial",
         type=int_at_least(2),
@@ -229,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
 
     _frontier_parser(commands)
+    _fit_parser(commands)
 
     devices = commands.add_parser("devices", help="list NVIDIA GPUs: memory, utilisation, processes (via NVML)")
     devices.add_argument("--json", metavar="PATH", help="write the device list as JSON to PATH ('-' for stdout)")
@@ -288,3 +306,70 @@ def _frontier_parser(commands: Any) -> None:
     )
     frontier.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
     frontier.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
+
+
+#: `find`'s options without a flag on ``batchfit fit``: those `batchfit.fit` refuses (it sizes training,
+#: and keys no cache), and the wait for other ranks (the command refuses ``torchrun``: one process).
+FIT_REFUSES = ("mode", "max_new_tokens", "eval", "cache", "noise_scale", "noise_passes", "rank_timeout")
+
+
+def _fit_parser(commands: Any) -> None:
+    """``batchfit fit``: `batchfit.fit`'s own arguments, and the probe's options that it takes."""
+    fit = commands.add_parser(
+        "fit",
+        help="the activation-checkpointing policy that trains a target batch fastest (batchfit.fit)",
+        description=(
+            "Weigh, with real steps, the fewest of the model's repeated blocks checkpointed that fit --target-batch "
+            "in one step against no checkpointing with gradient accumulation, and recommend the faster. Exit codes: "
+            "0 ok, 1 error, 2 usage or bad target (no repeated blocks, a block name that is no module), 3 does not "
+            "fit (nothing fits, or with --no-accumulate no policy fits the target in one step), 130 Ctrl-C, 141 "
+            "stdout closed, 143 SIGTERM."
+        ),
+        epilog="TARGET is what 'batchfit probe' takes: a factory returning (model, sample) or a dict.",
+    )
+    fit.add_argument("target", metavar="TARGET", help="package.module:attr or path/to/file.py:attr")
+    fit.add_argument(
+        "--target-batch",
+        type=positive_int,
+        required=True,
+        metavar="N",
+        help="the samples one optimizer step should see (micro-batch x accumulation); required",
+    )
+    fit.add_argument(
+        "--checkpointing",
+        type=block_names,
+        default="auto",
+        metavar="auto|NAME,NAME,...",
+        help="the blocks to choose from: auto (every nn.ModuleList or nn.Sequential of 2+ modules of one type, "
+        "e.g. transformer.h; several groups ordered by the bytes they save, measured in one step) or their "
+        "module names in order, comma-separated (default auto)",
+    )
+    fit.add_argument(
+        "--placement",
+        choices=("first", "evenly"),
+        default="first",
+        help="k blocks checkpointed are the first k (default: their activations live longest) or spread evenly",
+    )
+    fit.add_argument(
+        "--no-accumulate",
+        action="store_true",
+        help="reach --target-batch in one step, without gradient accumulation (exit 3 when no policy fits it)",
+    )
+    fit.add_argument("--device", help="where to probe, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)")
+    fit.add_argument(
+        "--memory-limit",
+        type=memory_limit,
+        metavar="SIZE|FRACTION",
+        help=f"memory budget, as the probe's (default: what the process can reach on the GPU, or "
+        f"{CLI_CPU_MEMORY_LIMIT} of live tensors on CPU)",
+    )
+    add_option_flags(fit, FindOptions, own=("device", "memory_limit", *FIT_REFUSES))
+    fit.add_argument("--json", metavar="PATH", help="write the fit as JSON to PATH ('-' for stdout)")
+    fit.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="also draw max batch and samples/s against blocks checkpointed to an image (.png, .svg, .pdf); "
+        "needs the plot extra: pip install 'batchfit[plot]'",
+    )
+    fit.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
+    fit.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")

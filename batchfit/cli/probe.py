@@ -69,6 +69,7 @@ def probe_command(args: argparse.Namespace) -> int:
             raise UsageError(f"--{given[0] if given else 'no-estimate'} goes with --nproc-per-trial")
     check_plan_options(args)
     check_noise_options(args)
+    check_rank_options(args)
     if launch is None:
         return probe_here(args, None)
     owned: list[bool] = []
@@ -76,6 +77,25 @@ def probe_command(args: argparse.Namespace) -> int:
         return probe_here(args, launch, owned)
     finally:
         launch.finish(bool(owned and owned[0]))
+
+
+def check_rank_options(args: argparse.Namespace) -> None:
+    """``--uneven`` and ``--memory-limit-per-rank``, refused where they would do nothing, before
+    anything loads: ``--uneven`` splits the recommendation, which only a full training probe
+    prints (not ``--quiet``'s line or the gate's); per-rank limits are for the ranks of one
+    ``torchrun`` probe, not for a job per trial, whose ranks all take one limit."""
+    if args.uneven:
+        if args.require_batch is not None:
+            raise UsageError("--uneven splits the recommendation, which the gate (--require-batch) does not give")
+        if args.quiet:
+            raise UsageError("--uneven splits the recommendation, which --quiet leaves out: drop one of them")
+        if args.mode != "train":
+            raise UsageError(f"--uneven splits a batch to train with; --mode {args.mode} recommends none")
+    if args.memory_limit_per_rank and args.nproc_per_trial is not None:
+        raise UsageError(
+            "--memory-limit-per-rank is for the ranks of one probe under torchrun; the jobs of --nproc-per-trial "
+            "take one --memory-limit for every rank"
+        )
 
 
 def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool] | None = None) -> int:
@@ -172,7 +192,7 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
             # --quiet keeps its one line; the recommendation is in --json too. It is a batch to train
             # with: a probe of inference, evaluation or generation has its safe batch as its answer.
             if not args.quiet and outcome.settings.mode == "train":
-                lines += recommendation_lines(outcome, args.target_batch, **targets)
+                lines += recommendation_lines(outcome, args.target_batch, **targets, uneven=args.uneven)
             # Within COLUMNS as the view's lines are; --quiet's lines stay whole, for scripts.
             for line in lines:
                 for part in fit_lines(line, None if args.quiet else columns(), 17):

@@ -15,12 +15,14 @@ from typing import Any
 from batchfit.units import check_memory_limit, parse_reserve
 
 __all__ = [
+    "block_names",
     "count",
     "finite_seconds",
     "fraction",
     "int_at_least",
     "memory_limit",
     "positive_int",
+    "rank_limits",
     "reserve",
     "seconds",
     "seq_lens",
@@ -34,6 +36,29 @@ def memory_limit(value: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
+
+
+def rank_limits(value: str) -> tuple[tuple[int, str], ...]:
+    """``--memory-limit-per-rank 0=24GiB,1=16GiB``: each rank's own limit, a size or a fraction as
+    ``--memory-limit`` takes it, as ``(rank, limit)`` pairs. Checked by
+    `batchfit.probe.options.check_rank_limits` (a rank listed twice is refused), and again over
+    every use of the flag, against the job's ranks, once they are known."""
+    from batchfit.probe.options import check_rank_limits
+
+    pairs: list[tuple[int, str]] = []
+    for part in value.split(","):
+        rank, equals, limit = part.partition("=")
+        if not equals or not rank.strip() or not limit.strip():
+            raise argparse.ArgumentTypeError(f"{value!r}: give RANK=SIZE pairs, such as 0=24GiB,1=16GiB ({part!r})")
+        try:
+            pairs.append((int(rank.strip()), limit.strip()))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r}: the rank {rank.strip()!r} is not a whole number") from None
+    try:
+        check_rank_limits(pairs, name=repr(value))
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return tuple(pairs)
 
 
 def reserve(value: str) -> str:
@@ -52,6 +77,17 @@ def size(value: str) -> str:
     if value.strip().lower() == "auto":
         raise argparse.ArgumentTypeError("a size is needed here, such as 80GiB")
     return value
+
+
+def block_names(value: str) -> str | tuple[str, ...]:
+    """``batchfit fit --checkpointing``: ``auto``, or module names, comma-separated, as ``fit(checkpointing=)``
+    takes them (each checked against the model by `batchfit.fit`)."""
+    if value.strip() == "auto":
+        return "auto"
+    names = tuple(name.strip() for name in value.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{value!r}: name each block, comma-separated, such as h.0,h.1 (or auto)")
+    return names
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

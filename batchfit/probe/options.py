@@ -15,7 +15,7 @@ import inspect
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -320,6 +320,34 @@ def check_job_search(options: Options) -> None:
     for name, why in refused.items():
         if getattr(options, name) not in (None, False):
             raise ValueError(f"{why} (drop {name})")
+
+
+def check_rank_limits(
+    limits: Iterable[tuple[Any, Any]], world_size: int | None = None, name: str = "--memory-limit-per-rank"
+) -> dict[int, int | float | str]:
+    """Each rank's own `memory_limit` (what a rank of a `torchrun` job passes as
+    ``find(memory_limit=limits[rank])``), given as ``(rank, limit)`` pairs: ``{rank: limit}``.
+    Refused by name: a rank that is not a whole number from 0, a rank listed twice (which of the
+    two would it take?), a limit `memory_limit` refuses, and, once the job's ``world_size`` is
+    known, a rank the job does not have (a typo would otherwise leave that rank on the default)."""
+    checked: dict[int, int | float | str] = {}
+    for rank, limit in limits:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"{name}: a rank is a whole number from 0, got {rank!r}")
+        if rank in checked:
+            raise ValueError(f"{name} lists rank {rank} twice ({checked[rank]} and {limit}): give each rank once")
+        check_memory_limit(limit, f"rank {rank}'s limit")
+        checked[rank] = limit
+    if not checked:
+        raise ValueError(f"{name} lists no rank: give RANK=SIZE, e.g. 0=24GiB,1=16GiB")
+    if world_size is not None:
+        outside = sorted(rank for rank in checked if rank >= world_size)
+        if outside:
+            raise ValueError(
+                f"{name} names rank {outside[0]}, but the job has {world_size} rank{'s' * (world_size != 1)} "
+                f"(0 to {world_size - 1})"
+            )
+    return checked
 
 
 def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
