@@ -288,14 +288,7 @@ def _frontier_parser(commands: Any) -> None:
     frontier.add_argument(
         "--no-longest", action="store_true", help="do not search for the longest length that trains at batch 1"
     )
-    frontier.add_argument("--device", help="where to probe, e.g. cuda, cuda:1, cpu (default: cuda if available)")
-    frontier.add_argument(
-        "--memory-limit",
-        type=memory_limit,
-        metavar="SIZE|FRACTION",
-        help=f"memory budget, as the probe's (default: what the process can reach on the GPU, or "
-        f"{CLI_CPU_MEMORY_LIMIT} of live tensors on CPU)",
-    )
+    _add_device_and_limit(frontier)
     add_option_flags(frontier, FrontierOptions, own=("device", "memory_limit"))
     frontier.add_argument("--json", metavar="PATH", help="write the frontier as JSON to PATH ('-' for stdout)")
     frontier.add_argument(
@@ -304,8 +297,7 @@ def _frontier_parser(commands: Any) -> None:
         help="also draw the frontier to an image (.png, .svg, .pdf); needs the plot extra: "
         "pip install 'batchfit[plot]'",
     )
-    frontier.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
-    frontier.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
+    _add_quiet_and_traceback(frontier)
 
 
 #: `find`'s options without a flag on ``batchfit fit``: those `batchfit.fit` refuses (it sizes training,
@@ -355,14 +347,7 @@ def _fit_parser(commands: Any) -> None:
         action="store_true",
         help="reach --target-batch in one step, without gradient accumulation (exit 3 when no policy fits it)",
     )
-    fit.add_argument("--device", help="where to probe, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)")
-    fit.add_argument(
-        "--memory-limit",
-        type=memory_limit,
-        metavar="SIZE|FRACTION",
-        help=f"memory budget, as the probe's (default: what the process can reach on the GPU, or "
-        f"{CLI_CPU_MEMORY_LIMIT} of live tensors on CPU)",
-    )
+    _add_device_and_limit(fit)
     add_option_flags(fit, FindOptions, own=("device", "memory_limit", *FIT_REFUSES))
     fit.add_argument("--json", metavar="PATH", help="write the fit as JSON to PATH ('-' for stdout)")
     fit.add_argument(
@@ -371,5 +356,24 @@ def _fit_parser(commands: Any) -> None:
         help="also draw max batch and samples/s against blocks checkpointed to an image (.png, .svg, .pdf); "
         "needs the plot extra: pip install 'batchfit[plot]'",
     )
-    fit.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
-    fit.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
+    _add_quiet_and_traceback(fit)
+
+
+def _add_device_and_limit(command: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--memory-limit`` as the probe's, for a command that runs trials as it does."""
+    command.add_argument(
+        "--device", help="where to probe, e.g. cuda, cuda:1, cpu (default: cuda if available, else cpu)"
+    )
+    command.add_argument(
+        "--memory-limit",
+        type=memory_limit,
+        metavar="SIZE|FRACTION",
+        help=f"memory budget, as the probe's (default: what the process can reach on the GPU, or "
+        f"{CLI_CPU_MEMORY_LIMIT} of live tensors on CPU)",
+    )
+
+
+def _add_quiet_and_traceback(command: argparse.ArgumentParser) -> None:
+    """``--quiet`` and ``--traceback`` as the probe's."""
+    command.add_argument("--quiet", "-q", action="store_true", help="no live view: print one line with the answer")
+    command.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
