@@ -237,6 +237,7 @@ def test_an_evaluation_loop_is_sized_by_its_own_decorated_function_beside_the_tr
     assert rig.calls[calls:] == [(size, False)]
 
 
+@pytest.mark.slow
 def test_multiple_of_finds_the_largest_multiple_that_fits(rig: Rig) -> None:
     train = find_executable_batch_size(starting_batch_size=128, multiple_of=16, headroom=0.0)(rig.with_probe())
     train()
@@ -345,6 +346,7 @@ def test_accelerate_lands_at_or_below_the_exact_boundary(rig: Rig, record_proper
         record_property(name, value)
 
 
+@pytest.mark.slow
 def test_importing_needs_no_accelerate(tmp_path: Path) -> None:
     """The module imports nothing of Accelerate: with ``accelerate`` unimportable it still works."""
     child = textwrap.dedent(

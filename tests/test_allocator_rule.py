@@ -152,6 +152,7 @@ def on_card(monkeypatch: pytest.MonkeyPatch) -> Any:
     return run
 
 
+@pytest.mark.slow
 def test_a_step_that_needed_a_retry_does_not_fit_on_the_native_allocator(on_card: Any) -> None:
     card = Card(oom_at=9, retry_at=6)
     result = on_card(card)
@@ -163,6 +164,7 @@ def test_a_step_that_needed_a_retry_does_not_fit_on_the_native_allocator(on_card
     assert all(t.refused_for_retry and trial_cells(0, t, None).outcome.startswith("retry in") for t in flushed)
 
 
+@pytest.mark.slow
 def test_expandable_segments_report_retries_and_judge_on_out_of_memory_alone(on_card: Any) -> None:
     card = Card(oom_at=9, retry_at=6)
     result = on_card(card, conf="expandable_segments:True")
@@ -173,6 +175,7 @@ def test_expandable_segments_report_retries_and_judge_on_out_of_memory_alone(on_
     assert any("flushed its cache" in note and "expandable" in note for note in result.notes)
 
 
+@pytest.mark.slow
 def test_the_boundary_from_scratch_moves_up_when_max_plus_one_fits_there(on_card: Any) -> None:
     """Warm trials run out at 9, a fresh process only at 12: the answer is 11, seen from scratch on both sides."""
     card = Card(oom_at=9, fresh_oom_at=12)
@@ -197,6 +200,7 @@ def test_a_replay_clears_the_workspaces_makes_them_in_its_steps_and_leaves_no_le
     assert not any("allocated after release" in note for note in result.notes)
 
 
+@pytest.mark.slow
 def test_the_safe_batch_keeps_room_for_one_more_of_the_largest_block_at_the_boundary(on_card: Any) -> None:
     """A 300 MiB block at the boundary is more than a 10% headroom of 1 GiB: the verification's cap is
     the budget less that block, and a note says why; a small block leaves the headroom as it was."""
@@ -238,6 +242,7 @@ def test_split_free_bytes_over_the_headroom_advise_expandable_segments() -> None
     assert facts_notes(replace(facts, rule="expandable"), headroom_bytes=2 * GiB) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("conf", "said"),
     [
@@ -258,6 +263,7 @@ def test_a_pluggable_allocator_is_said(on_card: Any, monkeypatch: pytest.MonkeyP
 
 
 
+@pytest.mark.slow
 def test_data_whose_lengths_vary_advise_expandable_segments_on_the_native_allocator(on_card: Any) -> None:
     """A loader's rows change length from batch to batch: the native allocator fragments over an epoch."""
     loader = torch.utils.data.DataLoader([torch.randn(2, length, 8) for length in (3, 6, 4)], batch_size=None)

@@ -409,6 +409,7 @@ def test_every_kind_of_damage_is_named(broken: str, stored: tuple[str, str]) -> 
     assert said is not None and said.startswith(why), said
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", PROBED)
 def test_an_entry_that_cannot_be_trusted_is_a_miss_with_a_note_then_rewritten(
     broken: str, stored: tuple[str, str], tmp_path: Path

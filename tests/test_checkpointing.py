@@ -93,6 +93,7 @@ def test_a_policy_is_undone_when_the_block_inside_raises() -> None:
     assert attributes(model) == kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["first", "evenly"])
 def test_fit_measures_each_policy_exactly_and_recommends_the_fastest(placement: str) -> None:
     model, sample = small_gpt()
@@ -128,6 +129,7 @@ def test_a_target_that_fits_as_is_needs_no_checkpointing() -> None:
     assert "nothing to recompute" in fit.recommendation.reason
 
 
+@pytest.mark.slow
 def test_a_target_no_policy_fits_in_one_step_names_the_closest() -> None:
     model, sample = small_gpt()
     with pytest.raises(ValueError, match=r"no policy fits target_batch 100000 in one step: the closest, with all"):
@@ -255,6 +257,7 @@ def test_a_compile_budget_recompiles_the_module_alone_under_its_budget() -> None
         apply_policy(yours, budget_policy(3))
 
 
+@pytest.mark.slow
 def test_a_compiled_model_on_the_cpu_is_fitted_by_its_blocks_and_says_why() -> None:
     model, sample = small_gpt()
     fit = batchfit.fit(torch.compile(model), sample, target_batch=4, memory_limit="24MiB")

@@ -365,6 +365,7 @@ def test_criterion_and_a_dataloader_work_in_estimate_as_in_find() -> None:
     assert table.row("baseline").max_batch == real.max_batch
 
 
+@pytest.mark.slow
 def test_the_old_memory_keyword_still_works_with_a_deprecation_warning() -> None:
     model, sample = examples.mlp()
     new = batchfit.estimate(model, sample, memory_limit="32MiB")
@@ -390,6 +391,7 @@ def build():
 """
 
 
+@pytest.mark.slow
 def test_a_cli_target_may_carry_criterion_for_probe_and_estimate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -408,6 +410,7 @@ def test_a_cli_target_may_carry_criterion_for_probe_and_estimate(
     assert real.max_batch == guess.max_batch > 1
 
 
+@pytest.mark.slow
 def test_estimate_on_the_command_line_takes_memory_limit_and_warns_on_memory(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

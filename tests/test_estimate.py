@@ -176,6 +176,7 @@ def test_bert_estimate_is_within_one_percent_of_find() -> None:
 
 
 # 2. The result says it is an estimate -------------------------------------------------------------
+@pytest.mark.slow
 def test_the_result_says_it_is_an_estimate() -> None:
     found, estimated = _find_and_estimate("gpt")
     assert estimated.estimated is True and found.estimated is False
@@ -248,6 +249,7 @@ def test_the_model_is_left_untouched(name: str) -> None:
 
 
 # 4. A model on the meta device --------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_meta_model_estimates_as_its_real_twin() -> None:
     real, sample = examples.gpt()
     with torch.device("meta"):

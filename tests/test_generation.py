@@ -141,6 +141,7 @@ def _greedy(model: nn.Module, batch: dict[str, torch.Tensor], new_tokens: int) -
     return torch.cat([batch["input_ids"], *made], dim=1)
 
 
+@pytest.mark.slow
 def test_a_generate_fn_is_sized_and_estimated_alike_on_fake_tensors() -> None:
     model = _gpt2()
     prompts = {"input_ids": _prompts()["input_ids"]}

@@ -249,6 +249,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     __import__("importlib.util").util.find_spec("pytorch_lightning") is None, reason="pytorch_lightning not installed"
 )

@@ -186,6 +186,7 @@ def test_target_batch_keeps_the_global_batch() -> None:
     assert model.trained_batches == [plan.micro_batch] * (2 * plan.accumulation_steps)
 
 
+@pytest.mark.slow
 def test_checkpointing_applies_the_policy_fit_recommends_and_trains_with_it(infos: list[str]) -> None:
     model = Classifier()
     callback = BatchFit(memory_limit=LIMIT, target_batch=1000, checkpointing=["net.0", "net.3"])

@@ -145,6 +145,7 @@ class Growing(nn.Module):
         return self.fc(x) + scratch[:1].sum() * 0
 
 
+@pytest.mark.slow
 def test_memory_grown_in_place_counts_against_the_limit() -> None:
     per_row = 16 * 1024  # 64 KiB of float32 per row, twice
     model = Growing(per_row)

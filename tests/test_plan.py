@@ -438,6 +438,7 @@ def test_a_frontier_plans_on_its_point_at_seq_len(real: Result, lm: Result) -> N
         plan(frontier, torch.zeros(1), target_tokens=4096, seq_len=SEQ)
 
 
+@pytest.mark.slow
 def test_cli_plans_in_tokens(capsys: pytest.CaptureFixture[str]) -> None:
     from batchfit import cli
 

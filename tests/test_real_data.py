@@ -117,6 +117,7 @@ def answers(model: nn.Module) -> dict[str, batchfit.Result]:
 
 
 # The worst batch ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_the_worst_batch_answer_trains_a_full_pass_where_the_first_batch_answer_runs_out(
     model: nn.Module, answers: dict[str, batchfit.Result]
 ) -> None:
@@ -173,6 +174,7 @@ def test_scanning_one_batch_reproduces_the_first_batch_answer(
     assert any("the first batch of the DataLoader (batch size 4)" in n and "1 batch scanned" in n for n in one.notes)
 
 
+@pytest.mark.slow
 def test_the_estimate_sizes_on_the_same_worst_batch(model: nn.Module, answers: dict[str, batchfit.Result]) -> None:
     estimated = batchfit.estimate(model, loader_of(Sequences(LENGTHS)), memory_limit=LIMIT, device="cpu")
     assert estimated.sized_on == answers["worst"].sized_on
@@ -240,6 +242,7 @@ def test_seq_len_reaches_the_probe_from_a_loader(model: nn.Module) -> None:
     assert "seq_len=96" in str(result)
 
 
+@pytest.mark.slow
 def test_seq_len_with_make_batch_calls_it_with_the_length(model: nn.Module) -> None:
     calls: list[tuple[int, int]] = []
 
@@ -381,6 +384,7 @@ def in_order(rows: list[tuple[torch.Tensor, int]]) -> Iterator[dict[str, torch.T
         yield classify(rows[start : start + SORTED_BATCH])
 
 
+@pytest.mark.slow
 def test_a_loader_sorted_by_length_is_sized_on_its_longest_batch_not_its_head() -> None:
     model, rows = tiny_bert(), sorted_rows()
     loader = DataLoader(rows, batch_size=SORTED_BATCH, collate_fn=classify)

@@ -516,6 +516,7 @@ def test_bad_proposals_are_clamped_into_the_bracket(grid: S.Grid, threshold: int
 
 
 # The bound itself ---------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("multiple_of", [1, 2, 3, 8])
 @pytest.mark.parametrize("init_steps", [1, 3])
 def test_max_trials_covers_the_plain_worst_case_exhaustively(multiple_of: int, init_steps: int) -> None:

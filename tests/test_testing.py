@@ -195,6 +195,7 @@ def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_cuda_marker_is_registered_and_skips_without_a_device(tmp_path: Path) -> None:
     proc = _pytest(tmp_path, "--strict-markers", "test_marked.py")
 
@@ -206,6 +207,7 @@ def test_cuda_marker_is_registered_and_skips_without_a_device(tmp_path: Path) ->
         assert "no CUDA device" in proc.stdout
 
 
+@pytest.mark.slow
 def test_require_cuda_turns_the_skip_into_a_failure(tmp_path: Path) -> None:
     proc = _pytest(tmp_path, "--require-cuda", "test_marked.py")
 
