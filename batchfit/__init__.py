@@ -21,6 +21,7 @@ from batchfit.version import __version__
 
 if TYPE_CHECKING:
     from batchfit.api import find, fit, frontier, noise_scale, plan
+    from batchfit.api_jobs import find_sharded
     from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
     from batchfit.estimation import Plan, WhatIf, estimate, estimate_sharded, what_if
     from batchfit.probe import Options, Prober
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
         Trial,
         recommend,
     )
-    from batchfit.sharded import find_sharded
 
 _EXPORTS = {
     "BatchfitError": "batchfit.errors",
@@ -52,7 +52,7 @@ _EXPORTS = {
     "Options": "batchfit.probe",
     "Prober": "batchfit.probe",
     "find": "batchfit.api",
-    "find_sharded": "batchfit.sharded",
+    "find_sharded": "batchfit.api_jobs",
     "fit": "batchfit.api",
     "plan": "batchfit.api",
     "frontier": "batchfit.api",

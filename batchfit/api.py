@@ -115,7 +115,7 @@ def fit(
     Returns:
         The frozen [`Fit`][batchfit.Fit]: a row per policy measured (max, safe batch, memory
         equation, samples/s where timed), the predicted max batch for every k, and the
-        `recommendation` with its `policy`. `batchfit.probe.recompute.apply_policy` applies it.
+        `recommendation` with its `policy`. `batchfit.probe.checkpointing_blocks.apply_policy` applies it.
 
     Raises:
         ValueError: no repeated blocks and no names; a name that is no module, or one never called; `mode` other than
@@ -227,7 +227,7 @@ def noise_scale(
     (a checkpoint, or after warm-up steps: at initialisation it is near zero), from real batches.
 
     Nothing is trained, and everything comes back as after [`find`][batchfit.find]; `step_fn` must
-    only return the loss. Details: `batchfit.probe.noise.measure_noise`.
+    only return the loss. Details: `batchfit.probe.noise_measure.measure_noise`.
 
     Args:
         model: the `nn.Module` to measure.

@@ -23,7 +23,7 @@ The guard only takes over where Python's default handler (or another guard's) is
 only in the main thread (signal handlers can only be set there, and only the main thread receives
 ``KeyboardInterrupt``). A program that installed its own SIGINT handler keeps it. A guard entered
 inside another takes over until it finishes, then puts the outer one's handler back (a checkpointing
-policy's guard around a probe's: `batchfit.probe.recompute.applied`).
+policy's guard around a probe's: `batchfit.probe.checkpointing_blocks.applied`).
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
         from batchfit.api import fit
-        from batchfit.probe.recompute import keep_policy
+        from batchfit.probe.checkpointing_blocks import keep_policy
 
         if trainer.world_size > 1:
             raise ValueError("BatchFit(checkpointing=...) sizes one process; drop it under a distributed strategy")

@@ -218,7 +218,7 @@ def autosize(
     """
     transformers = require_transformers()
     from batchfit.api import find, fit
-    from batchfit.probe.recompute import keep_policy
+    from batchfit.probe.checkpointing_blocks import keep_policy
 
     logger = transformers.utils.logging.get_logger(__name__)
     find_options("autosize", find_kwargs)  # a typo fails now, not after set-up

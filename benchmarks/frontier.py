@@ -6,7 +6,7 @@ Run from the repository root (transformers is needed; a case whose package is mi
     python benchmarks/frontier.py --case gpt2_sdpa         # one case (repeat --case for more)
     python benchmarks/frontier.py --quick                  # a smoke run: one case, smaller, under a minute
 
-The frontier (``batchfit.frontier``, see ``batchfit/probe/frontier.py``) searches the longest
+The frontier (``batchfit.frontier``, see ``batchfit/probe/lengths.py``) searches the longest
 length as ``find()`` does and every other length from the boundary its fitted memory surface
 ``fixed + b (a s + q s^2)`` predicts there, so it should cost far fewer trials than one search per
 length (the aim: the whole frontier for 4 lengths at most 2x the trials of one search), with every

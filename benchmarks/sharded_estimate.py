@@ -9,7 +9,7 @@ Run from the repository root (transformers is needed for the Llama case)::
 Per case (a target of ``benchmarks/sharded_targets.py``, each block a ``fully_shard`` unit, then the
 root; one per-rank memory limit), one after the other:
 
-* **estimate**: ``batchfit.estimation.sharded.estimate_sharded(target, W, memory_limit=limit,
+* **estimate**: ``batchfit.estimation.rank_estimate.estimate_sharded(target, W, memory_limit=limit,
   device="cpu")``: a fresh process that joins a fake process group of W ranks as rank 0, then
   runs the probe's search over fake trials (each a fresh build of the target, two steps with a
   fresh optimizer, as a job runs). Timed from the call to the answer (the process's start included).
@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchfit.estimation.sharded import estimate_sharded
+from batchfit.estimation.rank_estimate import estimate_sharded
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare  # noqa: E402  (this directory, not a package)
@@ -103,7 +103,7 @@ def _large() -> dict[str, Any]:
           f"safe {result.safe_batch} per rank (global {result.global_max_batch} / {result.global_safe_batch}), "
           f"{len(result.trials)} fake trials, {wall:.1f} s")  # fmt: skip
     document = {
-        "schema": "batchfit.sharded-estimate-benchmark/1",
+        "schema": "batchfit.api_jobs-estimate-benchmark/1",
         **compare.stamp(["--large"]),
         "machine": compare.machine(),
         "versions": compare.versions(),
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 flush=True,
             )
     document = {
-        "schema": "batchfit.sharded-estimate-benchmark/1",
+        "schema": "batchfit.api_jobs-estimate-benchmark/1",
         **compare.stamp(argv),
         "machine": compare.machine(),
         "versions": compare.versions(),

@@ -20,7 +20,7 @@ import batchfit
 from batchfit import examples
 from batchfit.backends import estimate_target
 from batchfit.estimation.fake_trials import FakeProbe
-from batchfit.probe.jobs import JobPerTrial
+from batchfit.probe.job_runner import JobPerTrial
 from batchfit.probe.probing import FromInit, FromLine, ProbesTrials, SearchPlan
 from batchfit.report import Surface
 from batchfit.search import make_strategy, search

@@ -13,7 +13,7 @@ from torch import nn
 
 import batchfit
 from batchfit import examples
-from batchfit.probe.recompute import NO_BLOCKS, applied, apply_policy, budget_policy, find_blocks, policy_for
+from batchfit.probe.checkpointing_blocks import NO_BLOCKS, applied, apply_policy, budget_policy, find_blocks, policy_for
 from tests.helpers import assert_same_state, state_of, tiny_llama
 
 

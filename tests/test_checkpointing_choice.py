@@ -14,7 +14,7 @@ from torch import nn
 
 import batchfit
 from batchfit import examples
-from batchfit.probe.recompute import applied, apply_policy, find_blocks, policy_for
+from batchfit.probe.checkpointing_blocks import applied, apply_policy, find_blocks, policy_for
 from batchfit.report import Policy, PolicyRow
 
 
@@ -105,7 +105,7 @@ def test_a_container_that_is_never_called_is_refused_by_name_before_any_trial() 
 def test_every_group_of_blocks_is_found_and_ordered_by_the_bytes_it_saves() -> None:
     """Before the fix the group with the most parameters was the only one: a ResNet's last stage
     (the fewest activations), T5's decoder alone."""
-    from batchfit.probe.recompute import by_saving, saving
+    from batchfit.probe.checkpointing_blocks import by_saving, saving
 
     torch.manual_seed(0)
     model, sample = ResNetLike(width=4), torch.randn(1, 3, 16, 16)
@@ -142,7 +142,7 @@ class SpareStack(nn.Module):
 
 
 def test_blocks_never_called_in_a_step_are_passed_over_and_named() -> None:
-    from batchfit.probe.recompute import by_saving, saving
+    from batchfit.probe.checkpointing_blocks import by_saving, saving
 
     torch.manual_seed(0)
     model, sample = SpareStack(), torch.randn(2, 16)

@@ -16,9 +16,9 @@ from helpers import assert_same_state, state_of
 from torch import nn
 
 import batchfit
-import batchfit.probe.recompute as recompute
+import batchfit.probe.checkpointing_blocks as recompute
 from batchfit.interrupts import InterruptGuard, installed_guard
-from batchfit.probe.recompute import applied, find_blocks, policy_for
+from batchfit.probe.checkpointing_blocks import applied, find_blocks, policy_for
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix", reason="POSIX signals"),

@@ -175,7 +175,7 @@ def test_noise_options_reach_the_probe(
     assert seen == [(True, 16), (False, 128)]
 
 
-# Needs find_with to measure the noise scale when Options(noise_scale=True) asks (batchfit.probe.noise).
+# Needs find_with to measure the noise scale when Options(noise_scale=True) asks (batchfit.probe.noise_measure).
 def test_the_command_measures_the_noise_scale_and_recommends_with_it(
     targets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -35,14 +35,14 @@ RAW_ROLE = re.compile(r":(?:py:)?(?:class|func|mod|meth|attr|exc|data|obj|const|
 #: keyword groups) are its contract and need no listing.
 PUBLIC: dict[str, tuple[str, ...]] = {
     "batchfit.accelerate.find_executable_batch_size": (),
-    "batchfit.distributed.uneven.UnevenShare": ("accumulation", "micro_batch", "part", "pass_batch", "weight"),
-    "batchfit.distributed.uneven.uneven_split": (),
+    "batchfit.distributed.uneven_share.UnevenShare": ("accumulation", "micro_batch", "part", "pass_batch", "weight"),
+    "batchfit.distributed.uneven_share.uneven_split": (),
     "batchfit.api.find": (),
     "batchfit.api.fit": (),
     "batchfit.api.frontier": (),
     "batchfit.api.noise_scale": (),
     "batchfit.api.plan": (),
-    "batchfit.sharded.find_sharded": (),
+    "batchfit.api_jobs.find_sharded": (),
     "batchfit.errors": (
         "BatchfitError",
         "DeviceFailedError",
@@ -54,7 +54,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "RanksTimeoutError",
     ),
     "batchfit.estimation.estimator.estimate": (),
-    "batchfit.estimation.sharded.estimate_sharded": (),
+    "batchfit.estimation.rank_estimate.estimate_sharded": (),
     "batchfit.estimation.planning.Plan": (),
     "batchfit.estimation.planning.plan_for": (),
     "batchfit.estimation.whatif.WhatIf": ("row",),

@@ -580,7 +580,7 @@ def test_estimate_with_seq_lens_prints_and_writes_the_estimated_frontier(
 
 def batchfit_frontier_of(target: str) -> Frontier:
     import batchfit
-    from batchfit.cli.targets import load_target
+    from batchfit.targets import load_target
 
     loaded = load_target(target)
     return batchfit.frontier(

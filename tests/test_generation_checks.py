@@ -141,11 +141,11 @@ def test_a_generate_fn_that_replaces_or_changes_the_generation_config_leaves_the
 
 def _sigint_at_line(nth: int) -> tuple[int, bool, bool, bool]:
     """Run a generation probe with a real SIGINT sent at the ``nth`` line run by the first trial's
-    generation (`generate`, `kept_generation_config`, `_put_back` of ``batchfit.probe.generation``;
+    generation (`generate`, `kept_generation_config`, `_put_back` of ``batchfit.probe.generate_step``;
     ``nth=0``: none). Returns the lines that trial ran there, whether ``KeyboardInterrupt`` came out,
     whether the user's own ``generation_config`` is on the model with its contents, whether the
     model's state is as it was."""
-    import batchfit.probe.generation as generation
+    import batchfit.probe.generate_step as generation
 
     model, prompts = _gpt2(), _prompts()
     kept = model.generation_config
@@ -215,7 +215,7 @@ def test_a_full_context_of_positions_takes_one_new_token_as_generate_does() -> N
 
 
 def test_the_frontier_takes_the_longest_prompt_the_positions_allow() -> None:
-    from batchfit.probe.frontier import check_lengths
+    from batchfit.probe.lengths import check_lengths
 
     def make(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
         return {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long)}

@@ -145,7 +145,7 @@ def test_every_option_reaches_the_integrations() -> None:
 def test_the_command_line_passes_every_option_it_has_a_flag_for() -> None:
     from batchfit.cli.arguments import find_kwargs, option_keywords
     from batchfit.cli.parser import build_parser
-    from batchfit.cli.targets import EXTRA_KEYS
+    from batchfit.targets import EXTRA_KEYS
 
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices  # argparse keeps them there

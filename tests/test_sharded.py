@@ -27,7 +27,7 @@ from helpers import processes_naming
 
 import batchfit
 from batchfit.cli import main
-from batchfit.probe.sharded import FromGuess
+from batchfit.probe.job_search import FromGuess
 from batchfit.search import Attempt, Grid, make_strategy
 
 TESTS = Path(__file__).resolve().parent

@@ -17,7 +17,7 @@ import torch
 
 from batchfit import examples
 from batchfit.estimation.fake_ranks import check_sharded, check_world_size
-from batchfit.estimation.sharded import estimate_sharded
+from batchfit.estimation.rank_estimate import estimate_sharded
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT / 'benchmarks' / 'sharded_targets.py'}:gpt"

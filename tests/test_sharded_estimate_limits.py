@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from batchfit.errors import BatchfitError, EstimateTimeoutError
-from batchfit.estimation.sharded import ESTIMATE_TIMEOUT_S, estimate_sharded
+from batchfit.estimation.rank_estimate import ESTIMATE_TIMEOUT_S, estimate_sharded
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = f"{ROOT / 'benchmarks' / 'sharded_targets.py'}:gpt"

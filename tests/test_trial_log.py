@@ -25,8 +25,8 @@ import pytest
 import batchfit
 from batchfit.probe import Options
 from batchfit.probe.cache_files import TRIAL_LOG_SCHEMA, append_line, read_trial_log
-from batchfit.probe.jobs import JobPerTrial
-from batchfit.probe.sharded import log_key
+from batchfit.probe.job_runner import JobPerTrial
+from batchfit.probe.job_search import log_key
 from batchfit.report import Trial
 
 TESTS = Path(__file__).resolve().parent
@@ -40,7 +40,7 @@ OOM = Trial(96, False, phase="forward", peak_bytes=16_861_280, steps=1, message=
 
 
 def verdict(trial: Trial, **changed: Any) -> dict[str, Any]:
-    """A rank's verdict as `batchfit.probe.jobs.run_worker_trial` writes it."""
+    """A rank's verdict as `batchfit.probe.job_runner.run_worker_trial` writes it."""
     return {
         "trial": {**dataclasses.asdict(trial), **changed},
         "budget_bytes": BUDGET,

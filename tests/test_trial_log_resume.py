@@ -18,8 +18,8 @@ import pytest
 
 import batchfit
 from batchfit.probe import Options
-from batchfit.probe.jobs import JobPerTrial, Opening
-from batchfit.probe.sharded import log_key, worker_args
+from batchfit.probe.job_runner import JobPerTrial, Opening
+from batchfit.probe.job_search import log_key, worker_args
 
 pytestmark = pytest.mark.distributed
 

@@ -23,7 +23,7 @@ import torch
 
 import batchfit
 from batchfit.distributed import uneven_split
-from batchfit.distributed.uneven import UnevenShare
+from batchfit.distributed.uneven_share import UnevenShare
 from batchfit.report import RankBatch, Recommendation, Result, UnevenSplit
 from batchfit.report.uneven import split_uneven, weights_of
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from batchfit.distributed import uneven_split
-from batchfit.distributed.uneven import UnevenShare
+from batchfit.distributed.uneven_share import UnevenShare
 from batchfit.report import RankBatch, Recommendation, Result, UnevenSplit
 from batchfit.report.records import DeviceInfo, Settings
 from batchfit.report.uneven import TARGET_TOLERANCE, split_uneven, weights_of

@@ -9,6 +9,16 @@ from batchfit.backends.base import Backend
 
 SUPPORTED = ("cpu", "cuda", "xpu")
 
+#: The device type of the host processor, whose memory batchfit meters itself (no card's allocator).
+HOST = "cpu"
+
+
+def is_host(device: str | torch.device) -> bool:
+    """Whether ``device`` (``"cpu"``, ``"cpu:0"``, a ``torch.device``) is the host processor: the one
+    place outside the backends' own modules that asks, so no other module compares with ``"cpu"``."""
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":", 1)[0]
+    return kind == HOST
+
 
 def backend_for(device: torch.device) -> Backend:
     """The backend that serves ``device.type``."""

@@ -15,8 +15,8 @@ from batchfit.units import format_bytes, parse_memory_limit
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
-    from batchfit.cli.targets import Target
     from batchfit.distributed import Launch
+    from batchfit.targets import Target
 
 
 def probe_plan(args: argparse.Namespace, launch: Launch | None = None) -> tuple[str, str | None, list[str], int | None]:

@@ -33,8 +33,8 @@ def estimate_command(args: argparse.Namespace) -> int:
     from batchfit.units import format_bytes
     from batchfit.view.progress import make_view
 
-    if args.keywords_json is not None:  # estimate_sharded's own process (batchfit.cli.sharded)
-        from batchfit.cli.sharded import sharded_child
+    if args.keywords_json is not None:  # estimate_sharded's own process (batchfit.cli.estimate_ranks)
+        from batchfit.cli.estimate_ranks import sharded_child
 
         return sharded_child(args)
     for option in args.what_if or ():
@@ -43,7 +43,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     check_plan_options(args)
     _check_length_axis(args)
     if args.world_size is not None:
-        from batchfit.cli.sharded import check_sharded_flags
+        from batchfit.cli.estimate_ranks import check_sharded_flags
 
         check_sharded_flags(args)
     memory = _memory_limit(args)
@@ -73,7 +73,7 @@ def estimate_command(args: argparse.Namespace) -> int:
     check_json_path(args.json)
     human = sys.stderr if args.json == "-" else sys.stdout
     if args.world_size is not None:
-        from batchfit.cli.sharded import estimate_sharded_command
+        from batchfit.cli.estimate_ranks import estimate_sharded_command
 
         print(
             f"batchfit {__version__}: estimating {args.target} ({args.mode}) sharded over {args.world_size} rank(s), "
@@ -129,7 +129,7 @@ def estimate_command(args: argparse.Namespace) -> int:
 
 def _check_length_axis(args: argparse.Namespace) -> None:
     """``--seq-lens`` asks for a frontier: refuse, before the target loads, what goes with one length only."""
-    from batchfit.cli.frontier import check_plot_path
+    from batchfit.cli.frontier_command import check_plot_path
 
     if args.seq_lens is None:
         alone = [
@@ -164,7 +164,7 @@ def _check_length_axis(args: argparse.Namespace) -> None:
 def _estimate_frontier(args: argparse.Namespace, target: Any, kwargs: dict[str, Any], human: Any) -> int:
     """``--seq-lens``: [`batchfit.estimate`][batchfit.estimate]'s frontier, shown and written as ``batchfit
     frontier``'s."""
-    from batchfit.cli.frontier import write_frontier
+    from batchfit.cli.frontier_command import write_frontier
     from batchfit.estimation import estimate
     from batchfit.view.frontier_view import FrontierView
 

@@ -22,7 +22,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from batchfit.cli.arguments import limit_lines, option_keywords
-from batchfit.cli.frontier import check_plot_path
+from batchfit.cli.frontier_command import check_plot_path
 from batchfit.cli.output import (
     EXIT_DOES_NOT_FIT,
     EXIT_OK,

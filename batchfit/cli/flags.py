@@ -26,7 +26,7 @@ from batchfit.probe.keywords import keyword_docs, keywords_of
 from batchfit.probe.options import AMPS, MODES
 
 #: How the command line reads each option it has a flag for (argparse's keywords). An option not
-#: here has no flag: a callable comes from the target file (`batchfit.cli.targets.EXTRA_KEYS`), and
+#: here has no flag: a callable comes from the target file (`batchfit.targets.EXTRA_KEYS`), and
 #: `restore_rng` / `distributed` are the Python caller's (a command restores its own process, and
 #: joins a process group when launched under `torchrun`).
 FLAGS: dict[str, dict[str, Any]] = {

@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from batchfit.cli.devices import devices_command
 from batchfit.cli.estimate import estimate_command
 from batchfit.cli.fit import fit_command
-from batchfit.cli.frontier import frontier_command
+from batchfit.cli.frontier_command import frontier_command
 from batchfit.cli.output import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,

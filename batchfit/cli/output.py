@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from batchfit.errors import first_line
 
 if TYPE_CHECKING:
-    from batchfit.cli.targets import Target
+    from batchfit.targets import Target
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -175,8 +175,8 @@ def load(args: argparse.Namespace) -> Target | int:
     """The target, or the exit code of why it could not be loaded (said on stderr). Importing a
     model and building it can take seconds: a terminal is told meanwhile, on a line that goes
     away when the target is in. A command given ``--seq-lens`` sizes lengths with the target's
-    ``make_batch``; the others size its sample (``batchfit.cli.targets``)."""
-    from batchfit.cli.targets import TargetCallError, TargetError, load_target
+    ``make_batch``; the others size its sample (``batchfit.targets``)."""
+    from batchfit.targets import TargetCallError, TargetError, load_target
 
     stream = sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
     waiting = is_terminal(stream) and not getattr(args, "quiet", False)

@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="estimate one rank of a job sharded over N ranks (FSDP2): the target runs as rank 0 of a fake process "
         "group of N, after it is up, so its fully_shard calls shard over N; batch sizes are per rank",
     )
-    # estimate_sharded()'s own process: its keywords as JSON (batchfit.cli.sharded), not for users.
+    # estimate_sharded()'s own process: its keywords as JSON (batchfit.cli.estimate_ranks), not for users.
     estimate.add_argument("--keywords-json", metavar="PATH", help=argparse.SUPPRESS)
     estimate.add_argument("--json", metavar="PATH", help="write the estimate as JSON to PATH ('-' for stdout)")
     estimate.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")

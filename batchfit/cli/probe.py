@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from batchfit.cli.allocators import advised, expandable_note
 from batchfit.cli.arguments import find_kwargs, probe_plan
-from batchfit.cli.jobs import rank_timeout, run_jobs, trial_worker
 from batchfit.cli.output import (
     EXIT_DOES_NOT_FIT,
     EXIT_ERROR,
@@ -34,12 +33,13 @@ from batchfit.cli.output import (
     report_exception,
     write_json,
 )
+from batchfit.cli.probe_jobs import rank_timeout, run_jobs, trial_worker
 from batchfit.cli.signals import SigtermUnwinds, Terminated
 from batchfit.errors import first_line
 
 if TYPE_CHECKING:
-    from batchfit.cli.targets import Target
     from batchfit.distributed import Launch
+    from batchfit.targets import Target
     from batchfit.view.plain import View
 
 # probe --------------------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def run_shown(view: Any, run: Callable[[], Any]) -> tuple[Any, BaseException | N
 
 def run_probe(args: argparse.Namespace, target: Target | None, kwargs: dict[str, Any], calls: Calls) -> Any:
     """The gate (``--require-batch``) or the full search; its ``GateReport`` or ``Result``.
-    Without a target (``--nproc-per-trial``), a job per trial (``batchfit.probe.jobs``)."""
+    Without a target (``--nproc-per-trial``), a job per trial (``batchfit.probe.job_runner``)."""
     if target is None:
         return run_jobs(args, kwargs, calls.kwargs())
     if args.require_batch is not None:
@@ -267,7 +267,7 @@ def probe_failed(exc: BaseException, calls: Calls, show_traceback: bool, leader:
 
     if isinstance(exc, RankFailedError) and not leader:
         return EXIT_ERROR
-    from batchfit.cli.targets import exit_call
+    from batchfit.targets import exit_call
     from batchfit.view.plain import OutputClosedError
 
     if isinstance(exc, Terminated):

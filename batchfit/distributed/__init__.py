@@ -10,13 +10,13 @@
 * `uneven`: `uneven_split`, a rank's part of each pass and its loss weight when one global batch
   is split unevenly over ranks that fit different batches (``Result.recommend(uneven=True)``).
 
-Sharded models (FSDP) are probed a job per trial instead: `batchfit.probe.jobs`.
+Sharded models (FSDP) are probed a job per trial instead: `batchfit.probe.job_runner`.
 """
 
 from batchfit.distributed.launch import Launch, from_environment
 from batchfit.distributed.ranks import combine_trials, leads, ranks_for
 from batchfit.distributed.solo import PeerOutOfMemory, Solo
-from batchfit.distributed.uneven import uneven_split
+from batchfit.distributed.uneven_share import uneven_split
 
 __all__ = [
     "Launch",

@@ -34,7 +34,7 @@ the batch phase was agreed.
 What is *not* made safe in-process: collectives inside the model's own forward or backward
 (FSDP, ``SyncBatchNorm``, tensor parallelism). A rank that fails before such a collective leaves
 its peers waiting in it; `ranks_for` refuses those models with a clear error rather than
-risk the hang. Sharded models are probed a job per trial instead (``batchfit.probe.jobs``).
+risk the hang. Sharded models are probed a job per trial instead (``batchfit.probe.job_runner``).
 
 Combined across ranks (`Group.combine`): a trial fits only where it fits on every rank; its
 peaks are the maximum over ranks, its step time the slowest rank's, its samples/s that of the

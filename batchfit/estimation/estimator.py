@@ -17,8 +17,8 @@ from torch import nn
 
 from batchfit.backends import ESTIMATE_TARGETS, EstimateTarget, estimate_target
 from batchfit.errors import NothingFitsError
+from batchfit.estimation.fake_lengths import estimate_frontier
 from batchfit.estimation.fake_trials import FakeProbe, Untraceable
-from batchfit.estimation.frontier import estimate_frontier
 from batchfit.probe import Options, find_with
 from batchfit.probe.checks import check_work
 from batchfit.probe.finder import described, search_with

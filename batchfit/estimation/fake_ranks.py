@@ -13,7 +13,7 @@ real one. The model is then turned into fake tensors in place (``Module.to_empty
 built on the ``meta`` device), and `FakeProbe` runs the probe's steps on it without swapping any
 parameter (they are fake already; a swap would break the ``DTensor`` each one is).
 
-`ShardedProbe` stands in for a job per trial (``batchfit.probe.jobs``), trial for trial: every
+`ShardedProbe` stands in for a job per trial (``batchfit.probe.job_runner``), trial for trial: every
 trial builds the target again (a fresh process would), starts a fresh optimizer and runs two
 steps, and nothing it leaves behind weighs on the next (after an out-of-memory error FSDP's state
 is not fit for another step; a job ends there). Rank 0 holds the largest shard (``fully_shard``
@@ -43,7 +43,7 @@ from batchfit.estimation.fake_trials import FakeProbe, Untraceable
 from batchfit.probe import Options
 from batchfit.probe.batches import map_tensors
 from batchfit.probe.checks import fit_memory, fixed_memory_advice
-from batchfit.probe.jobs import FRESH_STEPS  # a trial's steps, as a fresh job runs them
+from batchfit.probe.job_runner import FRESH_STEPS  # a trial's steps, as a fresh job runs them
 from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
 from batchfit.units import format_bytes
 
@@ -84,7 +84,7 @@ def fake_group(world_size: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError(
             "a process group is already initialized in this process: estimate_sharded() runs the target in a "
-            "fresh process of its own (batchfit.estimation.sharded)"
+            "fresh process of its own (batchfit.estimation.rank_estimate)"
         )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:

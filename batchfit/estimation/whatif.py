@@ -6,7 +6,7 @@ model is, then once per alternative, and puts max batch and memory side by side:
 * ``amp=bf16``, ``amp=fp16``: the steps under autocast (activations in half precision);
 * ``checkpointing``: activation checkpointing of every repeated block (the largest
   ``nn.ModuleList`` / ``nn.Sequential`` of modules of one type), as [`batchfit.fit`][batchfit.fit]
-  applies it (`batchfit.probe.recompute`): a Hugging Face block by its own flag, any other under
+  applies it (`batchfit.probe.checkpointing_blocks`): a Hugging Face block by its own flag, any other under
   ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, so its activations are recomputed in
   backward instead of kept. It is undone afterwards;
 * ``optimizer=sgd`` (no state), ``optimizer=adamw`` (two moments per parameter, the default),
@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from batchfit.errors import NothingFitsError
+from batchfit.probe.checkpointing_blocks import NO_BLOCKS, applied, find_blocks, policy_for
 from batchfit.probe.options import renamed
-from batchfit.probe.recompute import NO_BLOCKS, applied, find_blocks, policy_for
 from batchfit.units import format_bytes, parse_memory_limit
 
 __all__ = ["OPTIONS", "WhatIf", "WhatIfRow", "what_if"]
@@ -168,7 +168,7 @@ def what_if(
 
 @contextlib.contextmanager
 def checkpointing(model: nn.Module) -> Iterator[str]:
-    """Every repeated block of ``model`` checkpointed for the block inside (`batchfit.probe.recompute`:
+    """Every repeated block of ``model`` checkpointed for the block inside (`batchfit.probe.checkpointing_blocks`:
     a Hugging Face block by its own flag, any other by a wrapper), undone afterwards; yields what was
     done. ``ValueError`` when the model has nothing to checkpoint."""
     blocks = find_blocks(model)

@@ -38,32 +38,32 @@ from typing import TYPE_CHECKING
 from batchfit._lazy import lazy_surface
 
 if TYPE_CHECKING:
+    from batchfit.probe.checkpointing_search import fit_with
     from batchfit.probe.finder import find_with
-    from batchfit.probe.fitting import fit_with
-    from batchfit.probe.frontier import PointCallback, check_lengths, frontier_with
-    from batchfit.probe.jobs import run_worker_trial, write_verdict
-    from batchfit.probe.noise import measure_noise
+    from batchfit.probe.job_runner import run_worker_trial, write_verdict
+    from batchfit.probe.job_search import find_sharded_with
+    from batchfit.probe.lengths import PointCallback, check_lengths, frontier_with
+    from batchfit.probe.noise_measure import measure_noise
     from batchfit.probe.options import DEFAULT_MAX_BATCH, Options
     from batchfit.probe.positions import position_limit
     from batchfit.probe.prober import Prober
     from batchfit.probe.real_data import is_batch_source
-    from batchfit.probe.sharded import find_sharded_with
 
 _EXPORTS = {
     "find_with": "batchfit.probe.finder",
-    "fit_with": "batchfit.probe.fitting",
-    "PointCallback": "batchfit.probe.frontier",
-    "check_lengths": "batchfit.probe.frontier",
-    "frontier_with": "batchfit.probe.frontier",
-    "run_worker_trial": "batchfit.probe.jobs",
-    "write_verdict": "batchfit.probe.jobs",
-    "measure_noise": "batchfit.probe.noise",
+    "fit_with": "batchfit.probe.checkpointing_search",
+    "PointCallback": "batchfit.probe.lengths",
+    "check_lengths": "batchfit.probe.lengths",
+    "frontier_with": "batchfit.probe.lengths",
+    "run_worker_trial": "batchfit.probe.job_runner",
+    "write_verdict": "batchfit.probe.job_runner",
+    "measure_noise": "batchfit.probe.noise_measure",
     "DEFAULT_MAX_BATCH": "batchfit.probe.options",
     "Options": "batchfit.probe.options",
     "position_limit": "batchfit.probe.positions",
     "Prober": "batchfit.probe.prober",
     "is_batch_source": "batchfit.probe.real_data",
-    "find_sharded_with": "batchfit.probe.sharded",
+    "find_sharded_with": "batchfit.probe.job_search",
 }
 #: Names this surface exported before issue 33 that are internals: they still import, with a warning.
 _MOVED = {"own_loss": "batchfit.probe.workload", "worst_batch": "batchfit.probe.real_data"}

@@ -8,7 +8,7 @@ answer must agree with its own trials (`contradiction`); and every string it hol
 printable before anything can show it (`printable`: a note holding ``"\\x1b[2J"`` must not
 clear the screen of the user who prints the result).
 
-The trial log of a job search (``batchfit.probe.jobs``) is read through the same `read_file`, and
+The trial log of a job search (``batchfit.probe.job_runner``) is read through the same `read_file`, and
 its lines are held to the same standard (`read_trial_log`): a job's verdicts are reused only when
 every rank's agrees with itself and a fit is every rank's; a line cut off by a crash is skipped,
 with a note; a file that is not a trial log is an error that names it.
@@ -63,8 +63,8 @@ CACHE_SCHEMA = "batchfit.cache/1"
 ENTRY_CAP_BYTES = 64 * 2**20
 #: How `entry_document` writes ``written_at``; an entry that says it otherwise is not one.
 WRITTEN_AT = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
-#: The schema of a trial log line: a job's verdicts (``batchfit.probe.jobs``), or with ``"kind":
-#: "estimate"`` the sharded estimate the search started from (``batchfit.probe.sharded``).
+#: The schema of a trial log line: a job's verdicts (``batchfit.probe.job_runner``), or with ``"kind":
+#: "estimate"`` the sharded estimate the search started from (``batchfit.probe.job_search``).
 TRIAL_LOG_SCHEMA = "batchfit.trial-log/1"
 #: The most of a trial log that is read: 256 MiB. A job's line holds a verdict of about 2 KB per
 #: rank, so a search of 30 jobs of 1024 ranks stays well below it.

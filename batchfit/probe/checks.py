@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from batchfit.probe.batches import check_has_values
-from batchfit.probe.generation import check_generation
+from batchfit.probe.generate_step import check_generation
 from batchfit.probe.keywords import check_hooks
 from batchfit.probe.options import Options
 from batchfit.probe.positions import check_generation_length

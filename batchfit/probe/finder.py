@@ -5,7 +5,7 @@ objects snapshotted, the limit applied), let the pure search (``batchfit.search`
 trials until it knows the boundary, fit the memory equation, choose and verify the safe batch,
 and hand back a frozen [`Result`][batchfit.Result] with the notes a reader needs; the
 prober's ``__exit__`` restores everything on the way out. It runs over any prober: the real
-[`Prober`][batchfit.Prober], a job per trial (``batchfit.probe.jobs``) or fake
+[`Prober`][batchfit.Prober], a job per trial (``batchfit.probe.job_runner``) or fake
 trials (``batchfit.estimation``). The keyword front end users call is [`batchfit.find`][batchfit.find].
 """
 
@@ -24,7 +24,7 @@ from batchfit.errors import NothingFitsError
 from batchfit.probe.cache import open_cache
 from batchfit.probe.checks import check_callbacks
 from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
-from batchfit.probe.noise import check_noise_data, measure_noise
+from batchfit.probe.noise_measure import check_noise_data, measure_noise
 from batchfit.probe.notes import (
     allocator_notes,
     equation_notes,
@@ -65,7 +65,7 @@ def find_with(
     """[`find`][batchfit.find] for callers that hold an [`Options`][batchfit.Options] (the CLI, the gate).
 
     With ``options.noise_scale`` the gradient noise scale is measured from ``sample``'s real
-    batches after the probe, at its safe batch (``batchfit.probe.noise``), into
+    batches after the probe, at its safe batch (``batchfit.probe.noise_measure``), into
     ``Result.noise_scale``; a sample that is not a source of batches is refused before any trial.
     With ``options.cache`` the answer is read from the cache directory when the same probe wrote
     it there, and written there after a probe (``batchfit.probe.cache``)."""
@@ -146,7 +146,7 @@ def search_with(
 
     Args:
         prober: what runs the trials (`ProbesTrials`): the [`Prober`][batchfit.Prober], a job per
-            trial (`batchfit.probe.jobs`) or fake trials (`batchfit.estimation`).
+            trial (`batchfit.probe.job_runner`) or fake trials (`batchfit.estimation`).
         options: the probe's settings.
         started: the `time.monotonic()` the answer's time counts from.
         callback: told each trial once it ran.
@@ -154,7 +154,7 @@ def search_with(
         on_start: told the device and the budget once the prober is set up.
         plan: how the boundary is searched (`SearchPlan`); `None`: `FromInit`, from `init_batch`
             with the options' strategy. The frontier searches each further length from the boundary
-            its surface predicts (`batchfit.probe.frontier`).
+            its surface predicts (`batchfit.probe.lengths`).
     """
     check_callbacks(callback, on_trial_start, on_start)
     plan = FromInit(options.make_strategy()) if plan is None else plan

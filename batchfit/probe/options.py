@@ -16,7 +16,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, get_args
 
 from batchfit.probe import keywords
@@ -200,6 +200,11 @@ class Options:
         if self.multiple_of == 1 and self.max_batch < 2:
             return 1
         return max(self.multiple_of, 2)
+
+    def untimed(self) -> Options:
+        """These options with no warm timing: for probes whose rates nobody reads (the gate, a
+        frontier length, a checkpointing policy's boundary), so their trials cost no timed steps."""
+        return replace(self, timed_steps=0)
 
     def grid(self) -> Grid:
         """The sizes the search may try."""

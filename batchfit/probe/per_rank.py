@@ -20,7 +20,7 @@ the others fit more, and an uneven split of one global batch can use it
 
 These trials are not the group's: they are left out of ``Result.trials`` (whose sizes are every
 rank's) and said in a note. Only the in-process `Prober` over several ranks runs this: a job per
-trial (``batchfit.probe.jobs``) and an estimate have no per-rank meter.
+trial (``batchfit.probe.job_runner``) and an estimate have no per-rank meter.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ class Prober:
 
     @property
     def workload(self) -> Workload:
-        """What a step runs here (model, loss, autocast), for work beside the trials (``batchfit.probe.noise``)."""
+        """What a step runs here (model, loss, autocast), for work beside the trials (the noise scale)."""
         if self._workload is None:
             raise RuntimeError("Prober.workload needs an active probe: use 'with Prober(...) as p:'")
         return self._workload

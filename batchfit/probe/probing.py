@@ -1,11 +1,11 @@
 """What `search_with` takes: the prober its trials run on (`ProbesTrials`) and how it searches (`SearchPlan`).
 
 `search_with` runs over three probers: the real [`Prober`][batchfit.Prober], a job per trial
-(`batchfit.probe.jobs`) and fake trials (`batchfit.estimation`); each is a `ProbesTrials`
+(`batchfit.probe.job_runner`) and fake trials (`batchfit.estimation`); each is a `ProbesTrials`
 (`tests/test_call_path.py` checks it member by member). A `SearchPlan` says how the boundary is
 searched: `FromInit`, `find`'s search from `init_batch`, or the frontier's from the boundary its
-surface predicts (`batchfit.probe.frontier`) and checkpointing's from the line its other policies
-predict (`batchfit.probe.fitting`): both `FromLine`.
+surface predicts (`batchfit.probe.lengths`) and checkpointing's from the line its other policies
+predict (`batchfit.probe.checkpointing_search`): both `FromLine`.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class ProbesTrials(Protocol):
 class SearchPlan(Protocol):
     """How `search_with` finds the boundary, aims the safe batch where the trials fit no memory
     line, and keeps a verification the search ran: `FromInit` (`find`'s), or the frontier's search
-    from its surface (`batchfit.probe.frontier`)."""
+    from its surface (`batchfit.probe.lengths`)."""
 
     @property
     def keep_verified_within(self) -> float:
@@ -208,7 +208,7 @@ class FromLine:
     gives (a `SearchPlan`; each prediction is appended to `predicted`), and that line's slope for
     the memory equation when the search measured only one fitting size. The frontier predicts the
     line at a further length from its surface; checkpointing at a further policy from the
-    policies measured (`batchfit.probe.fitting`).
+    policies measured (`batchfit.probe.checkpointing_search`).
 
     The search's first trial is the safe batch's verification (where `verifies`), at the safe
     batch the line predicts (the largest under `(1 - headroom) x budget`): it verifies the safe

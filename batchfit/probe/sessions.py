@@ -1,7 +1,7 @@
 """A child process in a session of its own, ended whole on every way out: the jobs' and the estimate's.
 
-Why a session: a torchrun job (`batchfit.probe.jobs`) or the sharded estimate's process
-(`batchfit.estimation.sharded`) may start processes of its own; killing the child alone would leave
+Why a session: a torchrun job (`batchfit.probe.job_runner`) or the sharded estimate's process
+(`batchfit.estimation.rank_estimate`) may start processes of its own; killing the child alone would leave
 them running (a trial holding GPUs on a cluster). In a session of its own the child is the leader of
 a process group that holds them all, and a terminal's Ctrl-C reaches only this process, which then
 ends the group itself.
@@ -57,7 +57,7 @@ def end_group(job: subprocess.Popen[Any], wait_s: float = 30.0) -> None:
 
 
 def end_torchrun(job: subprocess.Popen[Any], out: Path) -> None:
-    """End a torchrun job (`batchfit.probe.jobs`): every rank and what it started (torchrun starts
+    """End a torchrun job (`batchfit.probe.job_runner`): every rank and what it started (torchrun starts
     each in a session of its own, so a rank is found by its pid file in ``out`` or, before it wrote
     one, as torchrun's child), then torchrun. torchrun is stopped first, so that it starts no rank
     while its ranks are being killed."""

@@ -44,7 +44,7 @@ from batchfit.errors import (
     annotate,
     first_line,
 )
-from batchfit.probe.generation import kv_bytes_per_token
+from batchfit.probe.generate_step import kv_bytes_per_token
 from batchfit.probe.workload import Workload
 from batchfit.report import Phase, Trial, TrialKind
 

@@ -22,7 +22,7 @@ from batchfit.probe.batches import (
     tile,
     to_device,
 )
-from batchfit.probe.generation import generate
+from batchfit.probe.generate_step import generate
 
 if TYPE_CHECKING:
     from batchfit.probe.options import Options

@@ -1,6 +1,6 @@
 """The gradient noise scale: the record, and the pure two-batch-size estimator behind it.
 
-Pure Python (no torch): the measurement (``batchfit.probe.noise``) hands over plain squared
+Pure Python (no torch): the measurement (``batchfit.probe.noise_measure``) hands over plain squared
 norms, and everything statistical happens here, where it can be tested exhaustively.
 
 The estimator is McCandlish et al. 2018 (arXiv 1812.06162), appendix A. A *window* is ``K``

@@ -2,7 +2,7 @@
 
 One path for [`batchfit.find_sharded`][batchfit.find_sharded] and ``batchfit probe TARGET
 --nproc-per-trial N``: the workers' command line is built from the [`Options`][batchfit.Options] here
-(`worker_args`), the jobs are `batchfit.probe.jobs`' (`JobPerTrial`), and the search, the safe batch
+(`worker_args`), the jobs are `batchfit.probe.job_runner`' (`JobPerTrial`), and the search, the safe batch
 and the [`Result`][batchfit.Result] are `find()`'s own (`search_with`).
 
 From a guess (`FromGuess`: a safe batch per rank, or a `Result` whose safe batch and memory line
@@ -35,7 +35,7 @@ from typing import Any
 
 from batchfit.probe.cache_files import TRIAL_LOG_SCHEMA, append_line, read_file, read_trial_log
 from batchfit.probe.finder import search_with
-from batchfit.probe.jobs import JobPerTrial, Opening
+from batchfit.probe.job_runner import JobPerTrial, Opening
 from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
 from batchfit.probe.options import Options
 from batchfit.probe.probing import Oracle

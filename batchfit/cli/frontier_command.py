@@ -26,7 +26,7 @@ from batchfit.probe.keywords import FrontierOptions
 from batchfit.version import __version__
 
 if TYPE_CHECKING:
-    from batchfit.cli.targets import Target
+    from batchfit.targets import Target
 
 #: The image formats ``--plot`` writes (matplotlib's own, without Pillow).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")

@@ -2,8 +2,8 @@
 
 The process joins a fake process group of W ranks as rank 0 *before* the target loads (as a rank
 of a ``--nproc-per-trial`` job joins its group first), so the target's ``fully_shard`` shards over
-W ranks; `batchfit.estimation.sharded` does the rest. With the hidden ``--keywords-json PATH`` it
-is `batchfit.estimation.sharded.estimate_sharded`'s process: the keywords come from that file and
+W ranks; `batchfit.estimation.rank_estimate` does the rest. With the hidden ``--keywords-json PATH`` it
+is `batchfit.estimation.rank_estimate.estimate_sharded`'s process: the keywords come from that file and
 the answer, or the error, goes to ``--json`` as JSON.
 """
 
@@ -33,8 +33,8 @@ def check_sharded_flags(args: argparse.Namespace) -> None:
 def load_sharded(spec: str, world_size: int) -> Any:
     """The target, loaded in the fake group; a mesh the group cannot build, or a target that asks
     for CUDA where there is none, is a ``ValueError`` that says so."""
-    from batchfit.cli.targets import TargetCallError, load_target
     from batchfit.errors import first_line
+    from batchfit.targets import TargetCallError, load_target
 
     try:
         return load_target(spec)
@@ -75,9 +75,9 @@ def estimate_sharded_command(
     """The estimate, shown and written as ``batchfit estimate``'s (keywords: the flags' own; ``estimated``:
     its way of turning a failure into an exit code)."""
     from batchfit.cli.output import plan_line
-    from batchfit.cli.targets import TargetCallError, TargetError
     from batchfit.estimation.fake_ranks import fake_group
-    from batchfit.estimation.sharded import estimate_in_group
+    from batchfit.estimation.rank_estimate import estimate_in_group
+    from batchfit.targets import TargetCallError, TargetError
     from batchfit.view.progress import make_view
 
     with fake_group(args.world_size):
@@ -108,7 +108,7 @@ def estimate_sharded_command(
 def sharded_child(args: argparse.Namespace) -> int:
     """`estimate_sharded`'s process: keywords from ``--keywords-json``, the result or the error to ``--json``."""
     from batchfit.estimation.fake_ranks import fake_group
-    from batchfit.estimation.sharded import error_document, estimate_in_group
+    from batchfit.estimation.rank_estimate import error_document, estimate_in_group
 
     if args.world_size is None or not args.json:
         raise UsageError("--keywords-json goes with --world-size and --json")

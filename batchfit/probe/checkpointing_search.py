@@ -28,7 +28,7 @@ partitioner's activation memory budget instead of blocks, in steps of 0.1 from 1
 searched the same way (k steps below 1.0 for k blocks): each budget a fresh compile of the model's
 module under that setting, the user's compiled code untouched.
 
-Every probe applies its policy around itself (`batchfit.probe.recompute.applied`) and the prober
+Every probe applies its policy around itself (`batchfit.probe.checkpointing_blocks.applied`) and the prober
 restores everything else, so the model comes back as it was whatever happens, Ctrl-C included.
 """
 
@@ -44,13 +44,7 @@ from typing import Any
 from torch import nn
 
 from batchfit.backends import backend_for, resolve_device
-from batchfit.probe.compiled import compiled_info
-from batchfit.probe.finder import search_with
-from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
-from batchfit.probe.options import Options
-from batchfit.probe.prober import Prober
-from batchfit.probe.probing import FromLine
-from batchfit.probe.recompute import (
+from batchfit.probe.checkpointing_blocks import (
     BUDGET_SOURCE,
     BUDGET_STEPS,
     Blocks,
@@ -61,6 +55,12 @@ from batchfit.probe.recompute import (
     policy_for,
     saving,
 )
+from batchfit.probe.compiled import compiled_info
+from batchfit.probe.finder import search_with
+from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
+from batchfit.probe.options import Options
+from batchfit.probe.prober import Prober
+from batchfit.probe.probing import FromLine
 from batchfit.probe.safe_batch import safe_cap
 from batchfit.probe.timing import UNTIMED_STEPS
 from batchfit.report import Fit, Placement, Policy, PolicyRow, Result, Trial

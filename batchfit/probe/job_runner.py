@@ -22,7 +22,7 @@ every trial is a fresh job (DeepSpeed's autotuner does the same):
   with the same settings reuses them instead of running those jobs again (resume after Ctrl-C, a
   node failure, or a change of search options); a verification's entry records the cap it ran under;
 * the first job is `Opening`'s: ``init_batch`` (it tells the driver the budget every rank has), or,
-  for a search from a guess (`batchfit.probe.sharded`), the guessed safe batch's verification, each
+  for a search from a guess (`batchfit.probe.job_search`), the guessed safe batch's verification, each
   rank under its own budget less the headroom (the driver learns the budget from that same job).
 
 The search, the safe batch and the result are ``find()``'s own (`batchfit.probe.finder.search_with`);
@@ -81,7 +81,7 @@ class JobPerTrial:
     """A probe whose every trial is a fresh ``torchrun`` job of ``nproc`` ranks (see the module docs).
 
     ``worker_args``: what follows ``batchfit probe`` for a worker (the target, the device and the
-    memory options, `batchfit.probe.sharded.worker_args`); ``key``: the settings a logged verdict
+    memory options, `batchfit.probe.job_search.worker_args`); ``key``: the settings a logged verdict
     must match to be reused; ``opening``: the first job (default: ``init_batch``).
     """
 

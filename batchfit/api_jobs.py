@@ -2,7 +2,7 @@
 
 The Python way in, and the command line's (``batchfit probe TARGET --nproc-per-trial N`` calls it):
 the arguments checked before any job, the search started from the sharded estimate where one can be
-made (`batchfit.estimation.sharded`), the jobs and the search run by `batchfit.probe.sharded`.
+made (`batchfit.estimation.rank_estimate`), the jobs and the search run by `batchfit.probe.job_search`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def find_sharded(
     Each rank joins the process group, then calls the target's factory (so it may call
     `fully_shard`), runs one trial with the model's own collectives and writes its verdict; the
     first rank out of memory ends its job at once, so no rank waits in a collective
-    (`batchfit.probe.jobs`). The search, the safe batch and the answer are `find`'s, from this
+    (`batchfit.probe.job_runner`). The search, the safe batch and the answer are `find`'s, from this
     process, which loads no model. `batchfit probe TARGET --nproc-per-trial N` runs the same.
 
     Args:
@@ -65,7 +65,7 @@ def find_sharded(
             guess holds, and the answer is exact either way. `None`: from the estimate (below), else
             from `init_batch`.
         estimate: without a `guess`, start from the sharded estimate
-            (`batchfit.estimation.sharded.estimate_sharded`, on fake tensors with a fake process
+            (`batchfit.estimation.rank_estimate.estimate_sharded`, on fake tensors with a fake process
             group of `nproc` ranks, in seconds and no job); it needs `memory_limit` as a size.
             When it cannot be made, the search starts from `init_batch` and a note says why.
         **keywords: `find`'s options and hooks. The code options (`loss_fn`, `optimizer`, ...) come
@@ -150,7 +150,7 @@ def estimated_guess(
         return None, ["the search started from init_batch: the sharded estimate needs memory_limit as a size"]
     from batchfit.backends import default_device
     from batchfit.estimation import estimate_sharded
-    from batchfit.probe.sharded import log_estimate, log_key, logged_estimate
+    from batchfit.probe.job_search import log_estimate, log_key, logged_estimate
 
     device = str(options.device or default_device()).split(":")[0]
     defaults = Options()

@@ -1,5 +1,5 @@
 """``--nproc-per-trial``: the driver's side (a search whose trials are fresh torchrun jobs) and the
-side of one rank of such a job. The jobs themselves are ``batchfit.probe.jobs``'s."""
+side of one rank of such a job. The jobs themselves are ``batchfit.probe.job_runner``'s."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], callbacks: dict[str, Any]) -> Any:
     """The search whose trials are jobs: [`find_sharded`][batchfit.find_sharded]'s, one path for both."""
-    from batchfit.sharded import find_sharded
+    from batchfit.api_jobs import find_sharded
 
     return find_sharded(
         args.target,
@@ -41,9 +41,9 @@ def rank_timeout(args: argparse.Namespace) -> float:
 
 def trial_worker(args: argparse.Namespace, launch: Launch) -> int:
     """One rank of a ``--nproc-per-trial`` job: join the group, *then* load the target (its factory
-    may shard the model), run one trial, write the verdict (``batchfit.probe.jobs``). Silent."""
-    from batchfit.cli.targets import load_target
+    may shard the model), run one trial, write the verdict (``batchfit.probe.job_runner``). Silent."""
     from batchfit.probe import Options, run_worker_trial, write_verdict
+    from batchfit.targets import load_target
 
     out = Path(args.trial_dir)
     device, limit, _, _ = probe_plan(args, launch)
