@@ -19,14 +19,14 @@ function has to say how to try a size cheaply:
   wrapper grows from ``starting_batch_size`` (doubling) and bisects to the exact largest size
   that fits (or searches down when ``starting_batch_size`` already fails). Then it makes
   **one** real call with ``probe=False`` and returns that call's result.
-  The real call uses the largest fit less a ``headroom`` fraction, by default none: the exact
+  The real call uses the largest fit less a ``margin``, a fraction of its samples, by default none: the exact
   boundary, as the decorator this replaces means "the largest size that runs". The probe saw a
   few steps at one shape; the real run goes on for hours and may meet what the probe never did
-  (evaluation, longer or variable-length batches, fragmentation), so ``headroom=0.1`` leaves a
+  (evaluation, longer or variable-length batches, fragmentation), so ``margin=0.1`` leaves a
   margin, counted in samples, not bytes (an opaque function gives no memory figures; memory is
   roughly fixed + per-sample, so 10% fewer samples frees a little less than 10% of it). When
-  every size up to ``max_batch_size`` fitted, no headroom is taken: the cap, not memory, decided.
-  If the real call still runs out of memory, it is retried lower by ``max(headroom, 10%)`` each
+  every size up to ``max_batch_size`` fitted, no margin is taken: the cap, not memory, decided.
+  If the real call still runs out of memory, it is retried lower by ``max(margin, 10%)`` each
   time (Accelerate's semantics, logged as a warning).
 * **Without** ``probe``: Accelerate's semantics exactly. The first call is at
   ``starting_batch_size``, the first size that completes is the answer (so a start below the
@@ -47,7 +47,7 @@ full collection costs ~0.1 s per try in a big process, which is small next to bu
 ``find_executable_batch_size(function=None, starting_batch_size=128, reduce_batch_size_fn=None)``
 is the same, and the function still gets ``batch_size`` as its first positional argument):
 
-* The keywords ``max_batch_size`` (32768), ``multiple_of`` (1) and ``headroom`` (0) are extra.
+* The keywords ``max_batch_size`` (32768), ``multiple_of`` (1) and ``margin`` (0; ``headroom=``, which warns) are extra.
   ``starting_batch_size`` must be a multiple of ``multiple_of`` and at most ``max_batch_size``.
 * ``reduce_batch_size_fn`` (no arguments, returns the next size) is used only without
   ``probe``, in place of the 10% step down. With ``probe`` the search picks every size, so it is not
@@ -93,8 +93,10 @@ from typing import Any, Generic, NoReturn, TypeVar, overload
 import torch
 
 from batchfit.backends import backend_for, default_device, is_oom
+from batchfit.backends.select import is_host
 from batchfit.errors import NothingFitsError, first_line
 from batchfit.probe import DEFAULT_MAX_BATCH
+from batchfit.probe.options import renamed
 from batchfit.search import Bracket, Doubling, Grid, search
 from batchfit.search.core import midpoint
 
@@ -154,7 +156,7 @@ class ExecutableBatchSize(Generic[T]):
         reduce_batch_size_fn: Callable[[], int] | None,
         max_batch_size: int,
         multiple_of: int,
-        headroom: float,
+        margin: float,
     ) -> None:
         for name, value in (
             ("starting_batch_size", starting_batch_size),
@@ -169,15 +171,15 @@ class ExecutableBatchSize(Generic[T]):
             raise ValueError(f"starting_batch_size={starting_batch_size} must be a multiple of {multiple_of=}")
         if max_batch_size < starting_batch_size:
             raise ValueError(f"max_batch_size={max_batch_size} is below starting_batch_size={starting_batch_size}")
-        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
-            raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ValueError(f"margin must be a fraction in [0, 1) of the samples, got {margin!r}")
         if reduce_batch_size_fn is not None and not callable(reduce_batch_size_fn):
             raise TypeError("reduce_batch_size_fn must be a callable that takes no arguments")
         functools.update_wrapper(self, function)
         self.function = function
         self.grid = Grid(starting_batch_size, max_batch_size, multiple_of)
         self.reduce_batch_size_fn = reduce_batch_size_fn
-        self.headroom = float(headroom)
+        self.margin = float(margin)
         self.takes_probe, self._positional = _inspect(function)
         self.batch_size: int | None = None
         self.largest_fit: int | None = None
@@ -207,7 +209,7 @@ class ExecutableBatchSize(Generic[T]):
             logger.warning("batchfit: reduce_batch_size_fn is not used; the probes search for the exact boundary")
         largest, capped = self._search(lambda size: self._try(size, True, args, kwargs)[0])
         self.largest_fit = largest
-        size = largest if capped else self._below(largest, self.headroom, inclusive=True)
+        size = largest if capped else self._below(largest, self.margin, inclusive=True)
         logger.info(
             "batchfit: largest batch size that fits %d (%d probes%s); training at %d",
             largest,
@@ -215,7 +217,7 @@ class ExecutableBatchSize(Generic[T]):
             ", every size up to max_batch_size fitted" if capped else "",
             size,
         )
-        return self._descend(size, args, kwargs, lambda failed: self._below(failed, max(self.headroom, REAL_CALL_STEP)))
+        return self._descend(size, args, kwargs, lambda failed: self._below(failed, max(self.margin, REAL_CALL_STEP)))
 
     def _first_success(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
         """Accelerate's semantics: go down from the start until a call completes."""
@@ -305,7 +307,7 @@ class ExecutableBatchSize(Generic[T]):
     def _below(self, size: int, fraction: float, inclusive: bool = False) -> int:
         """``size`` less ``fraction`` of it, on the grid and at least the smallest size.
 
-        ``inclusive``: ``size`` itself is allowed (zero headroom); otherwise the result is below
+        ``inclusive``: ``size`` itself is allowed (zero margin); otherwise the result is below
         ``size``, and when ``size`` is already the smallest, nothing fits.
         """
         step = self.grid.multiple_of
@@ -368,7 +370,7 @@ def _free_memory() -> None:
     blocks back, so the next try starts from the same memory (the backend knows how)."""
     gc.collect()
     kind = default_device()
-    if kind == "cpu":
+    if is_host(kind):
         return
     # A process that never touched the accelerator must not create its context just to empty it.
     initialized = getattr(getattr(torch, kind, None), "is_initialized", None)
@@ -385,7 +387,8 @@ def find_executable_batch_size(
     *,
     max_batch_size: int = ...,
     multiple_of: int = ...,
-    headroom: float = ...,
+    margin: float | None = ...,
+    headroom: float | None = ...,
 ) -> ExecutableBatchSize[T]: ...
 
 
@@ -397,7 +400,8 @@ def find_executable_batch_size(
     *,
     max_batch_size: int = ...,
     multiple_of: int = ...,
-    headroom: float = ...,
+    margin: float | None = ...,
+    headroom: float | None = ...,
 ) -> Callable[[Callable[..., T]], ExecutableBatchSize[T]]: ...
 
 
@@ -408,7 +412,8 @@ def find_executable_batch_size(
     *,
     max_batch_size: int = DEFAULT_MAX_BATCH,
     multiple_of: int = 1,
-    headroom: float = 0.0,
+    margin: float | None = None,
+    headroom: float | None = None,
 ) -> ExecutableBatchSize[T] | Callable[[Callable[..., T]], ExecutableBatchSize[T]]:
     """Decorate a training function ``f(batch_size, ...)`` so that it runs at a batch size that fits.
 
@@ -421,7 +426,7 @@ def find_executable_batch_size(
     train()
     ```
 
-    With a ``probe`` parameter the size is the exact largest that fits, less ``headroom``, and
+    With a ``probe`` parameter the size is the exact largest that fits, less a ``margin`` of its samples, and
     the real run happens once. Without it the first size that completes wins, stepping down 10%
     after each out-of-memory as Accelerate does, or to what ``reduce_batch_size_fn`` returns (see
     the module docs for why, and for the differences from Accelerate).
@@ -430,6 +435,8 @@ def find_executable_batch_size(
     once where the run evaluates, after an optimizer step, then reuse its size through
     ``evaluate.__wrapped__(evaluate.batch_size)`` (each decorated call searches again).
     """
+    margin, _ = renamed("find_executable_batch_size", "headroom", headroom, "margin", margin, "a fraction of samples")
+    margin = 0.0 if margin is None else margin
     if function is None:
         return functools.partial(  # type: ignore[return-value]
             find_executable_batch_size,
@@ -437,8 +444,6 @@ def find_executable_batch_size(
             reduce_batch_size_fn=reduce_batch_size_fn,
             max_batch_size=max_batch_size,
             multiple_of=multiple_of,
-            headroom=headroom,
+            margin=margin,
         )
-    return ExecutableBatchSize(
-        function, starting_batch_size, reduce_batch_size_fn, max_batch_size, multiple_of, headroom
-    )
+    return ExecutableBatchSize(function, starting_batch_size, reduce_batch_size_fn, max_batch_size, multiple_of, margin)

@@ -9,14 +9,16 @@ core: the probe itself never prints and never imports a view. [`plan`][batchfit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from batchfit.api_jobs import find_target
 from batchfit.estimation import Plan, check_target, plan_for
 from batchfit.probe import Options
-from batchfit.probe.keywords import FindOptions, FrontierOptions, NoiseOptions, split_hooks
+from batchfit.probe.keywords import FindOptions, FrontierOptions, JobOptions, NoiseOptions, keywords_of, split_hooks
 from batchfit.probe.options import options_from
 from batchfit.report import Fit, Frontier, NoiseScale, Placement, Result
+from batchfit.view.frontier_view import FrontierProgress
 from batchfit.view.progress import Progress
 
 if TYPE_CHECKING:
@@ -24,12 +26,18 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from batchfit.probe import PointCallback
-    from batchfit.probe.keywords import FindKeywords, FrontierKeywords
+    from batchfit.probe.keywords import FindJobKeywords, FindKeywords, FrontierKeywords
 
 __all__ = ["find", "fit", "frontier", "noise_scale", "plan"]
 
 
-def find(model: nn.Module, sample: Any = None, **keywords: Unpack[FindKeywords]) -> Result:
+def find(
+    model_or_target: nn.Module | str,
+    sample: Any = None,
+    *,
+    world_size: int | None = None,
+    **keywords: Unpack[FindJobKeywords],
+) -> Result:
     """Find the largest batch that trains, a safe batch with headroom, and the fastest batch.
 
     Runs real steps (forward, loss, backward, optimizer step; forward only with
@@ -38,14 +46,22 @@ def find(model: nn.Module, sample: Any = None, **keywords: Unpack[FindKeywords])
     model, its buffers, train/eval flags, gradients, the given optimizer and the RNG state come
     back exactly as they were, whatever happens (Ctrl-C included).
 
+    A model is probed in this process, on the ranks launched (`distributed=`). A target,
+    `"package.module:factory"` or `"path/to/file.py:factory"` with `world_size=N`, is a sharded
+    model (FSDP, FSDP2) whose every trial is a fresh `torchrun` job of N ranks that builds it
+    (`batchfit.api_jobs.find_target`; `find_sharded` is the same call).
+
     Args:
-        model: the `nn.Module` to probe.
+        model_or_target: the `nn.Module` to probe, or a target as `batchfit probe` takes it.
         sample: one batch as the model takes it (tensor -> `model(x)`, tuple/list -> `model(*x)`,
             mapping -> `model(**x)`), whose rows are repeated; or a `DataLoader` (any iterable of
-            batches), sized on its worst batch (`Result.sized_on` says which).
+            batches), sized on its worst batch (`Result.sized_on` says which). A target's factory
+            returns its own.
+        world_size: a target's ranks per job; batch sizes are per rank. Refused with a model.
         **keywords: the options, each documented once in
-            [`FindOptions`][batchfit.probe.keywords.FindOptions] (defaults there), and the
-            [`Hooks`][batchfit.probe.keywords.Hooks] a front end is told through.
+            [`FindOptions`][batchfit.probe.keywords.FindOptions] (defaults there), the
+            [`Hooks`][batchfit.probe.keywords.Hooks] a front end is told through, and with a target
+            the job search's own ([`JobOptions`][batchfit.probe.keywords.JobOptions]).
 
     Returns:
         The frozen [`Result`][batchfit.Result]: `max_batch`, `safe_batch`, `best_throughput_batch`,
@@ -57,17 +73,30 @@ def find(model: nn.Module, sample: Any = None, **keywords: Unpack[FindKeywords])
         DeviceFailedError: the device failed for good (device-side assert, illegal address).
         RankFailedError: across ranks, another rank raised an error that is not an out-of-memory.
         RanksTimeoutError: across ranks, not every rank reached a meeting point in time.
-        TypeError, ValueError: a bad argument, named.
+        TypeError, ValueError: a bad argument, named (a model with `world_size` or a job search's
+            keyword; a target without `world_size`, or with a `sample`).
         Exception: the model's own error that is not an out-of-memory, unchanged, with a note
             naming the batch size.
     """
+    if isinstance(model_or_target, str) and ":" not in model_or_target.strip(":"):
+        raise TypeError(
+            f"model must be a torch.nn.Module, got str {model_or_target!r} (a target is 'module:factory' or "
+            "'path/to/file.py:factory', with world_size=)"
+        )
+    if isinstance(model_or_target, str):
+        if sample is not None:
+            raise TypeError(
+                f"find({model_or_target!r}) got a sample: a target's factory returns the sample its ranks size on"
+            )
+        return find_target(model_or_target, world_size, **keywords)
+    model = model_or_target
+    refuse_job_keywords("find", world_size, keywords)
     hooks, given = split_hooks("find", keywords, FindOptions)
     options = Options(**given)
     progress = hooks.pop("progress", False)
-    from batchfit.distributed import leads  # under torchrun only rank 0 shows the view
-    from batchfit.probe import find_with  # the algorithm, and torch, only once a probe runs
+    from batchfit.probe import find_with  # lazy: the algorithm loads torch, which a plan of a result must not
 
-    if not progress or not leads(options.distributed):
+    if not shows_view(progress, options):
         return find_with(model, sample, options, **hooks)
     # The probe never prints: the view is fed through the same callbacks a caller could pass.
     told = (hooks.get(name) for name in ("callback", "on_trial_start", "on_start"))
@@ -110,7 +139,7 @@ def fit(
             recomputing them lowers the peak most); `"evenly"`: spread over the N.
         accumulate: allow gradient accumulation to reach the target; `False` asks for it in one step.
         **keywords: [`find`][batchfit.find]'s options and hooks (not `cache` or `noise_scale`);
-            `timed_steps` counts per candidate, at least 2.
+            the warm timed steps count per candidate, at least 2.
 
     Returns:
         The frozen [`Fit`][batchfit.Fit]: a row per policy measured (max, safe batch, memory
@@ -125,11 +154,10 @@ def fit(
     hooks, given = split_hooks("fit", keywords, FindOptions)
     options = Options(**given)
     progress = hooks.pop("progress", False)
-    from batchfit.distributed import leads
-    from batchfit.probe import fit_with  # torch, once a probe runs
+    from batchfit.probe import fit_with  # lazy: torch, as find's
 
     arguments: dict[str, Any] = {"checkpointing": checkpointing, "placement": placement, "accumulate": accumulate}
-    if not progress or not leads(options.distributed):
+    if not shows_view(progress, options):
         return fit_with(model, sample, target_batch, options, **arguments, **hooks)
     told = (hooks.get(name) for name in ("callback", "on_trial_start", "on_start"))
     with Progress(type(model).__name__, *told) as shown:
@@ -174,14 +202,13 @@ def frontier(
     options = Options(**given)
     progress = hooks.pop("progress", False)
     callback, on_trial_start, on_start = (hooks.get(name) for name in ("callback", "on_trial_start", "on_start"))
-    from batchfit.distributed import leads  # under torchrun only rank 0 shows the view
-    from batchfit.probe import Prober, check_lengths, frontier_with  # torch, once a probe runs
+    from batchfit.probe import Prober, check_lengths, frontier_with  # lazy: torch, as find's
 
     def make_prober(at_length: Options) -> Prober:
         return Prober(model, None, options=at_length)
 
     lengths: dict[str, Any] = {"longest_at_batch_1": longest_at_batch_1, "max_seq_len": max_seq_len}
-    if not progress or not leads(options.distributed):
+    if not shows_view(progress, options):
         return frontier_with(
             model,
             make_batch,  # type: ignore[arg-type]
@@ -192,8 +219,6 @@ def frontier(
             **hooks,
             **lengths,
         )
-    from batchfit.view.frontier_view import FrontierProgress
-
     # As find(): the algorithm never prints; the view is fed through the callbacks.
     # The lengths read once (a generator or np.arange too), as the algorithm reads them, for the header.
     read = list(check_lengths(model, make_batch, seq_lens, max_seq_len, options.max_new_tokens or 0)[0])
@@ -241,7 +266,7 @@ def noise_scale(
         **options: [`NoiseOptions`][batchfit.probe.keywords.NoiseOptions], as `find` takes them.
     """
     settings = options_from("noise_scale", options, NoiseOptions, noise_scale=True, noise_passes=passes)
-    from batchfit.probe import measure_noise  # torch only once a measurement runs
+    from batchfit.probe import measure_noise  # lazy: torch, as find's
 
     return measure_noise(
         model, data, settings, micro_batch=micro_batch, per_window=per_window, confidence=confidence, seed=seed
@@ -308,6 +333,31 @@ def _is_frontier(value: Any) -> bool:
 def _records_length(sample: Any) -> bool:
     """Whether a probe of ``sample`` can record the sequence length it sized on
     (``Result.sized_on``): only a batch source (a ``DataLoader``) has its length found."""
-    from batchfit.probe import is_batch_source
+    from batchfit.probe import is_batch_source  # lazy: torch, which a plan of a result must not load
 
     return is_batch_source(sample)
+
+
+def shows_view(progress: bool, options: Options) -> bool:
+    """Whether this process shows the terminal view: asked for, and the leader under torchrun (rank 0)."""
+    if not progress:
+        return False
+    from batchfit.distributed import leads  # lazy: batchfit.distributed loads torch, which a plan of a result must not
+
+    return leads(options.distributed)
+
+
+def refuse_job_keywords(where: str, world_size: Any, keywords: Mapping[str, Any]) -> None:
+    """A model with `world_size` or a job search's keyword, named: those are a target's."""
+    if world_size is not None:
+        raise TypeError(
+            f"{where}() of a model got world_size={world_size!r}: the ranks of a model are the ones launched "
+            "(torchrun; distributed=), each probing its own copy. world_size= is for a target, 'module:factory', "
+            "whose every trial is a job of that many ranks"
+        )
+    jobs = [name for name in keywords_of(JobOptions) if name in keywords]
+    if jobs:
+        raise TypeError(
+            f"{where}() of a model got {', '.join(f'{name}=' for name in jobs)}: a job search's own, for a target "
+            "'module:factory' with world_size= (a model is probed in this process, with no jobs)"
+        )

@@ -1,4 +1,5 @@
-"""[`find_sharded`][batchfit.find_sharded]: a sharded model's batch sizes, every trial a fresh ``torchrun`` job.
+"""[`find`][batchfit.find] of a target (``find(target, world_size=N)``): a sharded model's batch sizes, every
+trial a fresh ``torchrun`` job; [`find_sharded`][batchfit.find_sharded], its alias.
 
 The Python way in, and the command line's (``batchfit probe TARGET --nproc-per-trial N`` calls it):
 the arguments checked before any job, the search started from the sharded estimate where one can be
@@ -16,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from batchfit.errors import first_line
 from batchfit.probe import Options
-from batchfit.probe.keywords import EstimateOptions, FindOptions, keywords_of, split_hooks
-from batchfit.probe.options import check_job_search
+from batchfit.probe.keywords import JOB_DEFAULTS, EstimateOptions, FindOptions, keywords_of, split_hooks
+from batchfit.probe.options import check_job_search, renamed
+from batchfit.probe.wire import to_wire
 from batchfit.report import Result
 from batchfit.units import parse_memory_limit
 from batchfit.view.progress import Progress
@@ -25,22 +27,35 @@ from batchfit.view.progress import Progress
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from batchfit.probe.keywords import FindKeywords
+    from batchfit.probe.keywords import FindJobKeywords, FindKeywords
 
-__all__ = ["find_sharded"]
+__all__ = ["find_sharded", "find_target"]
 
 
 def find_sharded(
+    target: str, world_size: int | None = None, *, nproc: int | None = None, **keywords: Unpack[FindJobKeywords]
+) -> Result:
+    """[`find`][batchfit.find] of a target over jobs of `world_size` ranks: `find(target, world_size=world_size, ...)`.
+
+    Kept as the name the job search shipped with; the same call, the same answer. `nproc=`, its
+    old name for `world_size`, still works with a `DeprecationWarning`.
+    """
+    world_size, name = renamed("find_sharded", "nproc", nproc, "world_size", world_size)
+    return find_target(target, world_size, size_name=name, **keywords)
+
+
+def find_target(
     target: str,
-    nproc: int,
+    world_size: int | None,
     *,
     trial_log: str | os.PathLike[str] | None = None,
-    trial_timeout: float = 600.0,
+    trial_timeout: float = JOB_DEFAULTS["trial_timeout"],
     guess: int | Result | None = None,
-    estimate: bool = True,
+    estimate: bool = JOB_DEFAULTS["estimate"],
+    size_name: str = "world_size",
     **keywords: Unpack[FindKeywords],
 ) -> Result:
-    """[`find`][batchfit.find] for a sharded model (FSDP, FSDP2): every trial a fresh `torchrun` job of `nproc` ranks.
+    """[`find`][batchfit.find] for a sharded model (FSDP, FSDP2): each trial a `torchrun` job of `world_size` ranks.
 
     Each rank joins the process group, then calls the target's factory (so it may call
     `fully_shard`), runs one trial with the model's own collectives and writes its verdict; the
@@ -52,28 +67,22 @@ def find_sharded(
         target: `"package.module:factory"` or `"path/to/file.py:factory"`, a factory that returns
             `(model, sample)` or a mapping with `model`, `sample` and optionally `optimizer`,
             `loss_fn`, `step_fn`, ... (what `batchfit probe` takes).
-        nproc: the ranks of every job (`--nproc-per-node`); batch sizes are per rank.
-        trial_log: a JSON-lines file every job's verdicts are appended to; a later call with the
-            same settings reuses them instead of running those jobs again (resume after Ctrl-C), and
-            the sharded estimate it started from. Keyed by the target's file (its SHA-256), the
-            device, the ranks and their options and the versions; a line a crash cut off is skipped,
-            a verdict that contradicts itself is not reused (docs/how-to/sharded-jobs.md).
-        trial_timeout: seconds a job may take to answer before it is killed and reported.
-        guess: where to start: the safe batch per rank you expect (an `int`), or a `Result` (an
-            estimate, an earlier answer) whose safe batch and bytes per sample aim the search. The
-            first job verifies that safe batch, the next goes to the boundary: three jobs when the
-            guess holds, and the answer is exact either way. `None`: from the estimate (below), else
-            from `init_batch`.
-        estimate: without a `guess`, start from the sharded estimate
-            (`batchfit.estimation.rank_estimate.estimate_sharded`, on fake tensors with a fake process
-            group of `nproc` ranks, in seconds and no job); it needs `memory_limit` as a size.
-            When it cannot be made, the search starts from `init_batch` and a note says why.
+        world_size: the ranks of every job (`--nproc-per-node`); batch sizes are per rank.
+        trial_log, trial_timeout, guess, estimate: the job search's own
+            ([`JobOptions`][batchfit.probe.keywords.JobOptions]). A trial log is keyed by the target's
+            file (its SHA-256), the device, the ranks and their options and the versions; a line a
+            crash cut off is skipped, a verdict that contradicts itself is not reused
+            (docs/how-to/sharded-jobs.md). A `guess`'s first job verifies its safe batch, the next
+            goes to the boundary: three jobs when the guess holds, and the answer is exact either
+            way. The estimate is `batchfit.estimation.rank_estimate.estimate_sharded`'s; when it
+            cannot be made, the search starts from `init_batch` and a note says why.
+        size_name: the name the caller gave `world_size` under, for its messages.
         **keywords: `find`'s options and hooks. The code options (`loss_fn`, `optimizer`, ...) come
             from the target instead; `eval`, `noise_scale`, `cache` and `distributed` are refused.
             On CPU without `memory_limit` each rank takes the command line's 256 MiB.
 
     Returns:
-        The frozen [`Result`][batchfit.Result], per rank, as `find` gives it (`world_size` is `nproc`).
+        The frozen [`Result`][batchfit.Result], per rank, as `find` gives it (its `world_size` too).
 
     Raises:
         TypeError, ValueError: a bad argument, named, before any job starts (a ``trial_log`` that is
@@ -82,32 +91,35 @@ def find_sharded(
         RanksTimeoutError: a job gave no answer within `trial_timeout`, or a rank stopped answering (named).
         NothingFitsError: even the first size runs out of memory.
     """
-    check_sharded_call(target, nproc, trial_log, trial_timeout, guess)
+    check_sharded_call(target, world_size, trial_log, trial_timeout, guess, size_name)
     if not isinstance(estimate, bool):
         raise TypeError(f"estimate must be True or False, got {estimate!r}")
-    hooks, given = split_hooks("find_sharded", keywords, FindOptions)
+    hooks, given = split_hooks("find", keywords, FindOptions)
     options = Options(**given)
     check_job_search(options)
     progress = hooks.pop("progress", False)
     started = time.monotonic()
-    from batchfit.probe import find_sharded_with  # torch, once a job runs
-
+    assert world_size is not None  # checked above
+    # lazy: torch, which find of a model and a plan must not load
+    from batchfit.probe.job_search import find_sharded_with
     said: list[str] = []
     if guess is None and estimate:
-        guess, said = estimated_guess(target, nproc, options, trial_timeout, trial_log)
+        guess, said = estimated_guess(target, world_size, options, trial_timeout, trial_log)
     run = {"trial_log": trial_log, "trial_timeout": trial_timeout, "guess": guess}
     if not progress:
-        result = find_sharded_with(target, nproc, options, **run, **hooks)
+        result = find_sharded_with(target, world_size, options, **run, **hooks)
     else:
         told = (hooks.get(name) for name in ("callback", "on_trial_start", "on_start"))
         with Progress(target, *told) as shown:
-            result = find_sharded_with(target, nproc, options, **run, **shown.callbacks())
+            result = find_sharded_with(target, world_size, options, **run, **shown.callbacks())
             shown.summary(result)
     return replace(result, notes=(*said, *result.notes), elapsed_s=time.monotonic() - started)
 
 
-def check_sharded_call(target: Any, nproc: Any, trial_log: Any, trial_timeout: Any, guess: Any) -> None:
-    """`find_sharded`'s own arguments, named when wrong, before any job starts."""
+def check_sharded_call(
+    target: Any, world_size: Any, trial_log: Any, trial_timeout: Any, guess: Any, size_name: str = "world_size"
+) -> None:
+    """The job search's own arguments, named when wrong (`world_size` as ``size_name``), before any job starts."""
     if not isinstance(target, str):
         raise TypeError(f"target must be a str, 'package.module:factory', got {type(target).__name__}")
     where, _, factory = target.rpartition(":")
@@ -115,10 +127,15 @@ def check_sharded_call(target: Any, nproc: Any, trial_log: Any, trial_timeout: A
         raise ValueError(
             f"target must name a factory as 'package.module:factory' or 'path/to/file.py:factory', got {target!r}"
         )
-    if isinstance(nproc, bool) or not isinstance(nproc, int):
-        raise TypeError(f"nproc must be a positive int (the ranks of every job), got {type(nproc).__name__} {nproc!r}")
-    if nproc < 1:
-        raise ValueError(f"nproc must be a positive int (the ranks of every job), got {nproc}")
+    if world_size is None:
+        raise TypeError(
+            f"find({target!r}) needs world_size=: the ranks of every job its trials run (torchrun's --nproc-per-node)"
+        )
+    said = f"{size_name} must be a positive int (the ranks of every job)"
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"{said}, got {type(world_size).__name__} {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"{said}, got {world_size}")
     if trial_log is not None and not (isinstance(trial_log, (str, os.PathLike)) and os.fspath(trial_log)):
         raise TypeError(f"trial_log must be a file path (a str or os.PathLike) or None, got {trial_log!r}")
     timeout = trial_timeout
@@ -135,7 +152,7 @@ def check_sharded_call(target: Any, nproc: Any, trial_log: Any, trial_timeout: A
 
 
 def estimated_guess(
-    target: str, nproc: int, options: Options, timeout_s: float, trial_log: str | os.PathLike[str] | None = None
+    target: str, world_size: int, options: Options, timeout_s: float, trial_log: str | os.PathLike[str] | None = None
 ) -> tuple[Result | None, list[str]]:
     """The sharded estimate the search starts from, and a note; `None` and why not, when it cannot be made
     (within ``timeout_s``, as a job). With a trial log, the estimate logged under the same key when
@@ -148,20 +165,15 @@ def estimated_guess(
         limit = None  # a fraction: the device's size is not known here
     if limit is None:
         return None, ["the search started from init_batch: the sharded estimate needs memory_limit as a size"]
-    from batchfit.backends import default_device
-    from batchfit.estimation import estimate_sharded
-    from batchfit.probe.job_search import log_estimate, log_key, logged_estimate
+    from batchfit.backends import default_device  # lazy: the backends load torch
+    from batchfit.estimation import estimate_sharded  # lazy: torch, as the backends
+    from batchfit.probe.job_search import log_estimate, log_key, logged_estimate  # lazy: torch, once a job runs
 
     device = str(options.device or default_device()).split(":")[0]
-    defaults = Options()
-    keywords = {
-        name: getattr(options, name)
-        for name in keywords_of(EstimateOptions)
-        if getattr(options, name) != getattr(defaults, name) and isinstance(getattr(options, name), (str, int, float))
-    }
+    keywords = to_wire(options, keywords_of(EstimateOptions), plain_only=True)
     log = Path(trial_log) if trial_log is not None else None
     key = {"estimate": {"device": device, "memory_limit": limit, **keywords}}
-    key = {**log_key(target, nproc, options), **key} if log is not None else key
+    key = {**log_key(target, world_size, options), **key} if log is not None else key
     logged = logged_estimate(log, key) if log is not None else None
     if logged is not None and logged["result"] is None:
         return None, [f"the search started from init_batch: the sharded estimate failed ({logged['failed']}; the trial "
@@ -175,7 +187,13 @@ def estimated_guess(
     started = time.monotonic()
     try:
         estimated = estimate_sharded(
-            target, nproc, memory_limit=limit, device=device, reserve=options.reserve, timeout_s=timeout_s, **keywords
+            target,
+            world_size,
+            memory_limit=limit,
+            device=device,
+            reserve=options.reserve,
+            timeout_s=timeout_s,
+            **keywords,
         )
     except Exception as exc:  # noqa: BLE001 (the jobs still give the answer; the note says why they started low)
         if log is not None:

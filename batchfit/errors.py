@@ -1,6 +1,8 @@
-"""The exceptions batchfit raises on purpose, and the two helpers that word exceptions.
+"""The exceptions batchfit raises on purpose, the helpers that word exceptions, and their JSON form.
 
 Pure Python (no torch import) so that the search module can raise them too.
+A process hop (a job's rank, the sharded estimate's process: `batchfit.worker`) writes its error as
+`error_document` and the caller raises `error_from` of it: the same type, with the same fields.
 Errors in the user's input are plain ``TypeError`` / ``ValueError`` with a precise
 message; the classes here cover the outcomes of a probe itself.
 """
@@ -152,3 +154,45 @@ def annotate(exc: BaseException, note: str) -> None:
         notes = list(getattr(exc, "__notes__", []))
         notes.append(note)
         exc.__notes__ = notes  # type: ignore[attr-defined]
+
+
+def error_document(exc: BaseException) -> dict[str, Any]:
+    """What a worker process writes instead of an answer, for its caller to raise again (`error_from`):
+    a batchfit error by its class name, with its arguments and fields (those JSON can carry);
+    ``TypeError`` / ``ValueError`` (a subclass too) as such; anything else by its type's name."""
+    said: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, BatchfitError):
+        said["args"] = [_json_value(arg) for arg in exc.args]
+        said["fields"] = {name: _json_value(value) for name, value in vars(exc).items()}
+    elif isinstance(exc, (TypeError, ValueError)):
+        said["type"] = "TypeError" if isinstance(exc, TypeError) else "ValueError"
+    return {"error": said}
+
+
+def error_from(document: dict[str, Any], where: str = "the worker process") -> Exception:
+    """The exception `error_document` wrote, as its own type where that is batchfit's, ``TypeError``
+    or ``ValueError``; anything else a ``RuntimeError`` that names the type (``where`` raised it)."""
+    said = document["error"]
+    kind, message = str(said.get("type")), str(said.get("message"))
+    errors = {cls.__name__: cls for cls in _subclasses(BatchfitError)}
+    if kind in errors and isinstance(said.get("fields"), dict):
+        return _rebuild(errors[kind], tuple(said.get("args", [message])), dict(said["fields"]))
+    if kind in ("TypeError", "ValueError"):
+        return TypeError(message) if kind == "TypeError" else ValueError(message)
+    return RuntimeError(f"{where} raised {kind}: {message}")
+
+
+def _subclasses(cls: type[BatchfitError]) -> list[type[BatchfitError]]:
+    found = [cls]
+    for sub in cls.__subclasses__():
+        found += _subclasses(sub)
+    return found
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` where JSON carries it as it is, else its text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_value(item) for item in value]
+    return str(value)

@@ -9,9 +9,11 @@ Lightning reads the batch size (``lightning_setattr``: the module, its ``hparams
 datamodule) and drops the loop's dataloaders as Lightning's tuner does, so that the fit loop
 rebuilds them and the run that follows really trains at that size. With ``target_batch`` it keeps
 the global batch instead, as micro-batch x gradient-accumulation steps x ranks
-([`batchfit.plan`][batchfit.plan]), and with ``checkpointing`` also the checkpointing policy
-([`batchfit.fit`][batchfit.fit]). ``noise_scale=True`` also measures the gradient noise scale from the
-run's train dataloader and logs it with the batch batchfit recommends (off by default: it costs passes).
+([`recommend`][batchfit.report.result.Result.recommend] with the trainer's ``world_size``: the split
+[`batchfit.plan`][batchfit.plan] gives too, applied and reported as one record), and with
+``checkpointing`` also the checkpointing policy ([`batchfit.fit`][batchfit.fit]).
+``noise_scale=True`` also measures the gradient noise scale from the run's train dataloader and logs it
+with the batch batchfit recommends (off by default: it costs passes).
 Where the validation loader reads a batch size of its own (``eval_batch_size`` or ``val_batch_size``,
 found where ``batch_size`` is), the same probe sizes the ``validation_step`` next to the training
 state (``find(eval=True)``) and sets it there too.
@@ -29,6 +31,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from batchfit.api import find, fit
 from batchfit.lightning_trainer import (
     draw_batch,
     first_optimizer,
@@ -41,6 +44,7 @@ from batchfit.lightning_trainer import (
     reload_dataloaders,
 )
 from batchfit.probe.options import find_options
+from batchfit.units import format_bytes, positive_int
 
 try:
     from lightning.pytorch import Callback as _Callback
@@ -55,7 +59,6 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Unpack
 
-    from batchfit.estimation import Plan
     from batchfit.probe.keywords import FindKeywords
     from batchfit.report import Fit, Recommendation, Result
 
@@ -92,7 +95,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             must exist (refused at ``setup``). ``eval=False`` skips the evaluation probe; ``eval=True``
             runs it even with nothing to set (the answer is in `result`, and a warning says it was not set).
         target_batch: keep this global batch (over every rank and accumulation step): the batch size
-            becomes the plan's micro-batch and ``trainer.accumulate_grad_batches`` its accumulation
+            becomes the recommendation's micro-batch and ``trainer.accumulate_grad_batches`` its accumulation
             steps. ``None``: train with the safe batch, accumulation untouched.
         checkpointing: with ``target_batch``, one process: ``"auto"`` (or block names) runs `batchfit.fit`
             and applies the policy it recommends, with its micro-batch and accumulation (`fit`; logged).
@@ -104,9 +107,11 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             ``_low``, ``_high``, ``batchfit/recommended_batch``, ``_global_batch``); too few batches: a warning.
 
     After ``fit`` has started, `result` holds the probe's [`Result`][batchfit.Result] (with
-    ``result.evaluation`` when evaluation was sized), `plan` the
-    [`Plan`][batchfit.Plan] with ``target_batch``, and [`recommendation`][batchfit.report.result.Result.recommendation]
-    the batch batchfit recommends ([`recommend`][batchfit.report.result.Result.recommend]).
+    ``result.evaluation`` when evaluation was sized) and
+    [`recommendation`][batchfit.report.result.Result.recommendation] the batch batchfit recommends for
+    the trainer's ranks ([`recommend`][batchfit.report.result.Result.recommend] with ``world_size``):
+    with ``target_batch`` the split that was applied (`plan` is the same record), without one advice
+    beside the safe batch that was set.
 
     Raises:
         ImportError: Lightning is not installed.
@@ -135,8 +140,6 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
             if not isinstance(value, str) or not value.isidentifier():
                 raise TypeError(f"{name} must be an attribute name, got {value!r}")
         if target_batch is not None:
-            from batchfit.units import positive_int
-
             positive_int("target_batch", target_batch)
         if checkpointing is not None and target_batch is None:  # the batch the policy must train
             raise ValueError("BatchFit(checkpointing=...) needs target_batch")
@@ -158,10 +161,14 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         self.noise_scale: bool = self.find_kwargs.pop("noise_scale", False)
         #: The probe's answer, once ``fit`` has started.
         self.result: Result | None = None
-        #: How ``target_batch`` is reached, when one was given.
-        self.plan: Plan | None = None
-        #: The batch batchfit recommends, with the noise scale when measured.
+        #: The batch batchfit recommends for the trainer's ranks, with the noise scale when measured:
+        #: with ``target_batch``, the split applied.
         self.recommendation: Recommendation | None = None
+
+    @property
+    def plan(self) -> Recommendation | None:
+        """With ``target_batch``, the split applied (`recommendation`); ``None`` without one."""
+        return self.recommendation if self.target_batch is not None else None
 
     # Lightning hooks ---------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str | None = None) -> None:
@@ -187,7 +194,8 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         size = self._apply(trainer, pl_module, self.result)
         if self.noise_scale:
             self.result = self._measure_noise(trainer, pl_module, self.result, size)
-        self.recommendation = self.result.recommend(target_batch=self.target_batch)
+            # The noise scale adds caveats; a target's split is chosen on the trials and the safe batch alone.
+            self.recommendation = self.result.recommend(target_batch=self.target_batch, world_size=trainer.world_size)
         if self.result.noise_scale is not None:
             log_noise(trainer, self.recommendation)
 
@@ -195,23 +203,20 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
     def _probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Result:
         """``find()`` on the strategy's model (DDP-wrapped where it is, so that batchfit defers its
         gradient all-reduce), stepping through ``strategy.training_step`` as the fit loop does."""
-        import batchfit
-
         kwargs = self._find_kwargs(trainer, pl_module)
         if self.find_kwargs.get("eval", self.eval_attribute is not None):  # the validation step too
             kwargs["eval"] = True
             if "eval_step" not in kwargs and (step := _validation_step(trainer, pl_module)) is not None:
                 kwargs["eval_step"] = step
         with logging_muted(pl_module), metrics_kept(pl_module):
-            return batchfit.find(trainer.strategy.model, batch, **kwargs)
+            return find(trainer.strategy.model, batch, **kwargs)
 
     def _fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         """``fit()`` through ``training_step``; its policy applied for the run, its batch and accumulation set."""
         from lightning.pytorch.utilities.parsing import lightning_setattr
         from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-        from batchfit.api import fit
-        from batchfit.probe.checkpointing_blocks import keep_policy
+        from batchfit.probe.checkpointing_blocks import keep_policy  # lazy: imports torch; this module must not
 
         if trainer.world_size > 1:
             raise ValueError("BatchFit(checkpointing=...) sizes one process; drop it under a distributed strategy")
@@ -248,7 +253,7 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
         from lightning.pytorch.utilities.seed import isolate_rng
 
-        from batchfit.probe import measure_noise
+        from batchfit.probe import measure_noise  # lazy: imports torch; this module must not
 
         options, loop = find_options("BatchFit", self._find_kwargs(trainer, pl_module)), trainer.fit_loop
         with isolate_rng(), logging_muted(pl_module), metrics_kept(pl_module):
@@ -269,13 +274,12 @@ class BatchFit(_Callback):  # type: ignore[misc,valid-type]
         from lightning.pytorch.utilities.parsing import lightning_setattr
         from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+        # The split applied is the one reported: the recommendation for the trainer's ranks.
+        self.recommendation = result.recommend(target_batch=self.target_batch, world_size=trainer.world_size)
         size = result.safe_batch
-        if self.target_batch is not None:
-            import batchfit
-
-            self.plan = batchfit.plan(result, target_batch=self.target_batch, world_size=trainer.world_size)
-            size = self.plan.micro_batch
-            trainer.accumulate_grad_batches = self.plan.accumulation_steps
+        if self.plan is not None:
+            size = self.plan.batch_size
+            trainer.accumulate_grad_batches = self.plan.accumulation
         lightning_setattr(pl_module, self.batch_arg_name, size)
         evaluation, where = result.evaluation, self.eval_attribute
         if evaluation is not None and where is not None:
@@ -340,10 +344,8 @@ def _check_fit(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str, ta
         )
 
 
-def _summary(name: str, size: int, result: Result, plan: Plan | None, eval_name: str | None = None) -> str:
+def _summary(name: str, size: int, result: Result, plan: Recommendation | None, eval_name: str | None = None) -> str:
     """One line for the log: what was set, and the measurement behind it."""
-    from batchfit.units import format_bytes
-
     ranks = f" per rank ({result.world_size} ranks)" if result.world_size > 1 else ""
     if plan is not None:
         name = f"{name}={size}, accumulate_grad_batches={plan.accumulation_steps} for the global batch " + (

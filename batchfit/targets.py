@@ -31,7 +31,8 @@ import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Mapping
+import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -237,3 +238,44 @@ def _coerce(value: Any, spec: str) -> Target:
     if not isinstance(model, torch.nn.Module):
         raise TargetError(f"{spec} gave a model of type {type(model).__name__}; expected a torch.nn.Module")
     return Target(spec=spec, model=model, sample=sample, extras=extras)
+
+
+#: Messages of torch when a target asks for CUDA on a machine without it.
+_NO_CUDA = ("Torch not compiled with CUDA", "Found no NVIDIA driver", "No CUDA GPUs are available")
+
+
+def load_sharded(spec: str, world_size: int) -> Target:
+    """The target, loaded in a fake process group of ``world_size`` ranks (a sharded estimate's); a
+    mesh the group cannot build, or a target that asks for CUDA where there is none, is a
+    ``ValueError`` that says so."""
+    try:
+        return load_target(spec)
+    except TargetCallError as exc:
+        cause = exc.__cause__
+        if cause is None:
+            raise
+        frames = [frame.filename.replace("\\", "/") for frame in traceback.extract_tb(cause.__traceback__)]
+        if any(name.endswith("torch/distributed/device_mesh.py") for name in frames):
+            raise ValueError(
+                f"{spec} builds a device mesh that the fake process group of {world_size} rank(s) cannot build "
+                f"({first_line(cause)}): give --world-size the ranks the mesh spans"
+            ) from None
+        if any(said in str(cause) for said in _NO_CUDA):
+            raise ValueError(
+                f"{spec} puts its model on CUDA, which this machine does not have ({first_line(cause)}): a sharded "
+                "estimate runs rank 0's program on this CPU on fake tensors. Build the model on the CPU or the meta "
+                "device (fully_shard takes the mesh's device from torch.accelerator), and estimate for the card with "
+                "--device cuda"
+            ) from None
+        raise
+
+
+def sharded_builder(spec: str, world_size: int) -> Callable[[], tuple[Any, Any, Any]]:
+    """Builds the target afresh (a fresh job's model): ``(model, sample, optimizer)``, the optimizer
+    the target gave (over that model's parameters) or ``None``."""
+
+    def build() -> tuple[Any, Any, Any]:
+        target = load_sharded(spec, world_size)
+        return target.model, target.sample, target.extras.get("optimizer")
+
+    return build

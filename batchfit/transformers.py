@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from batchfit.api import plan
-from batchfit.estimation import Plan
+from batchfit.api import find, fit
 from batchfit.probe.options import find_options
 from batchfit.report import Fit, Recommendation, Result
 from batchfit.transformers_trainer import (
@@ -59,16 +58,13 @@ __all__ = [
 class Autosized:
     """What [`autosize`][batchfit.transformers.autosize] measured and what it set on the trainer.
 
-    A dataclass of its own rather than the bare [`Result`][batchfit.Result]: the trainer's
-    new settings (and, with ``target_batch``, the [`Plan`][batchfit.Plan] they come
-    from) belong with the probe's answer, and ``Result`` is batchfit's device-agnostic record,
-    which knows nothing of trainers.
+    A record of what was done to the trainer (its settings before and after), not a second answer:
+    the batch to train with is the [`Recommendation`][batchfit.Recommendation] it carries, and
+    ``Result`` is batchfit's device-agnostic record, which knows nothing of trainers.
 
     Attributes:
         result: the probe's answer (``batchfit.find``), batch sizes per device; ``None`` with
             ``checkpointing`` (``fit`` holds the measurements).
-        plan: with ``target_batch``, the split into micro-batch x accumulation steps x ranks that
-            was applied; ``None`` without one.
         batch_size: the ``per_device_train_batch_size`` now set on ``trainer.args``.
         accumulation_steps: the ``gradient_accumulation_steps`` now set on ``trainer.args``
             (unchanged without ``target_batch``).
@@ -77,8 +73,11 @@ class Autosized:
             [`autosize`][batchfit.transformers.autosize].
         data_parallel_size: the data-parallel replicas the global batch is spread over (ranks
             times GPUs under single-process ``DataParallel``).
-        recommendation: the batch batchfit recommends ([`recommend`][batchfit.report.result.Result.recommend],
-            with ``target_batch`` when given; with the noise scale when measured): advice, not set.
+        recommendation: the batch batchfit recommends for the data-parallel replicas
+            ([`recommend`][batchfit.report.result.Result.recommend] with ``world_size``; with the noise
+            scale when measured). With ``target_batch`` it is the split that was applied
+            (``batch_size`` and ``accumulation_steps`` are its own); without one, advice beside the
+            safe batch that was set.
         fit: with ``checkpointing``, the [`Fit`][batchfit.Fit] whose policy was applied; ``applied`` says what.
         eval_batch_size: the ``per_device_eval_batch_size`` now set on ``trainer.args``: the eval
             step's safe batch (``result.eval_safe_batch``); ``None`` when evaluation was not sized.
@@ -87,7 +86,6 @@ class Autosized:
     """
 
     result: Result | None
-    plan: Plan | None
     batch_size: int
     accumulation_steps: int
     previous_batch_size: int
@@ -98,6 +96,12 @@ class Autosized:
     applied: str | None = None
     eval_batch_size: int | None = None
     previous_eval_batch_size: int | None = None
+
+    @property
+    def plan(self) -> Recommendation | None:
+        """With ``target_batch``, the split that was applied (`recommendation`); ``None`` without one."""
+        applied = self.recommendation
+        return applied if applied is not None and applied.target is not None else None
 
     @property
     def global_batch(self) -> int:
@@ -168,9 +172,11 @@ def autosize(
     ``Trainer``'s own ``_train_batch_size``, which its dataloader reads, as its
     ``auto_find_batch_size`` does). With ``target_batch`` the global batch (per-device batch x
     accumulation steps x data-parallel replicas) is kept at ``target_batch`` instead:
-    [`batchfit.plan`][batchfit.plan] splits it into a micro-batch within the safe batch and accumulation
-    steps, and both are set. Without ``target_batch`` the accumulation steps are left alone, so
-    the global batch changes with the per-device batch; the log says so.
+    [`recommend`][batchfit.report.result.Result.recommend] (``world_size=`` the replicas, the split
+    [`batchfit.plan`][batchfit.plan] gives too) splits it into a micro-batch within the safe batch and
+    accumulation steps, both are set, and that recommendation is the one reported. Without
+    ``target_batch`` the accumulation steps are left alone, so the global batch changes with the
+    per-device batch; the log says so.
 
     Nothing else is left changed: batchfit's probe restores the model (values, gradients,
     train/eval flags) and the RNG state; ``trainer.state``, ``trainer.control`` and the callbacks
@@ -192,7 +198,7 @@ def autosize(
     Args:
         trainer: a ``transformers.Trainer`` (or subclass) with a ``train_dataset``.
         target_batch: a global batch to keep: set the micro-batch and the accumulation steps from
-            ``batchfit.plan(result, target_batch=..., world_size=<data-parallel replicas>)``.
+            ``result.recommend(target_batch=..., world_size=<data-parallel replicas>)``.
         checkpointing: with ``target_batch``, in one process: ``"auto"`` (or the blocks' names) runs
             [`batchfit.fit`][batchfit.fit] instead of ``find()``, applies the policy it recommends
             before ``train()`` (all blocks by the model's own ``activation_checkpointing_enable()``,
@@ -206,8 +212,8 @@ def autosize(
             ``_high``, ``batchfit/recommended_batch``); too few batches for it is a warning, not an error.
 
     Returns:
-        An [`Autosized`][batchfit.transformers.Autosized]: the probe's [`Result`][batchfit.Result], the plan, and the
-        batch size, accumulation steps and eval batch size now set.
+        An [`Autosized`][batchfit.transformers.Autosized]: the probe's [`Result`][batchfit.Result], the
+        recommendation, and the batch size, accumulation steps and eval batch size now set.
 
     Raises:
         ImportError: transformers is not installed.
@@ -217,8 +223,7 @@ def autosize(
         BatchfitError: batchfit's errors from ``find()`` (``NothingFitsError``, ...), unchanged.
     """
     transformers = require_transformers()
-    from batchfit.api import find, fit
-    from batchfit.probe.checkpointing_blocks import keep_policy
+    from batchfit.probe.checkpointing_blocks import keep_policy  # lazy: imports torch; this module must not
 
     logger = transformers.utils.logging.get_logger(__name__)
     find_options("autosize", find_kwargs)  # a typo fails now, not after set-up
@@ -283,7 +288,6 @@ def autosize(
             trainer.optimizer = None
         del sample
 
-    chosen_plan: Plan | None = None
     steps = previous_steps
     previous_eval = args.per_device_eval_batch_size
     if fitted is not None:  # fit() timed its candidates: its recommendation is the plan
@@ -294,45 +298,43 @@ def autosize(
         for note in fitted.notes:
             logger.warning(f"batchfit: {note}")
         return Autosized(
-            None,
-            None,
-            recommended.batch_size,
-            recommended.accumulation,
-            previous_batch,
-            previous_steps,
-            replicas,
-            recommended,
-            fitted,
-            applied,
+            result=None,
+            batch_size=recommended.batch_size,
+            accumulation_steps=recommended.accumulation,
+            previous_batch_size=previous_batch,
+            previous_accumulation_steps=previous_steps,
+            data_parallel_size=replicas,
+            recommendation=recommended,
+            fit=fitted,
+            applied=applied,
         )
-    if target_batch is not None:
-        chosen_plan = plan(result, target_batch=target_batch, world_size=replicas)
-        batch, steps = chosen_plan.micro_batch, chosen_plan.accumulation_steps
-    else:
-        batch = result.safe_batch
+    # The split applied is the one reported: the recommendation for these replicas (the one splitter).
+    recommended = result.recommend(target_batch=target_batch, world_size=replicas)
+    batch, steps = (recommended.batch_size, recommended.accumulation) if target_batch else (result.safe_batch, steps)
     set_batch(trainer, batch, steps, result.eval_safe_batch)
     if noise_scale:
         try:
             result = replace(result, noise_scale=_noise_of(trainer, kwargs, batch))
+            # The noise scale adds caveats; a target's split is chosen on the trials and the safe batch alone.
+            recommended = result.recommend(target_batch=target_batch, world_size=replicas)
         except ValueError as exc:  # too few batches, say: advice is not worth failing the run for
             logger.warning(f"batchfit: no noise scale measured: {exc}")
 
     sized = Autosized(
         result=result,
-        plan=chosen_plan,
         batch_size=batch,
         accumulation_steps=steps,
         previous_batch_size=previous_batch,
         previous_accumulation_steps=previous_steps,
         data_parallel_size=replicas,
-        recommendation=result.recommend(target_batch=target_batch),
+        recommendation=recommended,
         eval_batch_size=result.eval_safe_batch,
         previous_eval_batch_size=previous_eval if result.evaluation is not None else None,
     )
     logger.info(f"batchfit: {sized}")
     _log_evaluation(logger, trainer, result)
-    if chosen_plan is not None:
-        logger.info(f"batchfit: {chosen_plan}")
+    if target_batch is not None:
+        logger.info(f"batchfit: {recommended.summary()}")
     elif sized.global_batch != sized.previous_global_batch:
         logger.info(
             f"batchfit: the global batch changed from {sized.previous_global_batch} to {sized.global_batch}; pass "
@@ -356,7 +358,7 @@ def autosize(
 def _noise_of(trainer: Trainer, kwargs: dict[str, Any], micro_batch: int) -> Any:
     """The noise scale of the trainer's own train batches at ``micro_batch``, with the probe's
     step, optimizer and autocast (``kwargs``, ``find()``'s; what ``Options`` does not take is left out)."""
-    from batchfit.probe import measure_noise
+    from batchfit.probe import measure_noise  # lazy: imports torch; this module must not
 
     options = find_options("autosize", kwargs)
     with loader_kept(trainer) as loader:

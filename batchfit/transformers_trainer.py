@@ -143,7 +143,7 @@ def rng_kept() -> Iterator[None]:
     does), ``random`` and numpy's global generator back afterwards."""
     import torch
 
-    from batchfit.backends import backend_for, default_device
+    from batchfit.backends import backend_for, default_device  # lazy: the backends import torch; this module must not
 
     accelerator = torch.device(default_device())
     backend = backend_for(accelerator)

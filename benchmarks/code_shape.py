@@ -1,4 +1,4 @@
-"""The shape of the code, measured: what issue 33 asked to shrink, so that it can be said before and after.
+"""The shape of the code, measured: what issues 33 and 49 asked to shrink, so that it can be said before and after.
 
 Run from the repository root (or with ``--root`` on another checkout, a ``git worktree`` of an older
 commit for a before/after)::
@@ -16,7 +16,18 @@ It reports:
   annotated class attributes of that name in ``batchfit/`` (each is a place that restates it);
 * **frames from find to forward**: a real ``batchfit.find`` on a tiny model whose ``forward`` reads
   the stack; the frames in between whose file is in the package, ``find`` and the forward counted;
-* **raw reST roles** (``:class:``, ``:func:``, ...) as text in a built site's HTML, with ``--site``.
+* **raw reST roles** (``:class:``, ``:func:``, ...) as text in a built site's HTML, with ``--site``;
+* **issue 49's counts** (``tests/shape_counts.py``, read from the source with ``ast``; each lists the
+  places it counts in the JSON): the runner protocol's members, methods that take a trial's
+  parameters one by one, hidden command-line flags, places outside ``cli/`` that start
+  ``python -m batchfit``, serialisers of ``Options``, types that declare how to train themselves,
+  global-batch splitters, records that declare the boundary's fields, module files sharing a name,
+  imports of batchfit's own modules inside functions (and those without a comment saying why),
+  ``import batchfit`` inside the package, ``"cpu"`` comparisons outside ``backends/``, the files
+  naming ``timed_steps``/``scan_batches``/``rank_timeout``, and the surface with the facade;
+* **targets where `plan` and `recommend` split differently**: the built-in GPT found at 64 MiB
+  (``batchfit.examples.gpt``, timed, so its rates have a knee), then every target from 8 to 128 in
+  steps of 4 split by ``batchfit.plan(result, ...)`` and by ``result.recommend(...)``.
 
 Not a timing: the numbers are counts, the same on every machine. Output: a table on stdout and a
 JSON file under ``benchmarks/results/``.
@@ -61,6 +72,77 @@ path.append(stack[-1])  # the model's forward
 named = [(file[len(package) + 1 :] if file.startswith(package) else "model", function) for file, function in path]
 print(json.dumps([f"{file}:{function}" for file, function in named]))
 """
+
+
+SPLITS_PROBE = r"""
+import json
+import batchfit
+from batchfit.examples import gpt
+
+model, sample = gpt()
+result = batchfit.find(model, sample, memory_limit="64MiB")
+
+
+def split(answer):
+    micro = getattr(answer, "micro_batch", None) or answer.batch_size
+    passes = getattr(answer, "accumulation_steps", None) or answer.accumulation
+    return [micro, passes]
+
+
+rows = []
+for target in range(8, 129, 4):
+    try:
+        planned = split(batchfit.plan(result, target_batch=target))
+    except ValueError as exc:
+        planned = str(exc).splitlines()[0]
+    rows.append({"target": target, "plan": planned, "recommend": split(result.recommend(target_batch=target))})
+print(json.dumps({"max_batch": result.max_batch, "safe_batch": result.safe_batch, "rows": rows}))
+"""
+
+
+def issue49(root: Path) -> dict[str, object]:
+    """Issue 49's counts, each with the places it counts (``tests/shape_counts.py``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import shape_counts as counts
+
+    package = root / "batchfit"
+    places = {
+        "runner protocol members": counts.runner_members(package),
+        "methods taking a trial's parameters one by one": counts.trial_restatements(package),
+        "hidden command-line flags": counts.hidden_flags(package),
+        "places outside cli/ that start python -m batchfit": counts.command_line_starts(package),
+        "serialisers of Options": counts.options_serialisers(package),
+        "types that declare how to train themselves": counts.answer_types(package),
+        "global-batch splitters": counts.splitters(package),
+        "records that declare the boundary's fields": counts.boundary_restatements(package),
+        "module files sharing a name": [p for paths in counts.shared_stems(package).values() for p in paths],
+        "imports of batchfit's own modules inside functions": counts.function_level_imports(package),
+        "  of those, without a comment saying why": counts.uncommented_function_level_imports(package),
+        "import batchfit inside the package": counts.root_package_imports(package),
+        "'cpu' comparisons outside backends/": counts.cpu_comparisons(package),
+        **{f"files naming {name}": counts.files_naming(package, name) for name in counts.CONCENTRATED_OPTIONS},
+    }
+    return {name: {"count": len(found), "places": found} for name, found in places.items()}
+
+
+def surface_with_facade(root: Path) -> int:
+    """The names every surface exports together, the facade's (and ``__version__``) included."""
+    code = (
+        "import importlib, json, pkgutil, batchfit\n"
+        "names = set(batchfit.__all__)\n"
+        "for info in pkgutil.iter_modules(batchfit.__path__):\n"
+        "    if info.ispkg:\n"
+        "        names |= set(getattr(importlib.import_module('batchfit.' + info.name), '__all__', ()))\n"
+        "print(len(names))\n"
+    )
+    return int(_python(root, code).strip())
+
+
+def splits(root: Path) -> dict[str, object]:
+    """The built-in GPT's splits by `plan` and by `recommend`, and the targets where they differ."""
+    found = json.loads(_python(root, SPLITS_PROBE).strip().splitlines()[-1])
+    found["differ"] = [row["target"] for row in found["rows"] if row["plan"] != row["recommend"]]
+    return found
 
 
 def lines(root: Path) -> dict[str, int]:
@@ -166,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         "exported": exported(root),
         "declarations": declarations(root),
         "frames": frames(root),
+        "issue49": issue49(root),
+        "surface_with_facade": surface_with_facade(root),
+        "splits": splits(root),
     }
     if args.site is not None:
         shape["raw_roles"] = roles(args.site)
@@ -182,6 +267,14 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{k} {v}" for k, v in sorted(declared.items(), key=lambda kv: -kv[1]))
     )
     print(f"  frames from find to forward: {len(shape['frames'])}: " + " -> ".join(shape["frames"]))
+    for name, found in shape["issue49"].items():
+        print(f"  {name}: {found['count']}")
+    print(f"  surface with the facade: {shape['surface_with_facade']} names")
+    split = shape["splits"]
+    print(
+        f"  built-in GPT at 64 MiB (max {split['max_batch']}, safe {split['safe_batch']}): targets 8..128 where "
+        f"plan and recommend split differently: {len(split['differ'])} {split['differ']}"
+    )
     if "raw_roles" in shape:
         print(f"  raw reST roles in the built site: {shape['raw_roles']}")
     args.out.mkdir(parents=True, exist_ok=True)

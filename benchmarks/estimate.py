@@ -13,8 +13,8 @@ identical) model under the same memory cap:
 
 * **find**: ``batchfit.find(model, sample, memory_limit=cap, device="cpu")`` with its defaults:
   real steps, the exact maximum, a verified safe batch.
-* **estimate cpu**: ``batchfit.estimate(model, sample, memory_limit=cap, device="cpu")``.
-* **estimate cuda**: ``batchfit.estimate(model, sample, memory_limit=cap, device="cuda", reserve=0)``:
+* **estimate cpu**: ``batchfit.estimate(model, sample, memory_limit=cap, for_device="cpu")``.
+* **estimate cuda**: ``batchfit.estimate(model, sample, memory_limit=cap, for_device="cuda", reserve=0)``:
   the same trace fed to the modelled CUDA caching allocator, the budget counting reserved bytes.
   ``reserve=0`` means the whole cap is the allocator's, as on the CPU (if this batchfit refuses
   ``reserve=0``, ``memory`` is the cap plus 512 MiB and ``reserve="512MiB"``, which leaves the
@@ -322,7 +322,7 @@ def estimate_cuda(case: Case, memory_bytes: int) -> tuple[batchfit.Result | None
     """The modelled CUDA estimate with the whole of ``memory_bytes`` for the allocator."""
     try:
         result, wall, error = on_fresh_model(
-            case, lambda m, s: batchfit.estimate(m, s, memory_limit=memory_bytes, device="cuda", reserve=0)
+            case, lambda m, s: batchfit.estimate(m, s, memory_limit=memory_bytes, for_device="cuda", reserve=0)
         )
         return result, wall, error, "reserve=0"
     except ValueError as exc:
@@ -331,7 +331,7 @@ def estimate_cuda(case: Case, memory_bytes: int) -> tuple[batchfit.Result | None
         refused = str(exc).splitlines()[0]
     aside = 512 * 2**20  # any size: memory and reserve both carry it, the budget is memory_bytes
     result, wall, error = on_fresh_model(
-        case, lambda m, s: batchfit.estimate(m, s, memory_limit=memory_bytes + aside, device="cuda", reserve=aside)
+        case, lambda m, s: batchfit.estimate(m, s, memory_limit=memory_bytes + aside, for_device="cuda", reserve=aside)
     )
     return result, wall, error, f"reserve=0 refused ({refused}): memory = budget + 512 MiB, reserve=512MiB"
 
@@ -344,7 +344,7 @@ def run_case(case: Case) -> dict[str, Any]:
     cap = case.cap_bytes
     real, real_wall, real_error = on_fresh_model(case, lambda m, s: batchfit.find(m, s, memory_limit=cap, device="cpu"))
     fake, fake_wall, fake_error = on_fresh_model(
-        case, lambda m, s: batchfit.estimate(m, s, memory_limit=cap, device="cpu")
+        case, lambda m, s: batchfit.estimate(m, s, memory_limit=cap, for_device="cpu")
     )
     cuda, cuda_wall, cuda_error, how = estimate_cuda(case, cap)
     room = cap + CUBLAS_HANDLES * CUBLAS_WORKSPACE_BYTES
@@ -385,7 +385,7 @@ def run_big() -> dict[str, Any]:
     print(f"== {BIG.name}", flush=True)
     model, sample = BIG.build()
     parameters = sum(p.numel() for p in model.parameters())
-    result, wall, error = timed(lambda: batchfit.estimate(model, sample, memory_limit=BIG.memory, device="cuda"))
+    result, wall, error = timed(lambda: batchfit.estimate(model, sample, memory_limit=BIG.memory, for_device="cuda"))
     return {
         "case": BIG.name,
         "model": (big_gpt.__doc__ or "").strip().rstrip("."),
@@ -408,7 +408,7 @@ def run_large(runs: int) -> dict[str, Any]:
     for _ in range(runs):
         cpu_at_start = compare._cpu_snapshot()
         result, wall, error = _build_and_time(
-            LARGE, lambda m, s: batchfit.estimate(m, s, memory_limit=LARGE.memory, device="cuda", amp="bf16")
+            LARGE, lambda m, s: batchfit.estimate(m, s, memory_limit=LARGE.memory, for_device="cuda", amp="bf16")
         )
         others.append(compare.others_cpu_share(cpu_at_start))
         walls.append(wall)
@@ -418,7 +418,7 @@ def run_large(runs: int) -> dict[str, Any]:
         "case": LARGE.name,
         "model": (large_llama.__doc__ or "").strip().rstrip("."),
         "memory": LARGE.memory,
-        "call": "estimate(model, sample, memory_limit='80GiB', device='cuda', amp='bf16')",
+        "call": "estimate(model, sample, memory_limit='80GiB', for_device='cuda', amp='bf16')",
         "wall_s": walls,
         "best_wall_s": min(walls),
         "others_cpu_share": others,
@@ -445,10 +445,12 @@ def warm_up() -> dict[str, float]:
     """First-use costs (imports, the fake-tensor machinery) paid once, here, and reported."""
     model, sample = examples.mlp(in_features=16, hidden=16, depth=1)
     _, find_s, _ = timed(lambda: batchfit.find(model, sample, memory_limit="8MiB", device="cpu", max_batch=64))
-    _, estimate_s, _ = timed(lambda: batchfit.estimate(model, sample, memory_limit="8MiB", device="cpu", max_batch=64))
+    _, estimate_s, _ = timed(
+        lambda: batchfit.estimate(model, sample, memory_limit="8MiB", for_device="cpu", max_batch=64)
+    )
     # reserve=0: the whole GiB is the allocator's (the default keeps 1 GiB aside for the CUDA context).
     _, cuda_s, _ = timed(
-        lambda: batchfit.estimate(model, sample, memory_limit="1GiB", device="cuda", reserve=0, max_batch=64)
+        lambda: batchfit.estimate(model, sample, memory_limit="1GiB", for_device="cuda", reserve=0, max_batch=64)
     )
     return {"find_s": find_s, "estimate_cpu_s": estimate_s, "estimate_cuda_s": cuda_s}
 
@@ -459,7 +461,7 @@ def _pair(side: dict[str, Any]) -> str:
 
 
 def print_table(cases: list[dict[str, Any]]) -> None:
-    print("\nfind() vs estimate(device='cpu'): max/safe batch, trials, wall time; peak diff = largest")
+    print("\nfind() vs estimate(for_device='cpu'): max/safe batch, trials, wall time; peak diff = largest")
     print("|estimate - find| / find of peak allocated bytes over the trials both ran (matched by size, kind);")
     print("phase diff = the same for the per-phase peaks (forward, backward, ...); others = other processes'")
     print("share of the machine's cores during the case (wall times under load mean less)")
@@ -484,7 +486,10 @@ def print_table(cases: list[dict[str, Any]]) -> None:
     for c in cases:
         if c.get("max_phase_peak_diff_at"):
             print(f"  {c['case']}: largest phase-peak difference: {c['max_phase_peak_diff_at']}")
-    print("\nestimate(device='cuda', reserve=0): modelled, not validated (no GPU here; compared with the CPU estimate)")
+    print(
+        "\nestimate(for_device='cuda', reserve=0): modelled, not validated (no GPU here; compared with the "
+        "CPU estimate)"
+    )
     print("  reserved = largest reserved peak of a fitting trial; +cuBLAS = budget raised by the 66 MiB of workspaces")
     print(
         f"{'case':<16}{'budget':>11}{'cuda max/safe':>15}{'reserved':>12}{'est s':>7}"

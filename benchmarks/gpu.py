@@ -57,7 +57,7 @@ deselected by node id; the verdict says so).
   (``proof_children.judge_fresh``: native, no out-of-memory and no allocator retry; expandable
   segments and ``cudaMallocAsync``, no out-of-memory, with the retries or the pool's overhead
   reported). The max must fit, max + 1 must not.
-* **estimate vs find**: ``estimate(device="cuda")`` beside that ``find()``, same model and limit.
+* **estimate vs find**: ``estimate(for_device="cuda")`` beside that ``find()``, same model and limit.
 * **gate**: ``batchfit probe --require-batch`` on a GPT whose samples dwarf the allocator's
   rounding, at 3/4 of the probe's max with and without ``--reserve auto`` and at max + 1 (no search
   below it: ``--init-batch max + 1``), and the max and max + 1 from scratch by the same rule.

@@ -60,7 +60,7 @@ WORLDS = (2, 4)
 
 def run_estimate(model: str, world: int, limit: str) -> dict[str, Any]:
     started = time.monotonic()
-    result = estimate_sharded(f"{TARGETS}:{model}", world, memory_limit=limit, device="cpu")
+    result = estimate_sharded(f"{TARGETS}:{model}", world, memory_limit=limit, for_device="cpu")
     return {
         "max_batch": result.max_batch,
         "safe_batch": result.safe_batch,
@@ -97,7 +97,7 @@ def run_jobs(model: str, world: int, limit: str) -> dict[str, Any]:
 
 def _large() -> dict[str, Any]:
     started = time.monotonic()
-    result = estimate_sharded(f"{TARGETS}:llama_large", 8, memory_limit="80GiB", device="cuda")
+    result = estimate_sharded(f"{TARGETS}:llama_large", 8, memory_limit="80GiB", for_device="cuda")
     wall = time.monotonic() - started
     print(f"llama_large (1.1B, seq 2048, bf16 compute), 8 ranks of 80 GiB (cuda, modelled): max {result.max_batch}, "
           f"safe {result.safe_batch} per rank (global {result.global_max_batch} / {result.global_safe_batch}), "

@@ -133,7 +133,7 @@ def accelerate_steps(start: int, fits: Callable[[int], bool]) -> list[tuple[int,
 # with probe: the exact boundary, one real run ---------------------------------------------------------
 @pytest.mark.slow
 def test_probe_finds_the_exact_boundary_and_trains_once(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
-    headroom = 0.0  # the default: the real run is at the exact largest fit (a margin is tested below)
+    margin = 0.0  # the default: the real run is at the exact largest fit (a margin is tested below)
     train = find_executable_batch_size(starting_batch_size=8)(rig.with_probe())
     with caplog.at_level(logging.INFO, logger="batchfit"):
         result = train()
@@ -141,7 +141,7 @@ def test_probe_finds_the_exact_boundary_and_trains_once(rig: Rig, caplog: pytest
     largest = train.largest_fit
     assert largest is not None
     assert_boundary(rig, largest)
-    chosen = math.floor(largest * (1 - headroom) + 1e-9)
+    chosen = math.floor(largest * (1 - margin) + 1e-9)
     assert train.batch_size == chosen and result == (chosen, REAL_STEPS)
     # One real call, the last one, at the chosen size; everything before it was a probe.
     assert [call for call in rig.calls if not call[1]] == [(chosen, False)] and rig.calls[-1] == (chosen, False)
@@ -153,8 +153,8 @@ def test_probe_finds_the_exact_boundary_and_trains_once(rig: Rig, caplog: pytest
 
 @pytest.mark.slow
 def test_probe_searches_down_from_a_start_above_the_boundary(rig: Rig) -> None:
-    train = find_executable_batch_size(starting_batch_size=1024, headroom=0.0)(rig.with_probe())
-    assert train() == (train.largest_fit, REAL_STEPS)  # no headroom: the real run is at the boundary
+    train = find_executable_batch_size(starting_batch_size=1024, margin=0.0)(rig.with_probe())
+    assert train() == (train.largest_fit, REAL_STEPS)  # no margin: the real run is at the boundary
     assert train.largest_fit is not None
     assert_boundary(rig, train.largest_fit)
     probes = [size for size, probe in rig.calls if probe]
@@ -173,7 +173,7 @@ def test_a_real_run_that_runs_out_of_memory_is_retried_lower(rig: Rig, caplog: p
         rig.steps(batch_size if probe else batch_size + batch_size // 8, PROBE_STEPS)
         return batch_size
 
-    wrapped = find_executable_batch_size(train, starting_batch_size=64, headroom=0.0)
+    wrapped = find_executable_batch_size(train, starting_batch_size=64, margin=0.0)
     with caplog.at_level(logging.WARNING, logger="batchfit"):
         result = wrapped()
     largest = wrapped.largest_fit
@@ -198,7 +198,7 @@ def test_an_evaluation_loop_is_sized_by_its_own_decorated_function_beside_the_tr
     step (AdamW's moments live, gradients freed), finds its own exact boundary, above training's;
     later evaluations reuse it through ``__wrapped__`` without searching again."""
     model = rig.model
-    train = find_executable_batch_size(starting_batch_size=64, headroom=0.0)(rig.with_probe())
+    train = find_executable_batch_size(starting_batch_size=64, margin=0.0)(rig.with_probe())
     train()
     assert train.largest_fit is not None
     with rig.meter.tracking():  # the run's state where it evaluates: one step taken, its moments kept
@@ -239,7 +239,7 @@ def test_an_evaluation_loop_is_sized_by_its_own_decorated_function_beside_the_tr
 
 @pytest.mark.slow
 def test_multiple_of_finds_the_largest_multiple_that_fits(rig: Rig) -> None:
-    train = find_executable_batch_size(starting_batch_size=128, multiple_of=16, headroom=0.0)(rig.with_probe())
+    train = find_executable_batch_size(starting_batch_size=128, multiple_of=16, margin=0.0)(rig.with_probe())
     train()
     assert train.largest_fit is not None and train.largest_fit % 16 == 0
     assert rig.fits(train.largest_fit) and not rig.fits(train.largest_fit + 16)
@@ -317,7 +317,7 @@ def test_accelerate_lands_at_or_below_the_exact_boundary(rig: Rig, record_proper
 
     theirs = accelerate_utils.find_executable_batch_size(rig.without_probe(), starting_batch_size=start)()
     their_calls = len(rig.calls)
-    ours = find_executable_batch_size(rig.with_probe(), starting_batch_size=start, headroom=0.0)
+    ours = find_executable_batch_size(rig.with_probe(), starting_batch_size=start, margin=0.0)
     ours()
     assert ours.largest_fit is not None
     assert_boundary(rig, ours.largest_fit)
@@ -355,7 +355,7 @@ def test_importing_needs_no_accelerate(tmp_path: Path) -> None:
         sys.modules["accelerate"] = None  # any `import accelerate` now raises ImportError
         from batchfit.accelerate import find_executable_batch_size
 
-        @find_executable_batch_size(starting_batch_size=4, headroom=0.0, max_batch_size=64)
+        @find_executable_batch_size(starting_batch_size=4, margin=0.0, max_batch_size=64)
         def train(batch_size, probe=False):
             if batch_size > 20:
                 raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")

@@ -1,4 +1,4 @@
-"""The path from `batchfit.find` to the model's forward stays short; every prober is a `ProbesTrials`.
+"""The path from `batchfit.find` to the model's forward stays short; every runner is a `Runner`.
 
 A real `find` on a tiny model whose forward records the call stack: the frames from `find` to
 `forward`, both counted, counting only batchfit's own frames (torch's `_call_impl`, contextlib's
@@ -19,9 +19,12 @@ from torch import nn
 import batchfit
 from batchfit import examples
 from batchfit.backends import estimate_target
+from batchfit.estimation.fake_ranks import ShardedProbe
 from batchfit.estimation.fake_trials import FakeProbe
 from batchfit.probe.job_runner import JobPerTrial
-from batchfit.probe.probing import FromInit, FromLine, ProbesTrials, SearchPlan
+from batchfit.probe.probing import FromInit, FromLine, SearchPlan
+from batchfit.probe.runner import Runner, Setup, opened
+from batchfit.probe.wire import WorkerRequest
 from batchfit.report import Surface
 from batchfit.search import make_strategy, search
 
@@ -67,7 +70,7 @@ def test_find_reaches_the_forward_within_ten_frames() -> None:
     assert len(deepest) <= MOST_FRAMES, "\n".join(" -> ".join(p) + f" ({len(p)})" for p in model.paths)
 
 
-# The prober protocol -----------------------------------------------------------------------------
+# The runner seam -------------------------------------------------------------------------------
 def members(protocol: type) -> list[str]:
     """The members a protocol declares (its dunders `__enter__`/`__exit__` included)."""
     return sorted(n for n in vars(protocol) if not n.startswith("_") or n in {"__enter__", "__exit__"})
@@ -111,19 +114,22 @@ def check_member_by_member(instance: object, protocol: type) -> None:
             assert takes_the_same(value, declared), f"{type(instance).__name__}.{name}'s parameters"
 
 
-def test_every_prober_search_with_takes_is_one() -> None:
+def test_every_runner_search_with_takes_is_one_narrow_seam() -> None:
     model, sample = examples.mlp(in_features=64, hidden=16, depth=1)
     options = batchfit.Options(memory_limit="8MiB")
-    probers = [
+    target = estimate_target("cpu")
+    runners = [
         batchfit.Prober(model, sample, memory_limit="8MiB"),
-        JobPerTrial(["target.py"], 2, options),
-        FakeProbe(model, sample, options, estimate_target("cpu"), 8 * 2**20),
+        JobPerTrial(WorkerRequest("trial", "target.py", {}, 2, ""), 2, options),
+        FakeProbe(model, sample, options, target, 8 * 2**20),
+        ShardedProbe(lambda: (model, sample, None), sample, options, target, 8 * 2**20, 2),
     ]
-    assert len(members(ProbesTrials)) == 21
-    for prober in probers:
-        check_member_by_member(prober, ProbesTrials)
-    with probers[0] as entered:  # what search_with reads, read once the probe is set up
-        check_member_by_member(entered, ProbesTrials)
+    assert len(members(Runner)) <= 6  # as narrow as httpx's transport
+    for runner in runners:
+        check_member_by_member(runner, Runner)
+    with opened(runners[0]) as setup:  # what search_with reads, told once the runner is open
+        assert isinstance(setup, Setup) and setup.ranks.world_size == 1 and setup.traits.times_warm
+    assert opened(runners[0]).runner is runners[0]
 
 
 def test_the_search_plans_are_search_plans() -> None:

@@ -119,6 +119,7 @@ def test_fit_measures_each_policy_exactly_and_recommends_the_fastest(placement: 
     text = str(fit)
     assert "recommended:" in text and "max batch by blocks checkpointed" in text
     assert fit.to_dict()["schema"] == "batchfit.fit/1"
+    assert batchfit.Fit.from_json(fit.to_json()) == fit
 
 
 def test_a_target_that_fits_as_is_needs_no_checkpointing() -> None:
@@ -195,8 +196,10 @@ def drawn_fit() -> batchfit.Fit:
     from batchfit.report import DeviceInfo, Policy, PolicyRow, Recommendation
 
     names = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
-    none = PolicyRow(Policy((), 4), 91, 81, True, True, 44_000_000, 2_900_000.0, 6, 81, 2, 210.5)
-    three = PolicyRow(Policy(names[:3], 4), 185, 164, True, True, 44_000_000, 1_450_000.0, 3, 162, 1, 171.8)
+    none = PolicyRow(Policy((), 4), 44_000_000, 2_900_000.0, 6, 81, 2, 210.5,
+                     max_batch=91, safe_batch=81, safe_verified=True, boundary_reached=True)  # fmt: skip
+    three = PolicyRow(Policy(names[:3], 4), 44_000_000, 1_450_000.0, 3, 162, 1, 171.8,
+                      max_batch=185, safe_batch=164, safe_verified=True, boundary_reached=True)  # fmt: skip
     chosen = Recommendation(81, 2, 1, 162, "target", "the fastest measured", 91, 81, 81, samples_per_s=210.5,
                             target=162, target_changed_by=0)  # fmt: skip
     return batchfit.Fit(162, names, "blocks", (none, three), 0, chosen, ((0, 91), (1, 110), (2, 138), (3, 185),

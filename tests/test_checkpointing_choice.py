@@ -157,7 +157,8 @@ def test_blocks_never_called_in_a_step_are_passed_over_and_named() -> None:
 
 def row(k: int, max_batch: int, safe: int, micro: int | None, steps: int | None, rate: float | None) -> PolicyRow:
     names = ("b0", "b1", "b2", "b3")
-    return PolicyRow(policy_for(names, k), max_batch, safe, True, True, 1000, 10.0, 3, micro, steps, rate)
+    boundary = {"max_batch": max_batch, "safe_batch": safe, "safe_verified": True, "boundary_reached": True}
+    return PolicyRow(policy_for(names, k), 1000, 10.0, 3, micro, steps, rate, **boundary)
 
 
 def test_the_reason_says_what_was_measured() -> None:

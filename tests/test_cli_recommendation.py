@@ -167,6 +167,10 @@ def test_noise_options_reach_the_probe(
         return real(model, sample, options, **kwargs)
 
     monkeypatch.setattr(batchfit.probe, "find_with", spy)
+    import batchfit.cli.probe as command
+
+    if hasattr(command, "find_with"):  # the command imports it at module level
+        monkeypatch.setattr(command, "find_with", spy)
     # --timed-steps 0: the flags are what is checked, not the timing after the search (seconds on a CPU).
     untimed = [*SMALL, "--timed-steps", "0"]
     assert main(["probe", f"{targets}:loader", *untimed, "--noise-scale", "--noise-passes", "16"]) == 0

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import batchfit
 from batchfit import examples
 from batchfit.probe.checks import PRESSED_FRACTION, PRESSED_SEGMENT_BYTES
+from batchfit.probe.keywords import JobOptions, keywords_of
 from batchfit.probe.options import parameters_of
 
 MiB = 2**20
@@ -316,8 +317,18 @@ NOT_FOR_AN_ESTIMATE = {
 }  # fmt: skip
 
 
+#: find()'s keywords for a target's job search (a target and its rank count, how the jobs run):
+#: not a model's, so the entry points that probe a model in this process do not take them.
+FOR_A_TARGET = {"model_or_target", "world_size", *keywords_of(JobOptions)}
+
+
+def model_keywords_of_find() -> dict[str, inspect.Parameter]:
+    """find()'s parameters as a model's probe takes them (`FOR_A_TARGET` aside)."""
+    return {name: p for name, p in parameters_of(batchfit.find).items() if name not in FOR_A_TARGET}
+
+
 def test_estimate_takes_finds_keywords_with_finds_defaults() -> None:
-    find = parameters_of(batchfit.find)
+    find = model_keywords_of_find()
     estimate = parameters_of(batchfit.estimate)
     missing = sorted(set(find) - set(estimate) - NOT_FOR_AN_ESTIMATE)
     assert not missing, f"estimate() lacks find()'s {missing}"
@@ -340,7 +351,7 @@ FRONTIER_SETS_PER_LENGTH |= {"cache", "eval"}
 def test_frontier_takes_finds_keywords_with_finds_defaults() -> None:
     """Issue 21: ``frontier()`` is ``find()`` at each length, so it takes the same keywords, with
     the same defaults, and the estimate's length axis takes the frontier's own."""
-    find = parameters_of(batchfit.find)
+    find = model_keywords_of_find()
     frontier = parameters_of(batchfit.frontier)
     missing = sorted(set(find) - set(frontier) - FRONTIER_SETS_PER_LENGTH)
     assert not missing, f"frontier() lacks find()'s {missing}"
@@ -662,7 +673,7 @@ def test_the_lightning_callback_takes_every_keyword_of_find_it_does_not_fill_in(
     ``Options``, which refused ``progress=`` although ``find()`` takes it."""
     lightning = pytest.importorskip("batchfit.lightning")
     pytest.importorskip("lightning")
-    find = parameters_of(batchfit.find)
+    find = model_keywords_of_find()
     for name, parameter in find.items():
         if name in ("model", "sample", *lightning._FROM_TRAINER) or parameter.default is inspect.Parameter.empty:
             continue

@@ -60,7 +60,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "batchfit.estimation.whatif.WhatIf": ("row",),
     "batchfit.estimation.whatif.WhatIfRow": (),
     "batchfit.estimation.whatif.what_if": (),
-    "batchfit.lightning.BatchFit": ("on_fit_start", "setup"),
+    "batchfit.lightning.BatchFit": ("on_fit_start", "plan", "setup"),
     "batchfit.probe.options.Options": (),
     "batchfit.probe.prober.Prober": ("trial",),
     "batchfit.ray.WorkerBatch": (
@@ -90,8 +90,12 @@ PUBLIC: dict[str, tuple[str, ...]] = {
         "token_budget",
         "trials",
     ),
-    "batchfit.report.evaluation.Evaluation": (),
-    "batchfit.report.frontier.FrontierPoint": ("context_tokens", "new_tokens", "tokens", "trials"),
+    "batchfit.report.boundary.Boundary": ("of",),
+    "batchfit.report.evaluation.Evaluation": ("of",),
+    "batchfit.report.frontier.FrontierPoint": (
+        "boundary_reached", "context_tokens", "max_batch", "new_tokens", "safe_batch", "safe_verified", "tokens",
+        "trials",
+    ),
     "batchfit.report.generation.Generation": ("context_tokens", "of", "predict_bytes"),
     "batchfit.report.frontier.Surface": (
         "fit",
@@ -106,7 +110,10 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "batchfit.report.memory.MemoryModel": ("fit", "largest_batch_within", "predict"),
     "batchfit.report.memory.PhaseLine": (),
     "batchfit.report.noise.NoiseScale": ("from_dict", "interval_text", "plain", "summary"),
-    "batchfit.report.recommendation.Recommendation": ("decision", "exact", "from_dict", "lines", "metrics", "split"),
+    "batchfit.report.recommendation.Recommendation": (
+        "accumulation_steps", "decision", "exact", "from_dict", "lines", "metrics", "micro_batch", "remainder", "split",
+        "summary", "target_batch",
+    ),
     "batchfit.report.recommendation.recommend": (),
     "batchfit.report.records.AllocatorFacts": (),
     "batchfit.report.records.CacheHit": (),
@@ -134,7 +141,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "batchfit.report.throughput.Throughput": ("of", "rate_of"),
     "batchfit.report.uneven.RankBatch": (),
-    "batchfit.report.uneven.UnevenSplit": ("offsets", "pass_batch", "text", "weights_text", "world_size"),
+    "batchfit.report.uneven.UnevenSplit": ("offsets", "pass_batch", "share", "text", "weights_text", "world_size"),
     # The pure search, for people writing a strategy: the helpers strategies build on are theirs too.
     "batchfit.search.core": (
         "Attempt",
@@ -158,7 +165,7 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "batchfit.testing.gate": ("GateReport", "assert_fits", "check_fits"),
     "batchfit.testing.gate.GateReport": ("explain", "from_dict", "from_json", "largest_trial"),
     "batchfit.testing.pytest_plugin": (),
-    "batchfit.transformers.Autosized": ("global_batch",),
+    "batchfit.transformers.Autosized": ("global_batch", "plan"),
     "batchfit.transformers.autosize": (),
 }
 

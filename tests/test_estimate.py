@@ -359,7 +359,7 @@ def _check_reserved_trials(result: batchfit.Result) -> None:
 @pytest.mark.slow
 def test_a_cuda_estimate_counts_reserved_bytes_beside_the_context() -> None:
     model, sample = examples.gpt()
-    result = batchfit.estimate(model, sample, memory_limit="1280MiB", device="cuda")
+    result = batchfit.estimate(model, sample, memory_limit="1280MiB", for_device="cuda")
     # The context is assumed at the top of CUDA 12's 0.5-1 GiB, and the line says the range.
     assert result.budget_bytes == 1280 * MiB - 1024 * MiB
     context = [line for line in result.assumptions if "outside the allocator" in line]
@@ -373,7 +373,7 @@ def test_a_cuda_estimate_counts_reserved_bytes_beside_the_context() -> None:
 @pytest.mark.slow
 def test_a_cuda_estimate_fits_no_more_than_the_cpu_one() -> None:
     model, sample = examples.gpt()
-    cuda = batchfit.estimate(model, sample, memory_limit="256MiB", device="cuda", reserve=0)
+    cuda = batchfit.estimate(model, sample, memory_limit="256MiB", for_device="cuda", reserve=0)
     cpu = batchfit.estimate(model, sample, memory_limit="256MiB")
     assert cuda.budget_bytes == 256 * MiB
     assert not any("outside the allocator" in line for line in cuda.assumptions)
@@ -400,7 +400,7 @@ def _first_step(optimizer: str, device: str = "cuda") -> tuple[tuple[str, ...], 
         "loop": lambda params: torch.optim.AdamW(params, foreach=False),
     }[optimizer]
     result = batchfit.estimate(
-        model, sample, memory_limit="4GiB", device=device, reserve=0, optimizer=chosen, init_batch=1, max_batch=1
+        model, sample, memory_limit="4GiB", for_device=device, reserve=0, optimizer=chosen, init_batch=1, max_batch=1
     )
     trial = result.trials[0]
     assert trial.batch_size == 1 and trial.fits and trial.phase_reserved_peaks is not None
@@ -440,8 +440,8 @@ def test_a_rocm_estimate_holds_hipblas_workspaces_on_a_cuda_device() -> None:
     workspaces per handle in place of cuBLAS's 32 MiB and cuBLASLt's 1 MiB."""
     model, sample = examples.gpt()
     sizes = {"init_batch": 8, "max_batch": 8}  # the same trials on both, to compare them one by one
-    cuda = batchfit.estimate(model, sample, memory_limit="2GiB", device="cuda", reserve=0, **sizes)
-    rocm = batchfit.estimate(model, sample, memory_limit="2GiB", device="rocm", reserve=0, **sizes)
+    cuda = batchfit.estimate(model, sample, memory_limit="2GiB", for_device="cuda", reserve=0, **sizes)
+    rocm = batchfit.estimate(model, sample, memory_limit="2GiB", for_device="rocm", reserve=0, **sizes)
     # Each workspace over 10 MiB is a segment of its own; cuBLASLt's two 1 MiB blocks share one of 2 MiB.
     extra = 2 * (128 + 76) * MiB - (2 * 32 + 2) * MiB
     assert [(t.batch_size, t.kind) for t in rocm.trials] == [(t.batch_size, t.kind) for t in cuda.trials]
@@ -454,7 +454,7 @@ def test_a_rocm_estimate_holds_hipblas_workspaces_on_a_cuda_device() -> None:
     assert (rocm.device.type, rocm.device.name) == ("cuda", "estimate for rocm")
     assert batchfit.Result.from_json(rocm.to_json()).device.type == "cuda"
     # The context outside the allocator is CUDA's, assumed, and said to be so.
-    default = batchfit.estimate(model, sample, memory_limit="2GiB", device="rocm", **sizes)
+    default = batchfit.estimate(model, sample, memory_limit="2GiB", for_device="rocm", **sizes)
     assert default.budget_bytes == 1024 * MiB
     assert any("not measured under ROCm" in line for line in default.assumptions)
 

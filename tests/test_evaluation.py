@@ -15,6 +15,8 @@ from torch import nn
 
 import batchfit
 from batchfit.backends.cpu import LiveTensorMeter
+from batchfit.report import Evaluation
+from batchfit.report.boundary import Boundary
 from tests.helpers import assert_same_state, state_of
 
 
@@ -86,6 +88,9 @@ def test_mode_eval_alone_gives_the_evaluation_answer_of_eval_true() -> None:
     alone = batchfit.find(_net(), SAMPLE, mode="eval", memory_limit=LIMIT, timed_steps=0)
     assert both.evaluation is not None
     assert (alone.max_batch, alone.safe_batch) == (both.evaluation.max_batch, both.evaluation.safe_batch)
+    # The eval answer is the eval probe's, its boundary the same record: read from the probe alone, it agrees.
+    assert Boundary.of(Evaluation.of(alone)) == Boundary.of(both.evaluation) == Boundary.of(alone)
+    assert Evaluation.of(alone).best_throughput_batch == alone.best_throughput_batch
     assert batchfit.estimate(_net(), SAMPLE, mode="eval", memory_limit=LIMIT).max_batch == alone.max_batch
 
 

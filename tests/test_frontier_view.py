@@ -327,7 +327,7 @@ def a_small_last_length(frontier: Frontier) -> Frontier:
     *head, last = frontier.points
     return replace(
         frontier,
-        points=(*head, replace(last, max_batch=2, safe_batch=1)),
+        points=(*head, replace(last, result=replace(last.result, max_batch=2, safe_batch=1))),
         longest_at_batch_1=last.seq_len,
         longest_limited_by="positions",
     )

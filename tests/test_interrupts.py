@@ -15,6 +15,7 @@ from helpers import assert_same_state, state_of
 from torch import nn
 
 import batchfit
+from batchfit.probe.runner import opened
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import faults  # noqa: E402  (benchmarks/ is not a package)
@@ -139,7 +140,7 @@ def test_a_second_sigint_stops_code_that_never_reaches_a_safe_point() -> None:
 
 def _exit_with_a_second_sigint_at(nth: int) -> tuple[int, object, bool]:
     """Exit a probe whose first Ctrl-C is pending, with a second one landing at the ``nth`` line run
-    by the way out (the guard's code, and the probe's ``__exit__`` / ``_finish`` on their way to it;
+    by the way out (the guard's code, and the probe's ``__exit__`` / ``close`` / ``_finish`` on their way to it;
     ``nth=0``: none). Returns the lines that way ran, the SIGINT handler in place afterwards, and
     whether the model came back as it was."""
     import batchfit.interrupts as interrupts
@@ -148,7 +149,7 @@ def _exit_with_a_second_sigint_at(nth: int) -> tuple[int, object, bool]:
     torch.manual_seed(0)
     model, sample = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(2, 16)
     before = state_of(model)
-    files = {interrupts.__file__: None, prober_module.__file__: {"__exit__", "_finish"}}
+    files = {interrupts.__file__: None, prober_module.__file__: {"__exit__", "close", "_finish"}}
     seen = 0
 
     def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
@@ -201,3 +202,13 @@ def test_a_second_sigint_anywhere_in_the_way_out_leaves_the_model_restored_and_p
         if handler is not signal.default_int_handler or not restored:
             wrong.append(f"line {nth} of {lines}: handler {getattr(handler, '__name__', handler)}, restored {restored}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_runner_seams_way_out_is_the_guards_way_out() -> None:
+    """`search_with` closes a runner through `opened.__exit__` and `Runner.close`
+    (``batchfit.probe.runner``): a second Ctrl-C landing there is only recorded, as in ``__exit__``,
+    so it cannot skip the restore."""
+    model, sample = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(2, 16)
+    prober = batchfit.Prober(model, sample, memory_limit="16MiB")
+    ways_out = {batchfit.Prober.__exit__, batchfit.Prober.close, batchfit.Prober._finish, opened.__exit__}
+    assert {way.__code__ for way in ways_out} <= prober._interrupts._exit_code

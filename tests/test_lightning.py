@@ -498,7 +498,7 @@ class Report(pl.Callback):
         fitter = next(c for c in trainer.callbacks if isinstance(c, BatchFit))
         record = {
             "result": json.loads(fitter.result.to_json()),
-            "plan": vars(fitter.plan) if fitter.plan else None,
+            "plan": fitter.plan.to_dict() if fitter.plan else None,
             "batch_size": pl_module.batch_size,
             "accumulate": trainer.accumulate_grad_batches,
             "trained": pl_module.trained_batches,
@@ -540,10 +540,10 @@ def test_ddp_spawn_ranks_probe_together_and_keep_the_global_batch(tmp_path: Path
     for record in ranks:
         result, plan = record["result"], record["plan"]
         assert record["world_size"] == result["world_size"] == plan["world_size"] == 2
-        assert plan["micro_batch"] <= result["safe_batch"] and plan["global_batch"] == 1000
-        assert record["batch_size"] == plan["micro_batch"] and record["accumulate"] == plan["accumulation_steps"]
+        assert plan["batch_size"] <= result["safe_batch"] and plan["global_batch"] == 1000
+        assert record["batch_size"] == plan["batch_size"] and record["accumulate"] == plan["accumulation"]
         assert record["batch_size"] * record["accumulate"] * 2 == 1000
-        assert record["trained"] == [plan["micro_batch"]] * (2 * plan["accumulation_steps"])
+        assert record["trained"] == [plan["batch_size"]] * (2 * plan["accumulation"])
 
 
 if __name__ == "__main__":

@@ -64,8 +64,9 @@ def test_no_entry_point_restates_an_option_in_its_signature() -> None:
     from batchfit.testing import check_fits
     from batchfit.transformers import autosize
 
-    # estimate's device, memory_limit and reserve describe the card it estimates for, not where it runs;
-    # frontier's make_batch is its positional (batch_size, seq_len) builder, not find's option.
+    # estimate's memory_limit and reserve describe the card it estimates for (for_device), not where it
+    # runs; its device= is for_device's old name (it warns); frontier's make_batch is its positional
+    # (batch_size, seq_len) builder, not find's option.
     own = {
         estimate: {"device", "memory_limit", "reserve"},
         BatchFit.__init__: {"memory_limit"},
@@ -136,8 +137,9 @@ def test_every_option_reaches_the_integrations() -> None:
             BatchFit(**{name: _Poison()})  # what it sets from the trainer itself is refused by name
         with pytest.raises((TypeError, ValueError), match=name):
             autosize(None, **{name: _Poison()})  # before the trainer is looked at
-    # Accelerate's decorator keeps Accelerate's names and its headroom of 0; of ours it takes these two.
-    for name in ("headroom", "multiple_of"):
+    # Accelerate's decorator keeps Accelerate's names and its margin of 0 (a fraction of samples, not
+    # find's headroom of bytes); of ours it takes multiple_of.
+    for name in ("margin", "multiple_of"):
         with pytest.raises((TypeError, ValueError), match=name):
             find_executable_batch_size(lambda batch_size: None, **{name: _Poison()})
 

@@ -17,7 +17,7 @@ import torch
 import batchfit
 from batchfit.api import plan
 from batchfit.estimation import Plan, plan_for
-from batchfit.report import Result, Trial
+from batchfit.report import Recommendation, Result, Trial
 
 
 def _model() -> torch.nn.Module:
@@ -87,7 +87,7 @@ def test_untimed_takes_the_largest_divisor(real: Result) -> None:
 def test_share_within_the_safe_batch_needs_no_accumulation(real: Result) -> None:
     p = plan_for(_result(real, safe=100), 96)
     assert (p.micro_batch, p.accumulation_steps) == (96, 1)
-    assert "1 accumulation step (exact)" in str(p)
+    assert "1 accumulation step (exact)" in p.summary()
 
 
 def test_fastest_measured_divisor_beats_a_larger_slower_one(real: Result) -> None:
@@ -143,7 +143,7 @@ def test_world_size_defaults_to_the_results(real: Result) -> None:
     p = plan_for(_result(real, safe=100, world_size=4), 1024)
     _consistent(p)
     assert (p.world_size, p.micro_batch, p.accumulation_steps) == (4, 64, 4)
-    assert str(p).startswith("global batch 1024 = 4 ranks x micro-batch 64 x 4 accumulation steps (exact)")
+    assert p.summary().startswith("global batch 1024 = 4 ranks x micro-batch 64 x 4 accumulation steps (exact)")
 
 
 def test_world_size_override_and_rates_from_another_group(real: Result) -> None:
@@ -239,7 +239,7 @@ def test_plan_of_a_result_is_plan_for(real: Result) -> None:
 def test_str_mentions_the_numbers(real: Result) -> None:
     trials = (_trial(32, 12_345.0),)
     p = plan_for(_result(real, trials, safe=32, world_size=8), 1024)
-    text = str(p)
+    text = p.summary()
     assert text.startswith("global batch 1024 = 8 ranks x micro-batch 32 x 4 accumulation steps (exact)")
     assert "12,345 samples/s measured at micro-batch 32" in text and "safe batch 32" in text
     assert p.reason in text
@@ -249,20 +249,30 @@ def test_knee_is_reported_beside(real: Result) -> None:
     assert real.throughput is not None
     p = plan_for(_result(real, safe=100), 64)
     assert p.knee_batch == real.throughput.knee_batch
-    assert f"throughput knee {real.throughput.knee_batch}" in str(p)
+    assert f"throughput knee {real.throughput.knee_batch}" in p.summary()
     assert plan_for(dataclasses.replace(_result(real), throughput=None), 64).knee_batch is None
 
 
 def test_plan_is_frozen_and_cannot_lie(real: Result) -> None:
     p = plan_for(_result(real), 64)
+    assert isinstance(p, Plan) and isinstance(p, Recommendation)  # a plan is a recommendation decided by the target
+    assert (p.micro_batch, p.accumulation_steps, p.target_batch) == (p.batch_size, p.accumulation, p.target)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        p.micro_batch = 1  # type: ignore[misc]
-    with pytest.raises(ValueError, match="is not micro_batch"):
-        dataclasses.replace(p, micro_batch=p.micro_batch + 1)
-    with pytest.raises(ValueError, match="do not match"):
-        dataclasses.replace(p, target_batch=p.target_batch + 1)
-    short = dataclasses.replace(p, target_batch=p.global_batch + 3, exact=False, remainder=3)
-    assert "(3 short of the target" in str(short)
+        p.batch_size = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="is not batch_size"):
+        dataclasses.replace(p, batch_size=p.micro_batch + 1)
+    with pytest.raises(ValueError, match="target_changed_by"):
+        dataclasses.replace(p, target=p.global_batch + 1)
+    short = dataclasses.replace(p, target=p.global_batch + 3, target_changed_by=-3)
+    assert not short.exact and short.remainder == 3
+    assert "(3 short of the target" in short.summary()
+
+
+def test_a_plan_round_trips_through_json(real: Result) -> None:
+    p = plan_for(_result(real, (_trial(32, 10_000.0),), safe=64), 256, seq_len=128)
+    assert Recommendation.from_json(p.to_json()) == p
+    with pytest.raises(ValueError, match="not a batchfit recommendation"):
+        Recommendation.from_json(p.to_json().replace('"batch_size": 32', '"batch_size": 31'))
 
 
 # A global batch in tokens (issue 21) ---------------------------------------------------------------
@@ -308,7 +318,7 @@ def test_tokens_split_into_micro_batch_length_accumulation_and_ranks(real: Resul
     _consistent(p)
     assert (p.target_batch, p.micro_batch, p.accumulation_steps, p.world_size) == (256, 8, 4, 8)
     assert (p.seq_len, p.tokens_per_step, p.target_tokens) == (2048, 524_288, 524_288)
-    assert str(p).startswith(
+    assert p.summary().startswith(
         "524,288 tokens/step = global batch 256 x 2,048 tokens = 8 ranks x micro-batch 8 x 4 accumulation steps (exact)"
     )
     assert "rounded" not in p.reason
@@ -320,7 +330,7 @@ def test_tokens_not_a_whole_number_of_sequences_round_up_and_say_so(real: Result
     _consistent(p)
     assert (p.target_batch, p.micro_batch, p.accumulation_steps) == (248, 31, 1)
     assert (p.tokens_per_step, p.target_tokens) == (507_904, 500_000)
-    assert "(7,904 tokens over the target 500,000: whole sequences)" in str(p)
+    assert "(7,904 tokens over the target 500,000: whole sequences)" in p.summary()
     assert p.reason.startswith(
         "target_tokens 500,000 is not a whole number of 2,048-token sequences for each of 8 ranks: rounded up to "
         "248 sequences, 507,904 tokens per step (7,904 more; the nearest below is 240 sequences, 491,520 tokens)"
@@ -331,9 +341,9 @@ def test_a_sample_target_with_seq_len_shows_the_token_view(real: Result) -> None
     trials = (_trial(32, 1_000.0),)
     p = plan_for(_result(real, trials, safe=32), 64, seq_len=512)
     assert (p.tokens_per_step, p.target_tokens) == (64 * 512, None)
-    assert str(p).startswith("32,768 tokens/step = global batch 64 x 512 tokens = micro-batch 32 x 2")
-    assert "1,000 samples/s (512,000 tokens/s) measured at micro-batch 32" in str(p)
-    assert plan_for(real, 64).seq_len is None and "tokens" not in str(plan_for(real, 64))
+    assert p.summary().startswith("32,768 tokens/step = global batch 64 x 512 tokens = micro-batch 32 x 2")
+    assert "1,000 samples/s (512,000 tokens/s) measured at micro-batch 32" in p.summary()
+    assert plan_for(real, 64).seq_len is None and "tokens" not in plan_for(real, 64).summary()
 
 
 @pytest.mark.parametrize(
@@ -371,9 +381,9 @@ def test_tokens_refused_before_the_probe() -> None:
 
 def test_plan_cannot_lie_about_tokens(real: Result) -> None:
     p = plan_for(_result(real), target_tokens=64 * 128, seq_len=128)
-    with pytest.raises(ValueError, match="tokens_per_step 8193 is not global_batch 64 x seq_len 128"):
+    with pytest.raises(ValueError, match=r"tokens_per_step 8193 is not global_batch x seq_len \(8192\)"):
         dataclasses.replace(p, tokens_per_step=p.tokens_per_step + 1)  # type: ignore[operator]
-    with pytest.raises(ValueError, match="need seq_len"):
+    with pytest.raises(ValueError, match="tokens_per_step"):
         dataclasses.replace(p, seq_len=None)
 
 

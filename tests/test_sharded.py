@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -44,9 +45,9 @@ JOB_TIMEOUT_S = 120
         ({"target": 3}, TypeError, "target must be a str"),
         ({"target": "mymodels.build"}, ValueError, "target must name a factory as 'package.module:factory'"),
         ({"target": ":build"}, ValueError, "target must name a factory"),
-        ({"nproc": 0}, ValueError, "nproc must be a positive int"),
-        ({"nproc": 2.0}, TypeError, "nproc must be a positive int"),
-        ({"nproc": True}, TypeError, "nproc must be a positive int"),
+        ({"world_size": 0}, ValueError, "world_size must be a positive int"),
+        ({"world_size": 2.0}, TypeError, "world_size must be a positive int"),
+        ({"world_size": True}, TypeError, "world_size must be a positive int"),
         ({"guess": 0}, ValueError, "guess must be a positive batch size"),
         ({"guess": 1.5}, TypeError, "guess must be a safe batch per rank"),
         ({"trial_timeout": 0}, ValueError, "trial_timeout must be a positive"),
@@ -67,9 +68,9 @@ JOB_TIMEOUT_S = 120
 )
 def test_bad_input_is_named_before_any_job(tmp_path: Path, given: dict[str, Any], error: type, said: str) -> None:
     log = tmp_path / "trials.jsonl"
-    call = {"target": FSDP, "nproc": 2, "trial_log": log, **SETTINGS, **given}
+    call = {"target": FSDP, "world_size": 2, "trial_log": log, **SETTINGS, **given}
     with pytest.raises(error, match=said):
-        batchfit.find_sharded(call.pop("target"), call.pop("nproc"), **call)
+        batchfit.find_sharded(call.pop("target"), call.pop("world_size"), **call)
     assert not log.exists()  # a job would have logged its verdicts
 
 
@@ -200,20 +201,25 @@ def pythons_ctrl_c() -> Iterator[None]:
 
 @pytest.mark.distributed
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads the processes from /proc")
-def test_ctrl_c_kills_the_job_and_leaves_no_process_of_ours(tmp_path: Path, pythons_ctrl_c: None) -> None:
+def test_ctrl_c_kills_the_job_and_leaves_no_process_of_ours(
+    tmp_path: Path, pythons_ctrl_c: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ctrl-C as soon as the first job's ranks exist (before they can write their pid files): the
     call raises KeyboardInterrupt, and no torchrun or rank of ours is left running."""
-    target = tmp_path / "ctrl_c_target" / "fsdp_target.py"  # a path no other process names
+    target = tmp_path / "ctrl_c_target" / "fsdp_target.py"
     target.parent.mkdir()
     shutil.copy(TESTS / "fsdp_target.py", target)
-    token = str(target)
+    jobs = tmp_path / "jobs"  # the jobs' folders, whose requests every process of a job names
+    jobs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(jobs))
+    token = str(jobs)
     seen: list[str] = []
 
     def interrupt_once_a_rank_runs() -> None:
         deadline = time.monotonic() + JOB_TIMEOUT_S
         while time.monotonic() < deadline and not seen:
             lines = processes_naming(token).values()
-            seen.extend(line for line in lines if "--trial-batch" in line and "distributed.run" not in line)
+            seen.extend(line for line in lines if "batchfit.worker" in line and "distributed.run" not in line)
             time.sleep(0.01)
         _thread.interrupt_main()
 

@@ -79,10 +79,12 @@ def test_ctrl_c_while_popen_starts_the_job_leaves_no_process_running(tmp_path: P
     target = tmp_path / "start_target" / "fsdp_target.py"  # a path no other process names
     target.parent.mkdir()
     shutil.copy(TESTS / "fsdp_target.py", target)
-    token = str(target)
+    jobs = tmp_path / "jobs"  # the jobs' folders, whose requests every process of a job names
+    jobs.mkdir()
+    token = str(jobs)
     done = subprocess.run(
         [sys.executable, "-c", DRIVER, f"{target}:build", where],
-        capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+        capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env={**os.environ, "TMPDIR": token},
     )  # fmt: skip
     try:
         assert done.returncode == 130 and "interrupted" in done.stdout, (done.stdout, done.stderr[-3000:])

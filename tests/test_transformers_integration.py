@@ -195,14 +195,14 @@ class Stop(Exception):
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """``batchfit.api.find`` replaced by one that records its arguments and stops."""
+    """``find`` (as ``batchfit.transformers`` imports it) replaced by one that records its arguments and stops."""
     seen: dict[str, Any] = {}
 
     def fake_find(model: torch.nn.Module, sample: Any = None, **kwargs: Any) -> batchfit.Result:
         seen.update(kwargs, model=model, sample=sample, state=kwargs["optimizer"].state_dict()["state"])
         raise Stop
 
-    monkeypatch.setattr("batchfit.api.find", fake_find)
+    monkeypatch.setattr("batchfit.transformers.find", fake_find)  # imported at module level there
     return seen
 
 

@@ -19,7 +19,8 @@ import pytest
 import batchfit
 from batchfit.probe import Options
 from batchfit.probe.job_runner import JobPerTrial, Opening
-from batchfit.probe.job_search import log_key, worker_args
+from batchfit.probe.job_search import log_key, worker_request
+from batchfit.probe.runner import TrialRequest, opened
 
 pytestmark = pytest.mark.distributed
 
@@ -110,20 +111,20 @@ def test_the_memory_breakdown_is_a_completed_jobs_not_an_out_of_memory_ones(
     fitted = next(e for e in entries(log) if e.get("batch_size") == first.max_batch)["ranks"]["0"]
     verify = next(e for e in entries(log) if e.get("cap_bytes"))
     prober = JobPerTrial(
-        worker_args(target, options),
+        worker_request(target, 2, options),
         2,
         options,
         log=copy,
         key=log_key(target, 2, options),
         opening=Opening(first.max_batch),
     )
-    with prober:
-        fits = prober.trial(first.max_batch)  # the opening job, from the log
-        above = prober.trial(first.max_batch + 1)  # from the log
-        verified = prober.trial(verify["batch_size"], kind="verify", cap_bytes=verify["cap_bytes"])  # the log's
-        far = prober.trial(8 * first.max_batch)  # a job: out of memory in step 1
+    with opened(prober):
+        fits = prober.run(TrialRequest(first.max_batch))  # the opening job, from the log
+        above = prober.run(TrialRequest(first.max_batch + 1))  # from the log
+        verified = prober.run(TrialRequest(verify["batch_size"], kind="verify", cap_bytes=verify["cap_bytes"]))
+        far = prober.run(TrialRequest(8 * first.max_batch))  # a job: out of memory in step 1
         assert prober.jobs == 1 and not far.fits and far.steps == 0
-        model = prober.memory_model([fits, above, verified, far])
+        model = prober.settle([fits, above, verified, far]).memory
         state = prober.state_bytes()
     assert model is not None
     assert (model.weights_bytes, model.optimizer_state_bytes) == (

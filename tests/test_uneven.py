@@ -214,3 +214,13 @@ def test_two_ranks_with_2_to_1_memory_train_the_mean_gradient_of_one_global_batc
     assert not all(torch.allclose(a, b) for a, b in zip(unweighted, records[0]["reference"]))
     starts = [record["share"][0] for record in records]
     assert starts[0] == 0 and starts[1] == records[0]["share"][1]  # rank 1's part starts where rank 0's ends
+
+
+def test_a_rank_share_is_the_splits_own(real: Result) -> None:
+    split = _ranks(real, 60, 20).recommend(target_batch=60, uneven=True).uneven
+    assert split is not None
+    assert split.share(0) == tuple(uneven_split(split, 0)) and uneven_split(split, 1).weight == split.share(1)[1]
+    with pytest.raises(ValueError, match="rank 2 is not one of the split's 2 ranks"):
+        split.share(2)
+    with pytest.raises(TypeError, match="rank must be an int"):
+        split.share(True)

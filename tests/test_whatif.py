@@ -128,7 +128,7 @@ def test_probe_prints_the_plan_for_a_target_batch(capsys: pytest.CaptureFixture[
     assert code == 0
     plan_line = next(line for line in printed.splitlines() if line.startswith("plan"))
     plan = batchfit.plan(batchfit.Result.from_json(out.read_text()), target_batch=1000)
-    assert str(plan) in plan_line and plan.micro_batch <= result["safe_batch"]
+    assert plan.summary() in plan_line and plan.micro_batch <= result["safe_batch"]
     assert plan.micro_batch * plan.accumulation_steps == 1000
 
 

@@ -35,7 +35,7 @@ class CudaBackend(AcceleratorBackend):
         super().__init__("cuda")
 
     def describe(self, device: torch.device) -> DeviceInfo:
-        from batchfit.backends.nvml import nvml_device_by_uuid
+        from batchfit.backends.nvml import nvml_device_by_uuid  # lazy: NVML only when a CUDA device is described
 
         props = torch.cuda.get_device_properties(device)
         identity = nvml_device_by_uuid(str(getattr(props, "uuid", "") or ""))

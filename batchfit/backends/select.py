@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from batchfit.backends.accelerator import AcceleratorBackend
 from batchfit.backends.base import Backend
+from batchfit.backends.cpu import CpuBackend
+from batchfit.backends.cuda import CudaBackend
 
 SUPPORTED = ("cpu", "cuda", "xpu")
 
@@ -23,16 +26,10 @@ def is_host(device: str | torch.device) -> bool:
 def backend_for(device: torch.device) -> Backend:
     """The backend that serves ``device.type``."""
     if device.type == "cpu":
-        from batchfit.backends.cpu import CpuBackend
-
         return CpuBackend()
     if device.type == "cuda":
-        from batchfit.backends.cuda import CudaBackend
-
         return CudaBackend()
     if device.type == "xpu":
-        from batchfit.backends.accelerator import AcceleratorBackend
-
         return AcceleratorBackend("xpu")
     raise ValueError(
         f"batchfit measures memory on {', '.join(repr(s) for s in SUPPORTED)} devices; "

@@ -1,22 +1,25 @@
 """From the parsed command line to a probe's settings: the device, the limit and the header lines
-that say where the probe runs, and ``find()``'s keywords. Shared by a probe and by one rank of a
-``--nproc-per-trial`` job, which must run with exactly the same settings."""
+that say where the probe runs, and ``find()``'s keywords (a probe's, a frontier's, a fit's)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from batchfit.backends import backend_for, default_device
+from batchfit.backends.cpu import cap_words
+from batchfit.backends.select import is_host
 from batchfit.cli.output import UsageError
-from batchfit.cli.parser import CLI_CPU_MEMORY_LIMIT
 from batchfit.cli.values import as_keyword
+from batchfit.distributed import Launch
 from batchfit.probe.keywords import FindOptions, keywords_of
+from batchfit.probe.options import check_rank_limits
+from batchfit.probe.wire import CLI_CPU_MEMORY_LIMIT
+from batchfit.targets import Target
 from batchfit.units import format_bytes, parse_memory_limit
 from batchfit.version import __version__
-
-if TYPE_CHECKING:
-    from batchfit.distributed import Launch
-    from batchfit.targets import Target
 
 
 def probe_plan(args: argparse.Namespace, launch: Launch | None = None) -> tuple[str, str | None, list[str], int | None]:
@@ -24,8 +27,6 @@ def probe_plan(args: argparse.Namespace, launch: Launch | None = None) -> tuple[
     which limit, and the budget as far as it is known before the probe starts. Under
     ``torchrun`` (``launch``) each rank takes the GPU of its local rank, and its own limit when
     ``--memory-limit-per-rank`` names it."""
-    from batchfit.backends import default_device
-
     device = args.device or default_device()
     if launch is not None:
         device = launch.device_for(device)
@@ -42,8 +43,6 @@ def rank_limit(args: argparse.Namespace, launch: Launch | None) -> tuple[str | N
     """``--memory-limit``, or this rank's own from ``--memory-limit-per-rank`` (every use of the
     flag checked together against the job's ranks: `batchfit.probe.options.check_rank_limits`),
     and the flag it came from. Without ``torchrun`` the per-rank flag is refused."""
-    from batchfit.probe.options import check_rank_limits
-
     given = getattr(args, "memory_limit_per_rank", None)
     if not given:
         return args.memory_limit, "--memory-limit"
@@ -69,7 +68,7 @@ def limit_lines(
     over what the host lets a probe take is said capped here, before the probe
     (`cpu_budget`), not only in a note after it."""
     lines: list[str] = []
-    if device.split(":")[0] == "cpu":
+    if is_host(device):
         why = "" if device_given else "no GPU: "
         if limit is None:
             limit, source = CLI_CPU_MEMORY_LIMIT, "the CLI's CPU default; --memory-limit SIZE to change"
@@ -94,11 +93,6 @@ def cpu_budget(limit: int | float | str) -> tuple[int | None, str | None]:
     holds it: capped at what the CPU backend lets a probe reach (`SAFE_CPU_FRACTION` of the memory
     available, as the README promises), and the words that say so when the cap applies; ``(None,
     None)`` where the host's memory cannot be read (the probe then says what it does)."""
-    import torch
-
-    from batchfit.backends import backend_for
-    from batchfit.backends.cpu import cap_words
-
     host = torch.device("cpu")
     backend = backend_for(host)
     available, cap = backend.limit_total_bytes(host), backend.reachable_bytes(host)

@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
+from batchfit.backends import DevicesReport, Gpu, MigDevice, query_devices
 from batchfit.cli.output import EXIT_OK, check_json_path, write_json
 from batchfit.units import format_bytes
-
-if TYPE_CHECKING:
-    from batchfit.backends import DevicesReport, Gpu, MigDevice
 
 # devices ------------------------------------------------------------------------------------------
 
 
 def devices_command(args: argparse.Namespace) -> int:
-    import json
-
-    from batchfit.backends import query_devices
-    from batchfit.cli.devices import devices_lines
-
     check_json_path(args.json)
     report = query_devices()
     human = sys.stderr if args.json == "-" else sys.stdout

@@ -1,4 +1,10 @@
-"""``batchfit estimate TARGET --memory-limit SIZE``: the probe's answer for a memory size, on fake tensors."""
+"""``batchfit estimate TARGET --memory-limit SIZE``: the probe's answer for a memory size, on fake tensors.
+
+With ``--world-size W``: one rank's answer for an FSDP2 job of W ranks. This process joins a fake
+process group of W ranks as rank 0 *before* the target loads (as a rank of a ``--nproc-per-trial``
+job joins its group first), so the target's ``fully_shard`` shards over W ranks;
+`batchfit.estimation.rank_estimate` does the rest.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from batchfit.backends import DEFAULT_ESTIMATE_TARGET, default_device, estimate_target
 from batchfit.cli.arguments import option_keywords
+from batchfit.cli.frontier_command import check_plot_path, write_frontier
 from batchfit.cli.output import (
     EXIT_DOES_NOT_FIT,
     EXIT_ERROR,
@@ -22,29 +30,25 @@ from batchfit.cli.output import (
     report_exception,
     write_json,
 )
-from batchfit.errors import first_line
+from batchfit.errors import NothingFitsError, first_line
+from batchfit.estimation import OPTIONS, estimate, split_memory, what_if
+from batchfit.estimation.fake_ranks import fake_group
+from batchfit.estimation.rank_estimate import estimate_in_group
 from batchfit.probe.keywords import EstimateOptions
+from batchfit.targets import TargetCallError, TargetError, load_sharded, sharded_builder
+from batchfit.units import format_bytes
 from batchfit.version import __version__
+from batchfit.view.frontier_view import FrontierView
+from batchfit.view.progress import make_view
 
 
 def estimate_command(args: argparse.Namespace) -> int:
-    from batchfit.backends import DEFAULT_ESTIMATE_TARGET, default_device, estimate_target
-    from batchfit.estimation import OPTIONS, estimate, split_memory, what_if
-    from batchfit.units import format_bytes
-    from batchfit.view.progress import make_view
-
-    if args.keywords_json is not None:  # estimate_sharded's own process (batchfit.cli.estimate_ranks)
-        from batchfit.cli.estimate_ranks import sharded_child
-
-        return sharded_child(args)
     for option in args.what_if or ():
         if option not in OPTIONS:
             raise UsageError(f"unknown --what-if {option!r}: choose from {', '.join(OPTIONS)}")
     check_plan_options(args)
     _check_length_axis(args)
     if args.world_size is not None:
-        from batchfit.cli.estimate_ranks import check_sharded_flags
-
         check_sharded_flags(args)
     memory = _memory_limit(args)
     device_note = ""
@@ -73,8 +77,6 @@ def estimate_command(args: argparse.Namespace) -> int:
     check_json_path(args.json)
     human = sys.stderr if args.json == "-" else sys.stdout
     if args.world_size is not None:
-        from batchfit.cli.estimate_ranks import estimate_sharded_command
-
         print(
             f"batchfit {__version__}: estimating {args.target} ({args.mode}) sharded over {args.world_size} rank(s), "
             f"per rank for {args.device}{device_note} with {memory}: rank 0 in a fake process group, fake tensors",
@@ -129,8 +131,6 @@ def estimate_command(args: argparse.Namespace) -> int:
 
 def _check_length_axis(args: argparse.Namespace) -> None:
     """``--seq-lens`` asks for a frontier: refuse, before the target loads, what goes with one length only."""
-    from batchfit.cli.frontier_command import check_plot_path
-
     if args.seq_lens is None:
         alone = [
             name
@@ -164,10 +164,6 @@ def _check_length_axis(args: argparse.Namespace) -> None:
 def _estimate_frontier(args: argparse.Namespace, target: Any, kwargs: dict[str, Any], human: Any) -> int:
     """``--seq-lens``: [`batchfit.estimate`][batchfit.estimate]'s frontier, shown and written as ``batchfit
     frontier``'s."""
-    from batchfit.cli.frontier_command import write_frontier
-    from batchfit.estimation import estimate
-    from batchfit.view.frontier_view import FrontierView
-
     if kwargs.get("make_batch") is None:  # a sample beside make_batch was left out when it loaded
         raise UsageError(
             f"--seq-lens needs {args.target} to give 'make_batch', a function (batch_size, seq_len) -> batch"
@@ -186,8 +182,6 @@ def _estimate_frontier(args: argparse.Namespace, target: Any, kwargs: dict[str, 
 def _estimated(call: Callable[[], Any], traceback: bool) -> tuple[Any, int | None]:
     """``call()``'s answer, or the exit code of its failure, said on stderr: not even the smallest
     batch fits (3), bad arguments (2), anything else (1)."""
-    from batchfit.errors import NothingFitsError
-
     try:
         return call(), None
     except NothingFitsError as exc:
@@ -199,6 +193,43 @@ def _estimated(call: Callable[[], Any], traceback: bool) -> tuple[Any, int | Non
     except Exception as exc:
         report_exception(exc, traceback, cause=False)
         return None, EXIT_ERROR
+
+
+def check_sharded_flags(args: argparse.Namespace) -> None:
+    """What ``--world-size`` does not go with, refused before the target loads."""
+    alone = [name for name, given in (("--seq-lens", args.seq_lens is not None), ("--what-if", args.what_if)) if given]
+    if alone:
+        raise UsageError(f"--world-size (a sharded estimate) does not go with {', '.join(alone)} yet")
+
+
+def estimate_sharded_command(
+    args: argparse.Namespace, keywords: dict[str, Any], human: Any, estimated: Callable[..., tuple[Any, int | None]]
+) -> int:
+    """The sharded estimate, in this process, shown and written as ``batchfit estimate``'s (keywords:
+    the flags' own; ``estimated``: its way of turning a failure into an exit code)."""
+    with fake_group(args.world_size):
+        try:
+            target = load_sharded(args.target, args.world_size)
+        except (TargetError, ValueError) as exc:
+            error(str(exc))
+            return EXIT_USAGE
+        except TargetCallError as exc:
+            report_exception(exc, args.traceback, cause=True)
+            return EXIT_ERROR
+        kwargs = {**target.extras, **keywords}
+        build = sharded_builder(args.target, args.world_size)
+        del target
+        result, failed = estimated(
+            lambda: estimate_in_group(build, args.world_size, where=args.target, **kwargs), args.traceback
+        )
+    if failed is not None:
+        return failed
+    make_view(human, plain=True).summary(result)
+    if args.target_batch is not None or args.target_tokens is not None:
+        print(plan_line(result, args.target_batch, target_tokens=args.target_tokens, seq_len=args.seq_len), file=human)
+    if args.json:
+        write_json(args.json, result.to_json())
+    return EXIT_OK
 
 
 def _memory_limit(args: argparse.Namespace) -> str:

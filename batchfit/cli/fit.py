@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from batchfit.api import fit
+from batchfit.backends import default_device
 from batchfit.cli.arguments import limit_lines, option_keywords
 from batchfit.cli.frontier_command import check_plot_path
 from batchfit.cli.output import (
@@ -34,11 +36,11 @@ from batchfit.cli.output import (
     write_json,
 )
 from batchfit.cli.probe import Calls, probe_failed, run_shown
+from batchfit.distributed import from_environment
 from batchfit.probe.keywords import FindOptions
+from batchfit.report import Fit
 from batchfit.version import __version__
-
-if TYPE_CHECKING:
-    from batchfit.report import Fit
+from batchfit.view.progress import make_view
 
 #: How `batchfit.fit` begins the error it raises when, without accumulation, no policy fits the
 #: target in one step: a "does not fit" (exit 3), not an error of the run.
@@ -46,8 +48,6 @@ NO_POLICY_FITS = "no policy fits target_batch"
 
 
 def fit_command(args: argparse.Namespace) -> int:
-    from batchfit.distributed import from_environment
-
     try:
         launch = from_environment()
     except ValueError as exc:
@@ -63,9 +63,6 @@ def fit_command(args: argparse.Namespace) -> int:
     unused = loaded.unused_note("fit")
     if unused is not None:
         header.append(unused)
-    from batchfit.api import fit
-    from batchfit.view.progress import make_view
-
     human = sys.stderr if args.json == "-" else sys.stdout
     view = make_view(human, quiet=args.quiet)
     calls = Calls(view)
@@ -113,8 +110,6 @@ def fit_command(args: argparse.Namespace) -> int:
 
 def fit_plan(args: argparse.Namespace) -> tuple[str, str | None, list[str], int | None]:
     """The device, the memory limit, the header lines and the budget known before the probe (as a probe's)."""
-    from batchfit.backends import default_device
-
     device = args.device or default_device()
     accumulation = "" if not args.no_accumulate else ", in one step"
     header = [

@@ -12,13 +12,13 @@ import argparse
 from typing import Any
 
 from batchfit.cli.values import (
+    batch_count,
     count,
     finite_seconds,
     fraction,
     int_at_least,
     positive_int,
     reserve,
-    scan_batches,
     seconds,
 )
 from batchfit.probe import Options
@@ -43,7 +43,7 @@ FLAGS: dict[str, dict[str, Any]] = {
     "verify_steps": {"type": count, "metavar": "N"},
     "time_budget": {"type": seconds, "metavar": "SECONDS"},
     "seq_len": {"type": positive_int, "metavar": "N"},
-    "scan_batches": {"type": scan_batches, "metavar": "N|all"},
+    "scan_batches": {"type": batch_count, "metavar": "N|all"},
     "timed_steps": {"type": count, "metavar": "N"},
     "max_new_tokens": {"type": positive_int, "metavar": "N"},
     "eval": {"action": "store_true"},
@@ -51,6 +51,17 @@ FLAGS: dict[str, dict[str, Any]] = {
     "noise_passes": {"type": int_at_least(4), "metavar": "N"},
     "cache": {"metavar": "DIR"},
 }
+
+#: `find`'s options without a flag on ``batchfit fit``: those `batchfit.fit` refuses (it sizes training,
+#: and keys no cache), and the wait for other ranks (the command refuses ``torchrun``: one process).
+FIT_REFUSES = ("mode", "max_new_tokens", "eval", "cache", "noise_scale", "noise_passes", "rank_timeout")
+
+
+def rank_wait_s(args: argparse.Namespace) -> float:
+    """``--rank-timeout``, else ``find()``'s default: also how long a rank waits for the others to
+    join the process group (``Launch.start``), which comes before the target and its keywords."""
+    return float(args.rank_timeout if args.rank_timeout is not None else Options.rank_timeout)
+
 
 #: Options whose value the command line reads itself (the header's mode): their flag defaults to `Options`'.
 READ_BY_THE_COMMAND = ("mode",)

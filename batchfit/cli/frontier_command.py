@@ -17,16 +17,18 @@ import argparse
 import inspect
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import batchfit.api as api  # frontier through its module: a patch of it there is seen
+from batchfit.backends import default_device
 from batchfit.cli.arguments import limit_lines, option_keywords
 from batchfit.cli.output import EXIT_OK, UsageError, check_json_path, load, write_json
 from batchfit.cli.probe import Calls, probe_failed, run_shown
 from batchfit.probe.keywords import FrontierOptions
+from batchfit.report.frontier_plot import require_matplotlib, save_frontier_plot
+from batchfit.targets import Target
 from batchfit.version import __version__
-
-if TYPE_CHECKING:
-    from batchfit.targets import Target
+from batchfit.view.frontier_view import FrontierView
 
 #: The image formats ``--plot`` writes (matplotlib's own, without Pillow).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -42,16 +44,13 @@ def frontier_command(args: argparse.Namespace) -> int:
     if isinstance(loaded, int):
         return loaded
     make_batch, kwargs = frontier_kwargs(args, loaded, device, limit)
-    from batchfit.api import frontier
-    from batchfit.view.frontier_view import FrontierView
-
     human = sys.stderr if args.json == "-" else sys.stdout
     view = FrontierView(human, quiet=args.quiet)
     calls = Calls(view)  # type: ignore[arg-type]  # the view takes a probe's callbacks too
 
     def run() -> Any:
         view.start(header, args.seq_lens)
-        return frontier(loaded.model, make_batch, on_point=view.point_finished, **calls.kwargs(), **kwargs)
+        return api.frontier(loaded.model, make_batch, on_point=view.point_finished, **calls.kwargs(), **kwargs)
 
     result, failure = run_shown(view, run)
     if failure is not None:
@@ -63,8 +62,6 @@ def frontier_command(args: argparse.Namespace) -> int:
 
 def frontier_plan(args: argparse.Namespace) -> tuple[str, str | None, list[str]]:
     """The device, the memory limit and the header lines (as a probe's: ``batchfit.cli.arguments``)."""
-    from batchfit.backends import default_device
-
     device = args.device or default_device()
     lengths = ", ".join(f"{s:,}" for s in args.seq_lens)
     longest = "" if args.no_longest else " and the longest length at batch 1"
@@ -113,8 +110,6 @@ def check_plot_path(path: str | None) -> None:
     extra), or a path that cannot be written (as ``--json``'s)."""
     if path is None:
         return
-    from batchfit.report.frontier_plot import require_matplotlib
-
     try:
         require_matplotlib()
     except ImportError as exc:
@@ -142,8 +137,6 @@ def write_frontier(frontier: Any, json_path: str | None, plot_path: str | None, 
 
 def write_plot(frontier: Any, path: str) -> None:
     """Draw ``--plot``; a write that fails after the run is exit 2, the frontier's text already shown."""
-    from batchfit.report.frontier_plot import save_frontier_plot
-
     try:
         save_frontier_plot(frontier, path)
     except OSError as exc:

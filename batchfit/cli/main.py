@@ -44,12 +44,9 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from batchfit.cli.devices import devices_command
-from batchfit.cli.estimate import estimate_command
-from batchfit.cli.fit import fit_command
-from batchfit.cli.frontier_command import frontier_command
 from batchfit.cli.output import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
@@ -60,17 +57,29 @@ from batchfit.cli.output import (
     stdout_to_devnull,
 )
 from batchfit.cli.parser import build_parser
-from batchfit.cli.probe import probe_command
 from batchfit.cli.signals import Terminated
 
-#: The subcommands, by the name the parser gives ``args.command``.
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "probe": probe_command,
-    "estimate": estimate_command,
-    "frontier": frontier_command,
-    "fit": fit_command,
-    "devices": devices_command,
-}
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the subcommand the parser named. Each command module is imported here, when it runs:
+    ``batchfit --help`` and ``batchfit devices`` never import torch, which the others load."""
+    if args.command == "devices":
+        return devices_command(args)
+    if args.command == "probe":
+        from batchfit.cli.probe import probe_command  # lazy: torch, for this command only
+
+        return probe_command(args)
+    if args.command == "estimate":
+        from batchfit.cli.estimate import estimate_command  # lazy: torch, for this command only
+
+        return estimate_command(args)
+    if args.command == "frontier":
+        from batchfit.cli.frontier_command import frontier_command  # lazy: torch, for this command only
+
+        return frontier_command(args)
+    from batchfit.cli.fit import fit_command  # lazy: torch, for this command only
+
+    return fit_command(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)  # exits 2 on a usage error, as argparse does
         args.argv = list(sys.argv[1:] if argv is None else argv)  # a child may run the same command again
-        return int(COMMANDS[args.command](args))
+        return int(run_command(args))
     except UsageError as exc:
         error(str(exc))
         return EXIT_USAGE

@@ -19,6 +19,8 @@ import warnings
 from typing import TYPE_CHECKING, Any, TextIO
 
 from batchfit.errors import first_line
+from batchfit.estimation import check_target, plan_for
+from batchfit.units import format_duration
 
 if TYPE_CHECKING:
     from batchfit.targets import Target
@@ -176,7 +178,7 @@ def load(args: argparse.Namespace) -> Target | int:
     model and building it can take seconds: a terminal is told meanwhile, on a line that goes
     away when the target is in. A command given ``--seq-lens`` sizes lengths with the target's
     ``make_batch``; the others size its sample (``batchfit.targets``)."""
-    from batchfit.targets import TargetCallError, TargetError, load_target
+    from batchfit.targets import TargetCallError, TargetError, load_target  # lazy: torch (--help, devices)
 
     stream = sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
     waiting = is_terminal(stream) and not getattr(args, "quiet", False)
@@ -208,11 +210,9 @@ def plan_line(
     """The plan for ``--target-batch`` (or ``--target-tokens``, in sequences of ``--seq-len`` or of the
     length the result was sized on) on ``--world-size`` ranks (default the probe's), or why there is
     none (a target the ranks cannot share, tokens without a known length)."""
-    from batchfit.estimation import plan_for
-
     try:
         plan = plan_for(result, target_batch, world_size, target_tokens=target_tokens, seq_len=seq_len)
-        return f"plan             {plan}"
+        return f"plan             {plan.summary()}"
     except ValueError as exc:
         return f"plan             none: {exc}"
 
@@ -220,8 +220,6 @@ def plan_line(
 def check_plan_options(args: Any) -> None:
     """``--target-batch`` or ``--target-tokens`` (with ``--seq-len``, the length sized on), checked
     before the probe rather than after it."""
-    from batchfit.estimation import check_target
-
     if args.target_batch is None and args.target_tokens is None:
         return
     if args.target_batch is not None and args.target_tokens is not None:
@@ -249,7 +247,7 @@ def noise_source_problem(target: Target) -> str | None:
     """Why ``target`` cannot give the noise scale, or ``None``: it is measured from the spread of
     gradients over many real batches, so the sample must hand out batches (a ``DataLoader``, any
     iterable of batches); one batch repeated would measure no noise at all."""
-    from batchfit.probe import is_batch_source
+    from batchfit.probe import is_batch_source  # lazy: torch (--help, devices)
 
     if is_batch_source(target.sample):
         return None
@@ -292,8 +290,6 @@ def recommendation_lines(
 
 def noise_summary(noise: Any) -> str:
     """``~190 samples (90% 150-240), from batches 8 and 64: 128 passes in 12.3 s``."""
-    from batchfit.units import format_duration
-
     value = "large: the signal drowned in its noise" if noise.b_simple is None else f"~{noise.plain(noise.b_simple)}"
     text = (
         f"{value} samples ({noise.interval_text()}), from batches {noise.small_batch} and {noise.big_batch}: "

@@ -6,11 +6,10 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-from batchfit.cli.flags import add_option_flags
+from batchfit.cli.flags import FIT_REFUSES, add_option_flags
 from batchfit.cli.output import EXIT_USAGE
 from batchfit.cli.values import (
     block_names,
-    fraction,
     int_at_least,
     memory_limit,
     positive_int,
@@ -20,14 +19,8 @@ from batchfit.cli.values import (
     size,
 )
 from batchfit.probe.keywords import EstimateOptions, FindOptions, FrontierOptions
+from batchfit.probe.wire import CLI_CPU_MEMORY_LIMIT
 from batchfit.version import __version__
-
-#: Without ``--memory-limit``, a CPU probe from the command line caps live tensor bytes at this.
-#: On a CPU the time of a trial grows with the memory it touches, so the cap is what keeps
-#: ``batchfit probe batchfit.examples:gpt`` under a minute on a 2-core machine; it also keeps a
-#: first run from taking a large share of the host. (The Python API's default is half the
-#: available memory: a caller of ``find()`` chose to probe on this machine.)
-CLI_CPU_MEMORY_LIMIT = "256MiB"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,12 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --nproc-per-trial and no --guess: start from --init-batch, not from the sharded estimate",
     )
-    # A rank's side of a --nproc-per-trial job (started by batchfit under torchrun, not by users).
-    probe.add_argument("--trial-batch", type=positive_int, help=argparse.SUPPRESS)
-    probe.add_argument("--trial-steps", type=positive_int, default=2, help=argparse.SUPPRESS)
-    probe.add_argument("--trial-dir", help=argparse.SUPPRESS)
-    probe.add_argument("--trial-cap", type=positive_int, help=argparse.SUPPRESS)
-    probe.add_argument("--trial-headroom", type=fraction, help=argparse.SUPPRESS)
     probe.add_argument(
         "--require-batch",
         type=positive_int,
@@ -240,8 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="estimate one rank of a job sharded over N ranks (FSDP2): the target runs as rank 0 of a fake process "
         "group of N, after it is up, so its fully_shard calls shard over N; batch sizes are per rank",
     )
-    # estimate_sharded()'s own process: its keywords as JSON (batchfit.cli.estimate_ranks), not for users.
-    estimate.add_argument("--keywords-json", metavar="PATH", help=argparse.SUPPRESS)
     estimate.add_argument("--json", metavar="PATH", help="write the estimate as JSON to PATH ('-' for stdout)")
     estimate.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
 
@@ -298,11 +283,6 @@ def _frontier_parser(commands: Any) -> None:
         "pip install 'batchfit[plot]'",
     )
     _add_quiet_and_traceback(frontier)
-
-
-#: `find`'s options without a flag on ``batchfit fit``: those `batchfit.fit` refuses (it sizes training,
-#: and keys no cache), and the wait for other ranks (the command refuses ``torchrun``: one process).
-FIT_REFUSES = ("mode", "max_new_tokens", "eval", "cache", "noise_scale", "noise_passes", "rank_timeout")
 
 
 def _fit_parser(commands: Any) -> None:

@@ -8,10 +8,13 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import batchfit.probe as probe_surface  # find_with through its module: a patch of it there is seen
+from batchfit.api_jobs import find_sharded
 from batchfit.cli.allocators import advised, expandable_note
 from batchfit.cli.arguments import find_kwargs, probe_plan
+from batchfit.cli.flags import rank_wait_s
 from batchfit.cli.output import (
     EXIT_DOES_NOT_FIT,
     EXIT_ERROR,
@@ -33,29 +36,23 @@ from batchfit.cli.output import (
     report_exception,
     write_json,
 )
-from batchfit.cli.probe_jobs import rank_timeout, run_jobs, trial_worker
 from batchfit.cli.signals import SigtermUnwinds, Terminated
-from batchfit.errors import first_line
-
-if TYPE_CHECKING:
-    from batchfit.distributed import Launch
-    from batchfit.targets import Target
-    from batchfit.view.plain import View
+from batchfit.distributed import Launch, from_environment
+from batchfit.errors import NothingFitsError, RankFailedError, first_line
+from batchfit.probe import Options
+from batchfit.targets import Target, exit_call
+from batchfit.testing import check_fits
+from batchfit.view.plain import OutputClosedError, View, fit_lines
+from batchfit.view.progress import columns, make_view
 
 # probe --------------------------------------------------------------------------------------------
 
 
 def probe_command(args: argparse.Namespace) -> int:
-    from batchfit.distributed import from_environment
-
     try:
         launch = from_environment()
     except ValueError as exc:  # a job whose rank cannot be placed
         raise UsageError(str(exc)) from None
-    if args.trial_batch is not None:
-        if launch is None or not args.trial_dir:
-            raise UsageError("--trial-batch is the rank side of --nproc-per-trial: batchfit starts it under torchrun")
-        return trial_worker(args, launch)
     if args.nproc_per_trial is not None:
         if launch is not None:
             raise UsageError("--nproc-per-trial starts a torchrun job per trial itself: run it without torchrun")
@@ -101,8 +98,6 @@ def check_rank_options(args: argparse.Namespace) -> None:
 def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool] | None = None) -> int:
     """One probe: of this process, or of this rank of a ``torchrun`` job (``launch``; ``owned``
     gets whether this process started the process group)."""
-    from batchfit.view.progress import make_view
-
     if args.require_batch is not None:
         conflicting = [
             name for name in ("max_batch", "verify_steps", "time_budget", "cache") if getattr(args, name) is not None
@@ -117,7 +112,7 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
     if launch is not None:
         # The group first: a target's factory may need it (fully_shard, a rank-dependent build).
         try:
-            backend, started = launch.start(device, rank_timeout(args))
+            backend, started = launch.start(device, rank_wait_s(args))
         except Exception as exc:
             report_exception(exc, args.traceback, cause=False, text=f"cannot join the ranks: {first_line(exc)}")
             return EXIT_ERROR
@@ -182,9 +177,6 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
         view.summary(outcome)
         code = EXIT_OK
         if leader:
-            from batchfit.view.plain import fit_lines
-            from batchfit.view.progress import columns
-
             targets = {"target_tokens": args.target_tokens, "seq_len": args.seq_len, "world_size": args.world_size}
             lines: list[str] = []
             if args.target_batch is not None or args.target_tokens is not None:
@@ -202,6 +194,21 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
     if args.json and leader:
         write_json(args.json, outcome.to_json())
     return code
+
+
+
+def run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], callbacks: dict[str, Any]) -> Any:
+    """The search whose trials are jobs: [`find_sharded`][batchfit.find_sharded]'s, one path for both."""
+    return find_sharded(
+        args.target,
+        args.nproc_per_trial,
+        trial_log=args.trial_log,
+        trial_timeout=args.trial_timeout,
+        guess=args.guess,
+        estimate=not args.no_estimate,
+        **kwargs,
+        **callbacks,
+    )
 
 
 def run_shown(view: Any, run: Callable[[], Any]) -> tuple[Any, BaseException | None]:
@@ -230,12 +237,8 @@ def run_probe(args: argparse.Namespace, target: Target | None, kwargs: dict[str,
     if target is None:
         return run_jobs(args, kwargs, calls.kwargs())
     if args.require_batch is not None:
-        from batchfit.testing import check_fits
-
         return check_fits(target.model, target.sample, batch_size=args.require_batch, **calls.kwargs(), **kwargs)
-    from batchfit.probe import Options, find_with
-
-    return find_with(target.model, target.sample, Options(**kwargs), **calls.kwargs())
+    return probe_surface.find_with(target.model, target.sample, Options(**kwargs), **calls.kwargs())
 
 
 class Calls:
@@ -263,13 +266,8 @@ class Calls:
 def probe_failed(exc: BaseException, calls: Calls, show_traceback: bool, leader: bool = True) -> int:
     """The exit code (and the one line) for whatever ended a probe that had started. Under
     ``torchrun`` another rank's failure is told by rank 0 (and by the failing rank) only."""
-    from batchfit.errors import NothingFitsError, RankFailedError
-
     if isinstance(exc, RankFailedError) and not leader:
         return EXIT_ERROR
-    from batchfit.targets import exit_call
-    from batchfit.view.plain import OutputClosedError
-
     if isinstance(exc, Terminated):
         if exc.forced:
             error("terminated by a second SIGTERM, at once: the model and optimizer may not have been restored")

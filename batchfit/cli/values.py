@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from batchfit.probe.options import check_rank_limits
 from batchfit.units import check_memory_limit, parse_reserve
 
 __all__ = [
@@ -43,8 +44,6 @@ def rank_limits(value: str) -> tuple[tuple[int, str], ...]:
     ``--memory-limit`` takes it, as ``(rank, limit)`` pairs. Checked by
     `batchfit.probe.options.check_rank_limits` (a rank listed twice is refused), and again over
     every use of the flag, against the job's ranks, once they are known."""
-    from batchfit.probe.options import check_rank_limits
-
     pairs: list[tuple[int, str]] = []
     for part in value.split(","):
         rank, equals, limit = part.partition("=")
@@ -109,12 +108,12 @@ positive_int = int_at_least(1)
 count = int_at_least(0)
 
 
-#: ``--scan-batches all``: every batch of the loader (the Python API's ``scan_batches=None``).
+#: ``all`` for a count of a loader's batches: every batch of it (the Python API's ``None``).
 EVERY_BATCH = "all"
 
 
-def scan_batches(value: str) -> int | str:
-    """``--scan-batches``: a positive count, or ``all`` (`EVERY_BATCH`)."""
+def batch_count(value: str) -> int | str:
+    """A count of a loader's batches (``--scan-batches``): a positive count, or ``all`` (`EVERY_BATCH`)."""
     return EVERY_BATCH if value.strip().lower() == EVERY_BATCH else positive_int(value)
 
 

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchfit.backends.select import is_host
+
 __all__ = ["Buckets", "bucket_bytes", "ddp_of", "grad_buckets"]
 
 
@@ -60,7 +62,7 @@ class Buckets:
         """One stand-in per bucket of ``model`` on the CPU, to hand the meter with the weights; none
         for a model that is not DDP, or whose buckets are on a device (its allocator counts them)."""
         ddp = ddp_of(model)
-        if ddp is None or any(p.device.type != "cpu" for p in ddp.parameters()):
+        if ddp is None or not all(is_host(p.device) for p in ddp.parameters()):
             return []
         self._ddp, self._rebuilt = ddp, bool(getattr(ddp, "_has_rebuilt_buckets", True))
         # Never written: the bytes are counted, the pages never touched.

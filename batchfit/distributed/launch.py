@@ -21,6 +21,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from batchfit.backends import backend_for
+from batchfit.backends.select import is_host
 from batchfit.errors import RanksTimeoutError, first_line
 
 
@@ -39,7 +45,7 @@ class Launch:
     def device_for(self, device: str) -> str:
         """This rank's device: ``cuda`` becomes ``cuda:LOCAL_RANK``; an explicit index stays."""
         kind, _, index = device.partition(":")
-        return f"{kind}:{self.local_rank}" if kind != "cpu" and not index else device
+        return f"{kind}:{self.local_rank}" if not is_host(kind) and not index else device
 
     def start(self, device: str, timeout_s: float) -> tuple[str, bool]:
         """Take this rank's device and join the default process group (unless the target
@@ -53,11 +59,6 @@ class Launch:
         (``srun``, a plain pod: torchrun's agent would have ended it). It is also the group's
         timeout for the data collectives (DDP's gradient all-reduce), which a probe starts only
         once every rank agreed to, so no rank waits long in them."""
-        import torch
-        import torch.distributed as dist
-
-        from batchfit.backends import backend_for
-
         placed = torch.device(device)
         backend = backend_for(placed)
         backend.bind(placed)
@@ -82,11 +83,6 @@ class Launch:
     def wrap(self, model: Any, device: str) -> tuple[Any, bool]:
         """The model in ``DistributedDataParallel`` on ``device`` (as is when it already is one),
         and whether it was wrapped here."""
-        import torch
-        from torch.nn.parallel import DistributedDataParallel
-
-        from batchfit.backends import backend_for
-
         if isinstance(model, DistributedDataParallel) or _sharded(model):
             return model, False  # a sharded model is refused by the probe, with where to go instead
         placed = torch.device(device)
@@ -95,8 +91,6 @@ class Launch:
 
     def finish(self, owned: bool) -> None:
         """Leave the process group this process started."""
-        import torch.distributed as dist
-
         if owned and dist.is_initialized():
             dist.destroy_process_group()
 

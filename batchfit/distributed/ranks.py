@@ -390,10 +390,10 @@ _COLLECTIVE_MODULES = {
 }
 
 
-def ranks_for(distributed: bool | None, rank_timeout: float, model: nn.Module, interrupts: InterruptGuard) -> Solo:
+def ranks_for(distributed: bool | None, timeout_s: float, model: nn.Module, interrupts: InterruptGuard) -> Solo:
     """The ranks a probe runs on: ``distributed`` (``None``: every rank of an initialised default
     process group of more than one rank, else this process alone; see ``batchfit.find``), meeting
-    with a timeout of ``rank_timeout`` seconds."""
+    with a timeout of ``timeout_s`` seconds."""
     import torch.distributed as dist
 
     ready = dist.is_available() and dist.is_initialized()
@@ -416,7 +416,7 @@ def ranks_for(distributed: bool | None, rank_timeout: float, model: nn.Module, i
                 f"{_COLLECTIVE_MODULES[found]}, or probe one rank alone with distributed=False "
                 "(see docs/how-to/many-gpus.md#sharded-models-a-fresh-job-per-trial)"
             )
-    return Group(rank_timeout, interrupts)
+    return Group(timeout_s, interrupts)
 
 
 def leads(distributed: bool | None) -> bool:

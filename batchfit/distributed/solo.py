@@ -32,12 +32,17 @@ class PeerOutOfMemory(Exception):
 
 
 class Solo:
-    """This process alone: every meeting is a no-op. The interface `Group` implements."""
+    """This process alone: every meeting is a no-op. The interface `Group` implements.
 
-    world_size = 1
+    ``world_size``: the ranks this one process speaks for (a driver of a job per trial, an estimate
+    of a sharded job's rank 0); alone, 1. `Group` sets its own."""
+
     rank = 0
     #: The stand-ins for a DDP model's gradient buckets (`held`), for the probe's lifetime.
     _buckets: Buckets | None = None
+
+    def __init__(self, world_size: int = 1) -> None:
+        self.world_size = world_size
 
     @property
     def is_leader(self) -> bool:

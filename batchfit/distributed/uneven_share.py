@@ -15,7 +15,9 @@ __all__ = ["UnevenShare", "uneven_split"]
 
 
 class UnevenShare(NamedTuple):
-    """One rank's share of an uneven split: five fields.
+    """One rank's share of an uneven split: five fields, the names of
+    [`UnevenSplit.share`][batchfit.report.uneven.UnevenSplit.share]'s tuple (the split decides it;
+    this only names its parts).
 
     Unpack all five, ``part, weight, micro_batch, steps, pass_batch = uneven_split(...)``, or read
     them by name (``uneven_split(...).weight``).
@@ -65,18 +67,7 @@ def uneven_split(plan: Recommendation | UnevenSplit, rank: int | None = None) ->
         raise ValueError("the recommendation has no uneven split: make it with result.recommend(..., uneven=True)")
     if not isinstance(split, UnevenSplit):
         raise TypeError(f"plan must be a Recommendation or an UnevenSplit, got {type(plan).__name__}")
-    if rank is None:
-        rank = _this_rank()
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
-    if not 0 <= rank < split.world_size:
-        raise ValueError(
-            f"rank {rank} is not one of the split's {split.world_size} ranks (0 to {split.world_size - 1})"
-        )
-    start, micro = split.offsets[rank], split.micro_batches[rank]
-    return UnevenShare(
-        slice(start, start + micro), split.loss_weights[rank], micro, split.accumulation, split.pass_batch
-    )
+    return UnevenShare(*split.share(_this_rank() if rank is None else rank))
 
 
 def _this_rank() -> int:

@@ -18,14 +18,15 @@ from typing import TYPE_CHECKING
 from batchfit._lazy import lazy_surface
 
 if TYPE_CHECKING:
-    from batchfit.estimation.estimator import estimate, split_memory
+    from batchfit.estimation.estimate_setup import split_memory
+    from batchfit.estimation.estimator import estimate
     from batchfit.estimation.planning import Plan, check_target, plan_for
     from batchfit.estimation.rank_estimate import estimate_sharded
     from batchfit.estimation.whatif import OPTIONS, WhatIf, what_if
 
 _EXPORTS = {
     "estimate": "batchfit.estimation.estimator",
-    "split_memory": "batchfit.estimation.estimator",
+    "split_memory": "batchfit.estimation.estimate_setup",
     "estimate_sharded": "batchfit.estimation.rank_estimate",
     "Plan": "batchfit.estimation.planning",
     "check_target": "batchfit.estimation.planning",

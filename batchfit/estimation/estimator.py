@@ -1,5 +1,9 @@
 """``batchfit.estimate()``: the answer for a memory size before you own the device.
 
+A model is estimated here; a target with ``world_size`` (one rank of a sharded job) in a process
+of its own (`batchfit.estimation.rank_estimate`). What the estimate is for, and the assumptions
+both state: `batchfit.estimation.estimate_setup`.
+
 The probe's own search (`search_with`) over fake trials (`FakeProbe`, whose module says how they
 count), with the target's fixed costs stated as assumptions; a real CPU probe under a cap where a
 model cannot be traced on fake tensors (`_extrapolate`). Nothing is timed, so an estimate has no
@@ -9,50 +13,56 @@ throughput.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from batchfit.backends import ESTIMATE_TARGETS, EstimateTarget, estimate_target
+from batchfit.backends import EstimateTarget
 from batchfit.errors import NothingFitsError
+from batchfit.estimation.estimate_setup import (
+    FAKE_TRACE,
+    FALLBACK_CAP,
+    EstimateSetup,
+    for_device_of,
+    foreach_assumption,
+    split_memory,
+)
 from batchfit.estimation.fake_lengths import estimate_frontier
 from batchfit.estimation.fake_trials import FakeProbe, Untraceable
+from batchfit.estimation.rank_estimate import ESTIMATE_TIMEOUT_S, estimate_sharded
 from batchfit.probe import Options, find_with
 from batchfit.probe.checks import check_work
 from batchfit.probe.finder import described, search_with
-from batchfit.probe.keywords import EstimateOptions
-from batchfit.probe.options import options_from, renamed
+from batchfit.probe.options import renamed
 from batchfit.probe.positions import check_seq_len
 from batchfit.probe.real_data import worst_batch
 from batchfit.report import Frontier, Result, SizedOn, Trial
-from batchfit.units import format_bytes, parse_memory_limit, parse_reserve
+from batchfit.units import format_bytes
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["FALLBACK_CAP", "TARGETS", "EstimateSetup", "estimate", "refuse_sharded", "split_memory"]
+    from batchfit.probe.keywords import EstimateOptions
 
-#: The devices an estimate can be for: the device types, and the variants of one (``"rocm"``).
-TARGETS = tuple(target.name for base in ESTIMATE_TARGETS.values() for target in (base, *base.variants))
-
-
-#: Live tensor bytes the real CPU steps of the fallback may use (see `_extrapolate`).
-FALLBACK_CAP = 256 * 2**20
+__all__ = ["estimate", "refuse_sharded", "split_memory"]
 
 
 def estimate(
-    model: nn.Module,
+    model_or_target: nn.Module | str,
     sample: Any = None,
     *,
+    world_size: int | None = None,
     memory_limit: int | str | None = None,
-    device: str = "cpu",
+    for_device: str | None = None,
     reserve: int | str | None = None,
+    timeout_s: float | None = ESTIMATE_TIMEOUT_S,
     seq_lens: Sequence[int] | None = None,
     longest_at_batch_1: bool = True,
     max_seq_len: int | None = None,
     callback: Callable[[Trial], None] | None = None,
+    device: str | None = None,
     memory: int | str | None = None,
     **options: Unpack[EstimateOptions],
 ) -> Result | Frontier:
@@ -67,12 +77,21 @@ def estimate(
     ``criterion=``, an optimizer object...); an estimate has nothing to time, to verify, to
     interrupt or to spread over ranks, so ``find``'s keywords for those are not taken.
 
+    A target, ``"package.module:factory"`` or ``"path/to/file.py:factory"`` with
+    ``world_size=N``, is one rank of an FSDP2 job of N ranks, estimated in a fresh process
+    ([`estimate_sharded`][batchfit.estimate_sharded], the same call: its docs say how).
+
     Args:
+        model_or_target: the `nn.Module` to estimate, or a target as ``batchfit estimate`` takes it.
+        world_size: a target's ranks; batch sizes are per rank. Refused with a model (the ranks of
+            a model are those launched: estimate it alone, its answer is per rank).
         memory_limit: the device's memory: bytes or a size (``"80GiB"``, ``"24GB"``; a fraction
             needs a device to be a fraction of). ``memory=`` is its old name, still accepted with
             a ``DeprecationWarning``.
-        device: what to estimate for (`TARGETS`): the CPU (the live-tensor meter's count,
-            equal to what ``find()`` measures there under the same ``memory_limit``; the default),
+        for_device: the card estimated for (`batchfit.estimation.estimate_setup.TARGETS`), not where
+            anything runs (``device=``, its old name, still works with a ``DeprecationWarning``): the
+            CPU (the live-tensor meter's count, equal to what ``find()`` measures there under the
+            same ``memory_limit``; the default),
             CUDA (the caching allocator's reserved bytes, modelled; see the assumptions), or
             ``"rocm"``: the same allocator with hipBLAS/hipBLASLt's workspaces (2 x (128 + 76) MiB,
             not cuBLAS's 2 x 33 MiB). On a GPU target an optimizer that leaves ``foreach`` to torch
@@ -81,6 +100,7 @@ def estimate(
             nothing on the CPU; on a GPU 1 GiB for the context with its kernels and handles, the
             top of the 0.5-1 GiB that CUDA 12 takes, so the estimate errs safe (an assumption,
             stated with the range; ``reserve=`` sets what a measured card keeps).
+        timeout_s: a target's limit on its process, in seconds (``None``: no limit).
 
         **options: [`EstimateOptions`][batchfit.probe.keywords.EstimateOptions], as `find` takes them.
 
@@ -97,9 +117,62 @@ def estimate(
         NothingFitsError: not even ``init_batch`` fits the memory.
         TypeError, ValueError: bad arguments.
     """
-    started = time.monotonic()
     memory_limit, limit_name = renamed("estimate", "memory", memory, "memory_limit", memory_limit)
-    setup = EstimateSetup.of(memory_limit, device, reserve, options, limit_name)
+    for_device = for_device_of("estimate", for_device, device)
+    if isinstance(model_or_target, str) and ":" not in model_or_target.strip(":"):
+        raise TypeError(
+            f"model must be a torch.nn.Module, got str {model_or_target!r} (a target is 'module:factory' or "
+            "'path/to/file.py:factory', with world_size=)"
+        )
+    if isinstance(model_or_target, str):
+        lengths = {"sample": sample, "seq_lens": seq_lens, "max_seq_len": max_seq_len, "callback": callback}
+        given = [f"{name}=" for name, value in lengths.items() if value is not None]
+        given += ["longest_at_batch_1="] * (longest_at_batch_1 is not True)
+        if given:
+            raise TypeError(
+                f"estimate({model_or_target!r}) got {', '.join(given)}: a target's factory returns its sample, and "
+                "its estimate runs in a process of its own, one length, no callback"
+            )
+        if world_size is None:
+            raise TypeError(f"estimate({model_or_target!r}) needs world_size=: the ranks of the job it shards over")
+        return estimate_sharded(
+            model_or_target,
+            world_size,
+            memory_limit=memory_limit,
+            for_device=for_device,
+            reserve=reserve,
+            timeout_s=timeout_s,
+            **options,
+        )
+    if world_size is not None:
+        raise TypeError(
+            f"estimate() of a model got world_size={world_size!r}: the ranks of a model are the ones launched, and "
+            "its answer is per rank already; world_size= is for a target, 'module:factory', sharded over that many"
+        )
+    if timeout_s != ESTIMATE_TIMEOUT_S:
+        raise TypeError("estimate() of a model got timeout_s=: it bounds a target's process; a model's runs here")
+    return _estimate_model(
+        model_or_target, sample, memory_limit, for_device, reserve, seq_lens, longest_at_batch_1, max_seq_len, callback,
+        limit_name, options,
+    )  # fmt: skip
+
+
+def _estimate_model(
+    model: nn.Module,
+    sample: Any,
+    memory_limit: int | str | None,
+    for_device: str,
+    reserve: int | str | None,
+    seq_lens: Sequence[int] | None,
+    longest_at_batch_1: bool,
+    max_seq_len: int | None,
+    callback: Callable[[Trial], None] | None,
+    limit_name: str,
+    options: EstimateOptions,
+) -> Result | Frontier:
+    """`estimate` of a model, in this process (see its docs)."""
+    started = time.monotonic()
+    setup = EstimateSetup.of(memory_limit, for_device, reserve, options, limit_name)
     target, budget, assumptions, options = setup.target, setup.budget, setup.assumptions, setup.options
 
     def marked(result: Result, sized_on: SizedOn | None = None) -> Result:
@@ -122,7 +195,7 @@ def estimate(
         )
     refuse_sharded(model)
     check_seq_len(model, options.seq_len)  # before a loader is scanned
-    sample, drawn, sized_on = worst_batch(sample, scan_batches=options.scan_batches, seq_len=options.seq_len)
+    sample, drawn, sized_on = worst_batch(sample, options)
     check_work(model, sample, options)
 
     try:
@@ -197,111 +270,6 @@ def _frontier(
         assumptions=tuple(assumptions),
         elapsed_s=time.monotonic() - started,
     )
-
-
-#: The first assumption of an estimate that traced the model on fake tensors.
-FAKE_TRACE = "traced on fake tensors: no step ran, no memory was used; nothing is timed, so no throughput"
-
-
-def foreach_assumption(optimizers: list[str]) -> str:
-    """The line that says the trace stepped ``optimizers`` with foreach, as a GPU would (``foreach_as_on``)."""
-    return (
-        f"foreach optimizer as on CUDA: {', '.join(optimizers)} left foreach to torch, which picks the foreach "
-        "implementation for GPU parameters (one intermediate per parameter live at once in the step, the "
-        "trainable weights' size for AdamW); the CPU would run the for-loop"
-    )
-
-
-@dataclass
-class EstimateSetup:
-    """What an estimate is for, read once from its arguments (`estimate`, ``estimate_sharded``):
-    the target device, its memory and what of it the trials may use, the assumptions, the options."""
-
-    device: str
-    target: EstimateTarget
-    total: int
-    budget: int
-    assumptions: list[str]
-    options: Options
-
-    @classmethod
-    def of(
-        cls,
-        memory_limit: Any,
-        device: str,
-        reserve: int | str | None,
-        given: Mapping[str, Any],
-        limit_name: str = "memory_limit",
-        extra_reserve: tuple[int, str] | None = None,
-    ) -> EstimateSetup:
-        """Checked, before anything is traced. ``extra_reserve``: bytes (and why) kept aside beside
-        the assumed context when ``reserve`` is not given (a sharded job's NCCL buffers)."""
-        if memory_limit is None:
-            raise TypeError("estimate() needs memory_limit=: the memory of the device to estimate for, e.g. '80GiB'")
-        target = estimate_target(device)
-        total, kept_aside = split_memory(target, memory_limit, reserve, limit_name)
-        assumptions = _assumptions(target, given.get("amp"))
-        if kept_aside:
-            said = f"{format_bytes(kept_aside)} of the {format_bytes(total)} are outside the allocator"
-            assumptions.append(f"{said}: {target.context_note}" if reserve is None and target.context_note else said)
-        if extra_reserve is not None and reserve is None and extra_reserve[0]:
-            kept_aside += extra_reserve[0]
-            assumptions.append(f"{format_bytes(extra_reserve[0])} more are kept aside: {extra_reserve[1]}")
-        budget = total - kept_aside
-        if budget <= 0:
-            assumed = " (the CUDA context a GPU keeps outside the allocator, assumed)" if reserve is None else ""
-            raise ValueError(
-                f"reserve {format_bytes(kept_aside)}{assumed} leaves nothing of {limit_name} {format_bytes(total)}: "
-                f"estimate for a device with more memory, pass reserve= what that device keeps outside the allocator, "
-                f"or device='cpu'"
-            )
-        options = options_from("estimate", given, EstimateOptions, device="cpu", memory_limit=budget, distributed=False)
-        return cls(device, target, total, budget, assumptions, options)
-
-    def marked(self, result: Result, started: float, sized_on: SizedOn | None = None) -> Result:
-        """``result`` as an estimate: for the target device's memory, with the assumptions, timed from ``started``."""
-        return replace(
-            result,
-            device=replace(result.device, name=f"estimate for {self.device}", total_bytes=self.total),
-            estimated=True,
-            assumptions=tuple(self.assumptions),
-            elapsed_s=time.monotonic() - started,
-            sized_on=sized_on,
-        )
-
-
-def split_memory(
-    target: EstimateTarget, memory_limit: Any, reserve: int | str | None, limit_name: str = "memory_limit"
-) -> tuple[int, int]:
-    """``(total, kept_aside)``: the device's memory, and what of it lives outside the allocator.
-
-    One reading for [`estimate`][batchfit.estimate] and ``batchfit estimate`` (which checks it before loading the
-    target, to say what to do in its own option names). ``reserve=None`` takes the target's
-    assumed context (1 GiB on a GPU, the top of CUDA 12's range; nothing on the CPU); ``0`` means
-    nothing is kept aside.
-    """
-    if isinstance(memory_limit, float) or not isinstance(memory_limit, (int, str)):
-        raise TypeError(
-            f"{limit_name} must be bytes or a size such as '80GiB' (an estimate has no device to take a fraction "
-            f"of), got {type(memory_limit).__name__} {memory_limit!r}"
-        )
-    total = parse_memory_limit(memory_limit, None, name=limit_name)
-    if reserve is None:
-        return total, target.outside_allocator_bytes
-    if reserve in (0, "0"):
-        return total, 0  # nothing outside the allocator: the whole memory is the budget
-    parsed = parse_reserve(reserve)
-    if parsed == "auto":
-        raise ValueError("reserve='auto' measures a real device: an estimate takes a size")
-    return total, int(parsed)
-
-
-def _assumptions(target: EstimateTarget, amp: str | None) -> list[str]:
-    said = [FAKE_TRACE]
-    said += target.assumptions
-    if amp is not None and target.amp_assumption:
-        said.append(f"amp {amp}: {target.amp_assumption}")
-    return said
 
 
 def _extrapolate(

@@ -29,22 +29,25 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
 from batchfit.backends import EstimateTarget
+from batchfit.backends.select import is_host
 from batchfit.distributed import Solo
+from batchfit.estimation.estimate_setup import FALLBACK_CAP
 from batchfit.estimation.fake_trials import FakeProbe, Untraceable
-from batchfit.probe import Options
+from batchfit.probe import Options, Prober
 from batchfit.probe.batches import map_tensors
 from batchfit.probe.checks import fit_memory, fixed_memory_advice
 from batchfit.probe.job_runner import FRESH_STEPS  # a trial's steps, as a fresh job runs them
-from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
+from batchfit.probe.notes import ranks_notes
+from batchfit.probe.runner import Findings, GroupAnswer, Settled, Setup, Traits, TrialRequest, opened
+from batchfit.report import DeviceInfo, SizedOn, Trial, TrialKind, Unit
 from batchfit.units import format_bytes
 
 __all__ = [
@@ -145,13 +148,6 @@ def to_fake(model: nn.Module, sample: Any, mode: Any) -> Any:
         return map_tensors(sample, lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
 
 
-class _Ranks(Solo):
-    """The job's ranks as the search sees them: one estimate speaks for all ``world_size``."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-
-
 class ShardedProbe:
     """A job per trial, on fake tensors in one process (see the module docs): `search_with`'s prober."""
 
@@ -162,7 +158,7 @@ class ShardedProbe:
         self._sample = sample  # the batch to size on, read once (a loader's worst batch)
         self.options = options
         self.target = target
-        self.ranks = _Ranks(world_size)
+        self.ranks = Solo(world_size)  # the job's ranks as the search sees them: one estimate speaks for all
         self.budget_bytes: int | None = budget
         self.limit_bytes: int | None = budget
         self.limit_source = "memory_limit"
@@ -179,25 +175,16 @@ class ShardedProbe:
         self._weights = (0, 0)
         self._meter_notes: list[str] = []
 
-    def __enter__(self) -> ShardedProbe:
-        return self
+    def open(self) -> Setup:
+        """Nothing to set up: every trial builds the target afresh. Nothing carries from one trial to
+        the next, nothing is timed."""
+        facts = (self.budget_bytes, self.counts, self.device_info, self.ranks, self.limit_bytes, self.limit_source)
+        return Setup(*facts, self.reserve_bytes, Traits(), self.sized_on, (*self.notes,))
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        return None
-
-    def trial(
-        self,
-        batch_size: int,
-        steps: int | None = None,
-        kind: TrialKind = "search",
-        fresh_optimizer: bool = False,
-        cap_bytes: int | None = None,
-        from_scratch: bool = False,
-    ) -> Trial:
+    def run(self, request: TrialRequest) -> Trial:
         """One trial as a fresh job runs it: the target built anew, a fresh optimizer, two steps."""
-        steps = steps or self.options.steps_per_trial or FRESH_STEPS
+        batch_size, kind, cap_bytes = request.batch_size, request.kind, request.cap_bytes
+        steps = request.steps or self.options.steps_per_trial or FRESH_STEPS
         if self.real is None:
             try:
                 return self._fake_trial(batch_size, steps, kind, cap_bytes)
@@ -217,9 +204,11 @@ class ShardedProbe:
         options = replace(self.options, optimizer=optimizer) if optimizer is not None else self.options
         self._weights = local_bytes(model)
         assert self.budget_bytes is not None
-        with FakeProbe(model, sample, options, self.target, self.budget_bytes, fake_mode=mode) as probe:
-            trial = probe.trial(batch_size, steps, kind, True, cap_bytes)
-            self._meter_notes = probe.meter_notes()
+        probe = FakeProbe(model, sample, options, self.target, self.budget_bytes, fake_mode=mode)
+        session = opened(probe, ())
+        with session:
+            trial = probe.run(TrialRequest(batch_size, steps, kind, True, cap_bytes))
+        self._meter_notes = list(session.findings.notes) if session.findings is not None else []
         self.foreach_switched |= probe.foreach_switched
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, probe.optimizer_state_bytes)
         # What a trial left allocated dies with its job (`JobPerTrial` says the same).
@@ -228,10 +217,8 @@ class ShardedProbe:
     def _check_real_steps(self) -> None:
         """Real CPU steps stand in for a trace only where they are the answer, and cheap: on the CPU,
         within `FALLBACK_CAP`."""
-        from batchfit.estimation.estimator import FALLBACK_CAP
-
         assert self.budget_bytes is not None
-        if self.target.device_type != "cpu" or self.budget_bytes > FALLBACK_CAP:
+        if not is_host(self.target.device_type) or self.budget_bytes > FALLBACK_CAP:
             raise ValueError(
                 f"fake tensors cannot trace the model ({self.real}), and real CPU steps answer only for the CPU within "
                 f"{format_bytes(FALLBACK_CAP)}: size it with real jobs (batchfit probe TARGET --nproc-per-trial "
@@ -240,8 +227,6 @@ class ShardedProbe:
 
     def _real_trial(self, batch_size: int, steps: int, kind: TrialKind, cap_bytes: int | None) -> Trial:
         """The trial a job's rank 0 runs (``run_worker_trial``), here, in the fake group: real CPU steps."""
-        from batchfit.probe import Prober
-
         model, _, optimizer = self._build()
         self.builds += 1
         if any(t.device.type == "meta" for t in model.parameters()):
@@ -251,39 +236,26 @@ class ShardedProbe:
             )
         self._weights = local_bytes(model)
         options = replace(self.options, distributed=False, **({"optimizer": optimizer} if optimizer else {}))
-        with Prober(model, self._sample, options=options) as prober:
-            trial = prober.trial(batch_size, steps=steps, kind=kind, cap_bytes=cap_bytes)
+        prober = Prober(model, self._sample, options=options)
+        with opened(prober):
+            trial = prober.run(TrialRequest(batch_size, steps, kind, cap_bytes=cap_bytes))
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, prober.optimizer_state_bytes)
         return replace(trial, leaked_bytes=0, step_time_s=None, samples_per_s=None, step_times_s=())
 
-    def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
+    def settle(self, trials: Sequence[Trial]) -> Settled:
+        """The budget (a given size) and the memory equation with the last build's shards."""
+        (weights, trainable), mode, state = self._weights, self.options.mode, self.optimizer_state_bytes
+        memory = fit_memory(list(trials), weights, trainable, mode, state, self.counts, self.budget_bytes)
+        return Settled(self.budget_bytes, self.limit_bytes, self.limit_source, self.reserve_bytes, memory)
+
+    def close(self, trials: Sequence[Trial], answer: GroupAnswer | None, exc: BaseException | None) -> Findings:
+        """Nothing to undo (each trial's build is gone): the last trace's meter notes, and the ranks'."""
         weights, trainable = self._weights
-        return fit_memory(
-            trials, weights, trainable, self.options.mode, self.optimizer_state_bytes, self.counts, self.budget_bytes
-        )
-
-    #: Every trial is a fresh model: nothing carries from one trial to the next; nothing is timed.
-    layout_carries = False
-    times_warm = False
-    slows_steps = False
-
-    def settle_reserve(self) -> int | None:
-        return self.budget_bytes
-
-    def fixed_advice(self) -> str | None:
-        weights, trainable = self._weights
-        return fixed_memory_advice(weights, trainable, self.options.mode, self.options.optimizer, self.budget_bytes)
-
-    def ranks_notes(self) -> list[str]:
-        return [
+        advice = fixed_memory_advice(weights, trainable, self.options.mode, self.options.optimizer, self.budget_bytes)
+        ranks = (
             f"estimated as rank 0 of {self.ranks.world_size} in a fake process group: the model's own FSDP code ran "
             "(its all-gather and reduce-scatter buffers, the shards' gradients and optimizer state, prefetch), the "
             "collectives wrote nothing; rank 0 holds the largest shard. Every trial built the target afresh, as a job "
             f"per trial would ({self.builds} builds)"
-        ]
-
-    def meter_notes(self) -> list[str]:
-        return list(self._meter_notes)
-
-    def compile_notes(self, trials: list[Trial]) -> list[str]:
-        return []
+        )
+        return Findings((*self._meter_notes, *ranks_notes(self.ranks.world_size, [ranks])), advice)

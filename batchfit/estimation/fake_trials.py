@@ -39,9 +39,8 @@ Nothing here is timed: a fake step's wall time means nothing, so an estimate has
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -56,9 +55,10 @@ from batchfit.probe import Options
 from batchfit.probe.batches import batch_size_of, map_tensors, tensor_leaves
 from batchfit.probe.checks import fit_memory, fixed_memory_advice, parameter_bytes
 from batchfit.probe.compiled import compiled_info
+from batchfit.probe.runner import Findings, GroupAnswer, Settled, Setup, Traits, TrialRequest, opened
 from batchfit.probe.trial import run_trial
 from batchfit.probe.workload import Workload, optimizer_factory
-from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
+from batchfit.report import DeviceInfo, SizedOn, Trial, TrialKind, Unit
 from batchfit.units import positive_int
 
 __all__ = ["FakeProbe", "Untraceable", "foreach_as_on"]
@@ -234,9 +234,11 @@ class FakeProbe:
         self._replay_state = ReplayState()
         self._held: list[torch.Tensor] = []
         #: Ctrl-C deferred to safe points and never lost, the restore never cut short: as find()'s.
-        self._interrupts = InterruptGuard(exits=(FakeProbe.__exit__, FakeProbe._undo))
+        self._interrupts = InterruptGuard(exits=(FakeProbe.close, FakeProbe._undo, opened.__exit__))
 
-    def __enter__(self) -> FakeProbe:
+    def open(self) -> Setup:
+        """The model swapped for fake tensors (or taken as built fake), its flags set, the meter on.
+        A fake step's wall time says nothing about a real one: no size is timed after the search."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self._interrupts.__enter__()
@@ -283,12 +285,18 @@ class FakeProbe:
             self._interrupts.finish(self._undo, exc)
             raise
         self._stack = stack
-        return self
+        traits = Traits(layout_carries=self.meter.layout_carries)
+        facts = (self.budget_bytes, self.counts, self.device_info, self.ranks, self.limit_bytes, self.limit_source)
+        return Setup(*facts, self.reserve_bytes, traits, self.sized_on, (*self.notes,))
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def close(self, trials: Sequence[Trial], answer: GroupAnswer | None, exc: BaseException | None) -> Findings:
+        """The model's own tensors, flags and the RNG back; what compilation and the meter have to say."""
         self._interrupts.finish(self._undo, exc)
+        if exc is not None:
+            weights, trainable = parameter_bytes(self._model)
+            options, budget = self.options, self.budget_bytes
+            return Findings(fixed_advice=fixed_memory_advice(weights, trainable, self.mode, options.optimizer, budget))
+        return Findings((*self._compile_notes(), *(self.meter.notes() if self.meter is not None else [])))
 
     def _undo(self) -> None:
         """The model's own tensors, flags and the RNG back (no Ctrl-C can cut it short)."""
@@ -298,20 +306,12 @@ class FakeProbe:
         if stack is not None:
             stack.close()
 
-    def trial(
-        self,
-        batch_size: int,
-        steps: int | None = None,
-        kind: TrialKind = "search",
-        fresh_optimizer: bool = False,
-        cap_bytes: int | None = None,
-        from_scratch: bool = False,
-    ) -> Trial:
-        """A fake trial at ``batch_size``, the optimizer kept and the cap lowered as
-        [`Prober.trial`][batchfit.probe.prober.Prober.trial] does."""
-        assert self._workload is not None and self.meter is not None, "FakeProbe.trial() needs 'with FakeProbe(...)'"
-        batch_size = positive_int("batch_size", batch_size)
-        fresh_optimizer = fresh_optimizer or from_scratch  # the allocator model keeps no workspace to clear
+    def run(self, request: TrialRequest) -> Trial:
+        """A fake trial, the optimizer kept and the cap lowered as `Prober.run` does."""
+        assert self._workload is not None and self.meter is not None, "FakeProbe.run() needs an open probe (`opened`)"
+        steps, kind, cap_bytes = request.steps, request.kind, request.cap_bytes
+        batch_size = positive_int("batch_size", request.batch_size)
+        fresh_optimizer = request.fresh_optimizer or request.from_scratch  # the allocator model keeps no workspace
         if self._replay is None:
             self._replay = self._record()
             if isinstance(self._replay, Replay):
@@ -372,37 +372,14 @@ class FakeProbe:
             self.meter._track(storage)
         return replay
 
-    def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
+    def settle(self, trials: Sequence[Trial]) -> Settled:
+        """The budget (an estimate's reserve is a given size, never measured again) and the memory equation."""
         weights, trainable = parameter_bytes(self._model)
-        return fit_memory(
-            trials, weights, trainable, self.mode, self.optimizer_state_bytes, self.counts, self.budget_bytes
-        )
+        state, budget = self.optimizer_state_bytes, self.budget_bytes
+        memory = fit_memory(list(trials), weights, trainable, self.mode, state, self.counts, budget)
+        return Settled(budget, self.limit_bytes, self.limit_source, self.reserve_bytes, memory)
 
-    @property
-    def layout_carries(self) -> bool:
-        """Whether the modelled allocator carries a layout from trial to trial (``Meter.layout_carries``)."""
-        return self.meter is not None and self.meter.layout_carries
-
-    #: A fake step's wall time says nothing about a real one: no size is timed after the search.
-    times_warm = False
-    slows_steps = False
-
-    def settle_reserve(self) -> int | None:
-        """The budget: an estimate's reserve is a given size, never measured again."""
-        return self.budget_bytes
-
-    def fixed_advice(self) -> str | None:
-        weights, trainable = parameter_bytes(self._model)
-        return fixed_memory_advice(weights, trainable, self.mode, self.options.optimizer, self.budget_bytes)
-
-    def ranks_notes(self) -> list[str]:
-        return []
-
-    def meter_notes(self) -> list[str]:
-        """What the meter has to say about how it counted (``Meter.notes``)."""
-        return self.meter.notes() if self.meter is not None else []
-
-    def compile_notes(self, trials: list[Trial]) -> list[str]:
+    def _compile_notes(self) -> list[str]:
         info = compiled_info(self._compiled)
         if info is None:
             return []

@@ -3,24 +3,31 @@
 Two halves. `estimate_in_group` runs in a process that is rank 0 of a fake process group
 (`batchfit.estimation.fake_ranks.fake_group`) and has the target's builder: the probe's search over
 `ShardedProbe`'s trials (each one a fresh build on fake tensors, as a job per trial would run it).
-`estimate_sharded` is the Python way in: it starts that process (``batchfit estimate TARGET
---world-size W``, given its keywords as JSON), so no process group, fake mode or sharded model is
-left in the caller's process, and reads the [`Result`][batchfit.Result] back from its JSON.
+`estimate_sharded` is the Python way in: it starts that process (`batchfit.worker`, given a
+`batchfit.probe.wire.WorkerRequest` with its keywords as JSON), so no process group, fake mode or
+sharded model is left in the caller's process, and reads the [`Result`][batchfit.Result] back from
+its JSON, or raises the error it raised, as its own type (`batchfit.errors.error_from`).
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchfit.errors import EstimateTimeoutError, NothingFitsError
+from batchfit.backends.select import is_host
+from batchfit.errors import EstimateTimeoutError, error_from
+from batchfit.estimation.estimate_setup import EstimateSetup, for_device_of, foreach_assumption
+from batchfit.estimation.fake_ranks import ShardedProbe, check_sharded, check_world_size
+from batchfit.probe.checks import check_work
+from batchfit.probe.finder import described, search_with
+from batchfit.probe.real_data import worst_batch
 from batchfit.probe.sessions import in_session
+from batchfit.probe.wire import WorkerRequest, to_wire, worker_command
 from batchfit.report import Result, Trial
 from batchfit.units import format_bytes
 
@@ -42,9 +49,10 @@ def estimate_sharded(
     world_size: int,
     *,
     memory_limit: int | str | None = None,
-    device: str = "cpu",
+    for_device: str | None = None,
     reserve: int | str | None = None,
     timeout_s: float | None = ESTIMATE_TIMEOUT_S,
+    device: str | None = None,
     **options: Unpack[EstimateOptions],
 ) -> Result:
     """Estimate one rank's answer for ``target`` sharded with FSDP2 over ``world_size`` ranks, in a fresh process.
@@ -55,7 +63,7 @@ def estimate_sharded(
     rank 0, so its ``fully_shard`` calls shard as on the cluster; build the model on the CPU or on the
     ``meta`` device (no memory then). The other keywords are [`batchfit.estimate`][batchfit.estimate]'s,
     JSON values only (an object cannot cross into the process: give it from the target). A model
-    fake tensors cannot trace runs rank 0's real CPU steps instead (for ``device="cpu"`` within
+    fake tensors cannot trace runs rank 0's real CPU steps instead (for ``for_device="cpu"`` within
     256 MiB; the assumptions say so).
 
     ``timeout_s`` bounds the process (default `ESTIMATE_TIMEOUT_S`, 30 minutes): a target that
@@ -75,11 +83,10 @@ def estimate_sharded(
             fake group cannot build (before anything is traced).
         NothingFitsError: not even ``init_batch`` fits one rank's memory.
         EstimateTimeoutError: no answer within ``timeout_s`` (the process was killed, with all it started).
+        RankFailedError, LimitError, ...: the process raised one of batchfit's errors (as itself).
         RuntimeError: the process failed otherwise (its message says how).
     """
-    from batchfit.estimation.estimator import EstimateSetup
-    from batchfit.estimation.fake_ranks import check_world_size
-
+    device = for_device_of("estimate_sharded", for_device, device)  # device=: the old name, with a warning
     check_world_size(world_size)
     if not isinstance(target, str) or ":" not in target.strip(":"):
         raise TypeError(f"target must be a 'module:factory' or 'path/to/file.py:factory' string, got {target!r}")
@@ -92,23 +99,15 @@ def estimate_sharded(
     ):
         raise ValueError(f"timeout_s must be a positive number of seconds or None (no limit), got {timeout_s!r}")
     EstimateSetup.of(memory_limit, device, reserve, options)  # every keyword checked here, before the process
-    keywords = {"memory_limit": memory_limit, "device": device, "reserve": reserve, **options}
-    for name, value in keywords.items():
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"{name}= is a {type(value).__name__}, which cannot cross into the estimate's process: give it from "
-                f"the target (a factory returning a dict with '{name}'), or a JSON value"
-            ) from None
+    wire = to_wire({"memory_limit": memory_limit, "device": device, "reserve": reserve, **options})
     with tempfile.TemporaryDirectory(prefix="batchfit-sharded-") as folder:
-        request, out, said = (Path(folder) / name for name in ("keywords.json", "result.json", "stderr.txt"))
-        request.write_text(json.dumps(keywords))
-        command = [
-            sys.executable, "-m", "batchfit", "estimate", target, "--world-size", str(world_size),
-            "--keywords-json", str(request), "--json", str(out),
-        ]  # fmt: skip
-        with open(said, "w") as stderr, in_session(command, stdout=subprocess.DEVNULL, stderr=stderr) as process:
+        request = WorkerRequest(kind="estimate", target=target, options=wire, world_size=world_size, out=folder)
+        path, said = Path(folder) / "request.json", Path(folder) / "stderr.txt"
+        request.write(path)
+        with (
+            open(said, "w") as stderr,
+            in_session(worker_command(path), stdout=subprocess.DEVNULL, stderr=stderr) as process,
+        ):
             try:
                 code = process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -116,37 +115,13 @@ def estimate_sharded(
         tail = said.read_text(errors="replace")[-2000:]
         if code is None:
             raise EstimateTimeoutError(target, float(timeout_s or 0), tail)
-        document = json.loads(out.read_text()) if out.exists() else None
+        answer = request.answer_path
+        document = json.loads(answer.read_text()) if answer.exists() else None
     if isinstance(document, dict) and "schema" in document:
         return Result.from_dict(document)
-    raise _failure(document, code, tail)
-
-
-def _failure(document: Any, code: int, tail: str) -> Exception:
-    """The estimate's process's error, as the type it raised where that is one of ours to raise."""
-    said = document.get("error") if isinstance(document, dict) else None
-    if not isinstance(said, dict):
-        return RuntimeError(f"the sharded estimate's process ended (exit code {code}) with:\n{tail}")
-    kind, message = said.get("type"), str(said.get("message"))
-    if kind == "NothingFitsError":
-        fields = said.get("fields", {})
-        return NothingFitsError(**fields)
-    if kind in ("TypeError", "ValueError"):
-        return TypeError(message) if kind == "TypeError" else ValueError(message)
-    return RuntimeError(f"the sharded estimate raised {kind}: {message}")
-
-
-def error_document(exc: BaseException) -> dict[str, Any]:
-    """What the estimate's process writes instead of a result: `estimate_sharded` raises it again."""
-    said: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
-    if isinstance(exc, NothingFitsError):
-        said["fields"] = {
-            name: getattr(exc, name)
-            for name in ("batch_size", "needed_bytes", "budget_bytes", "phase", "cause", "advice")
-        }
-    elif isinstance(exc, (TypeError, ValueError)):
-        said["type"] = "TypeError" if isinstance(exc, TypeError) else "ValueError"
-    return {"error": said}
+    if isinstance(document, dict) and isinstance(document.get("error"), dict):
+        raise error_from(document, "the sharded estimate")
+    raise RuntimeError(f"the sharded estimate's process ended (exit code {code}) with:\n{tail}")
 
 
 def sharded_assumptions(world_size: int, device_type: str, reserve: Any) -> list[str]:
@@ -158,12 +133,12 @@ def sharded_assumptions(world_size: int, device_type: str, reserve: Any) -> list
         "not modelled: the communication library's own buffers (NCCL's live outside the allocator"
         + (
             f": {format_bytes(NCCL_RESERVE_BYTES)} are kept aside for them; reserve= sets what the cluster's keep"
-            if device_type != "cpu" and reserve is None and world_size > 1
+            if not is_host(device_type) and reserve is None and world_size > 1
             else "; reserve= keeps room for them"
         )
         + "), CPU offload (refused), activation memory of other parallelisms",
     ]
-    if device_type != "cpu":
+    if not is_host(device_type):
         said.append(
             "FSDP's all-gather and reduce-scatter run on streams of their own on a GPU; the modelled allocator "
             "serves them from the compute stream's pool (per-stream pools can reserve more)"
@@ -187,21 +162,15 @@ def estimate_in_group(
     ``build()`` builds the target afresh each time (``(model, sample, optimizer or None)``: an
     optimizer the target made, over that build's parameters); ``where`` names the target in errors.
     """
-    from batchfit.estimation.estimator import EstimateSetup, foreach_assumption
-    from batchfit.estimation.fake_ranks import ShardedProbe, check_sharded, check_world_size
-    from batchfit.probe.checks import check_work
-    from batchfit.probe.finder import described, search_with
-    from batchfit.probe.real_data import worst_batch
-
     started = time.monotonic()
     check_world_size(world_size)
     nccl = (NCCL_RESERVE_BYTES, "NCCL's buffers on each rank (assumed)") if world_size > 1 else None
-    setup = EstimateSetup.of(memory_limit, device, reserve, options, extra_reserve=None if device == "cpu" else nccl)
+    setup = EstimateSetup.of(memory_limit, device, reserve, options, extra_reserve=None if is_host(device) else nccl)
     options_ = setup.options
     model, sample, _ = build()
     check_sharded(model, world_size, where)
     check_work(model, sample, options_)
-    sample, drawn, sized_on = worst_batch(sample, scan_batches=options_.scan_batches, seq_len=options_.seq_len)
+    sample, drawn, sized_on = worst_batch(sample, options_)
     previous = [model]
 
     def fresh() -> tuple[Any, Any, Any]:

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from batchfit.errors import NothingFitsError
+from batchfit.estimation.estimate_setup import for_device_of
+from batchfit.estimation.estimator import estimate
 from batchfit.probe.checkpointing_blocks import NO_BLOCKS, applied, find_blocks, policy_for
 from batchfit.probe.options import renamed
 from batchfit.units import format_bytes, parse_memory_limit
@@ -110,21 +112,22 @@ def what_if(
     sample: Any = None,
     *,
     memory_limit: int | str | None = None,
-    device: str = "cpu",
+    for_device: str | None = None,
     options: Sequence[str] = DEFAULT_OPTIONS,
     memory: int | str | None = None,
+    device: str | None = None,
     **estimate_kwargs: Any,
 ) -> WhatIf:
     """Estimate the model as it is and under each of ``options`` (see the module docs).
 
-    ``memory_limit`` is [`batchfit.estimate`][batchfit.estimate]'s (``memory=``, its old name, still works with
-    a ``DeprecationWarning``); ``estimate_kwargs`` go to every [`batchfit.estimate`][batchfit.estimate] call
+    ``memory_limit`` and ``for_device`` are [`batchfit.estimate`][batchfit.estimate]'s (``memory=`` and
+    ``device=``, their old names, still work with a ``DeprecationWarning``); ``estimate_kwargs`` go
+    to every [`batchfit.estimate`][batchfit.estimate] call
     with the same names as [`batchfit.find`][batchfit.find] (``optimizer``, ``amp``, ``criterion``,
     ``loss_fn``, ``reserve``...); an option overrides the keyword it is about.
     """
-    from batchfit.estimation.estimator import estimate
-
     memory_limit, limit_name = renamed("what_if", "memory", memory, "memory_limit", memory_limit)
+    for_device = for_device_of("what_if", for_device, device)
     if memory_limit is None:
         raise TypeError("what_if() needs memory_limit=: the memory of the device to estimate for, e.g. '24GiB'")
 
@@ -147,7 +150,7 @@ def what_if(
             context = checkpointing(model)
         try:
             with context as how:
-                result = estimate(model, sample, memory_limit=memory_limit, device=device, **kwargs)
+                result = estimate(model, sample, memory_limit=memory_limit, for_device=for_device, **kwargs)
         except NothingFitsError as exc:
             rows.append(WhatIfRow(option, note=f"nothing fits: batch {exc.batch_size} does not"))
             continue
@@ -163,7 +166,8 @@ def what_if(
                 note=how if isinstance(how, str) else None,
             )
         )
-    return WhatIf(memory_bytes=parse_memory_limit(memory_limit, None, name=limit_name), device=device, rows=tuple(rows))
+    memory_bytes = parse_memory_limit(memory_limit, None, name=limit_name)
+    return WhatIf(memory_bytes=memory_bytes, device=for_device, rows=tuple(rows))
 
 
 @contextlib.contextmanager

@@ -11,16 +11,19 @@ they were, and the algorithm that turns trials into an answer.
 * `real_data`: the batch that drives memory, picked from a loader's real data
   (`worst_batch`); `positions`: the model's position limit
   (`position_limit`);
-* `prober`: [`Prober`][batchfit.Prober], the lifetime of a probe;
-* `finder`: `search_with` and `find_with`, the algorithm, with
+* `runner`: the seam every way of running trials implements (`Runner`: open, run, settle, close);
+  `prober`: [`Prober`][batchfit.Prober], the lifetime of a probe on this device, one `Runner`;
+* `finder`: `search_with` (over any `Runner`) and `find_with`, the algorithm, with
   `safe_batch` and `notes`;
-* `frontier`: `frontier_with`, the largest batch per sequence length
+* `lengths`: `frontier_with`, the largest batch per sequence length
   (one probe per length, each further one searched from the surface's prediction);
-* `recompute` and `fitting`: activation checkpointing of k of a model's repeated blocks, applied
-  and undone exactly, and `fit_with`, the policy that trains a target batch fastest;
-* `jobs`: a prober whose trials are fresh ``torchrun`` jobs (sharded models); `sharded`:
-  `find_sharded_with`, the search over them, from ``init_batch`` or from a guess;
-* `noise`: `measure_noise`, the gradient noise scale of real batches;
+* `checkpointing_blocks` and `checkpointing_search`: activation checkpointing of k of a model's
+  repeated blocks, applied and undone exactly, and `fit_with`, the policy that trains a target
+  batch fastest;
+* `job_runner`: a `Runner` whose trials are fresh ``torchrun`` jobs (sharded models), each rank a
+  `batchfit.worker` process (`job_worker`, its request through `wire`); `job_search`: the search
+  over them, from ``init_batch`` or from a guess;
+* `noise_measure`: `measure_noise`, the gradient noise scale of real batches;
 * `cache`: the result cache (``find(cache=DIR)``: `ResultCache`), keyed
   by `keys` (`probe_key`, `cache_key`), its entries on disk in
   `cache_files` (no torch).
@@ -40,8 +43,6 @@ from batchfit._lazy import lazy_surface
 if TYPE_CHECKING:
     from batchfit.probe.checkpointing_search import fit_with
     from batchfit.probe.finder import find_with
-    from batchfit.probe.job_runner import run_worker_trial, write_verdict
-    from batchfit.probe.job_search import find_sharded_with
     from batchfit.probe.lengths import PointCallback, check_lengths, frontier_with
     from batchfit.probe.noise_measure import measure_noise
     from batchfit.probe.options import DEFAULT_MAX_BATCH, Options
@@ -55,15 +56,12 @@ _EXPORTS = {
     "PointCallback": "batchfit.probe.lengths",
     "check_lengths": "batchfit.probe.lengths",
     "frontier_with": "batchfit.probe.lengths",
-    "run_worker_trial": "batchfit.probe.job_runner",
-    "write_verdict": "batchfit.probe.job_runner",
     "measure_noise": "batchfit.probe.noise_measure",
     "DEFAULT_MAX_BATCH": "batchfit.probe.options",
     "Options": "batchfit.probe.options",
     "position_limit": "batchfit.probe.positions",
     "Prober": "batchfit.probe.prober",
     "is_batch_source": "batchfit.probe.real_data",
-    "find_sharded_with": "batchfit.probe.job_search",
 }
 #: Names this surface exported before issue 33 that are internals: they still import, with a warning.
 _MOVED = {"own_loss": "batchfit.probe.workload", "worst_batch": "batchfit.probe.real_data"}

@@ -76,6 +76,7 @@ from batchfit.probe.cache_files import entry_document, read_entry, read_file, wr
 from batchfit.probe.keys import CacheKey, probe_key
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
+from batchfit.probe.runner import TrialRequest, opened
 from batchfit.probe.safe_batch import safe_cap
 from batchfit.report import CacheHit, Result
 from batchfit.units import format_bytes
@@ -173,12 +174,13 @@ class ResultCache:
         safe batch (the first run was it, under at most the budget)."""
         prober, settings = self._prober, stored.settings
         before = len(prober.notes)  # the set-up's notes: the probe that may follow says them again
-        with prober:
-            budget = prober.budget_bytes
+        with opened(prober) as setup:
+            budget = setup.budget_bytes
             lowered = budget is not None and stored.safe_batch > settings.init_batch  # as safe_batch() runs it
             cap = safe_cap(budget, settings.headroom) if budget is not None and lowered else None
-            safe = prober.trial(stored.safe_batch, kind="verify", cap_bytes=cap)
-            top = prober.trial(stored.max_batch) if safe.fits and stored.max_batch > stored.safe_batch else None
+            safe = prober.run(TrialRequest(stored.safe_batch, kind="verify", cap_bytes=cap))
+            above = safe.fits and stored.max_batch > stored.safe_batch
+            top = prober.run(TrialRequest(stored.max_batch)) if above else None
         del prober.notes[before:]
         under = f" under {format_bytes(cap)}" if cap is not None else ""
         if not safe.fits:

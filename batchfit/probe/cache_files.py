@@ -256,8 +256,8 @@ LOG_FIELDS = {"job": ("key", "batch_size", "steps", "ranks"), "estimate": ("key"
 VERDICT_FIELDS = ("trial", "counts", "device", "limit_bytes", "limit_source", "reserve_bytes")
 
 
-def read_trial_log(path: Path, key: Mapping[str, Any], nproc: int) -> LoggedEntries:
-    """The entries of the trial log ``path`` logged under ``key`` (jobs of ``nproc`` ranks), each
+def read_trial_log(path: Path, key: Mapping[str, Any], world_size: int) -> LoggedEntries:
+    """The entries of the trial log ``path`` logged under ``key`` (jobs of ``world_size`` ranks), each
     checked (`distrusted_job`); ``LoggedEntries()`` when there is no such file. A line cut off (a
     run that ended while writing it) is skipped, with a note; the rest stay usable.
 
@@ -288,7 +288,7 @@ def read_trial_log(path: Path, key: Mapping[str, Any], nproc: int) -> LoggedEntr
             raise ValueError(f"the trial log {path} is not a batchfit trial log: line {number} is {kind}")
         if entry["key"] != key:
             continue  # another target, device, ranks' command line or version: not this search's
-        refused = _distrusted_estimate(entry) if kind == "estimate" else distrusted_job(entry, nproc)
+        refused = _distrusted_estimate(entry) if kind == "estimate" else distrusted_job(entry, world_size)
         if refused is not None:
             notes.append(f"line {number} of the trial log {path} was not used: {refused}")
         elif kind == "estimate":
@@ -321,17 +321,17 @@ def _check_line(entry: Any) -> str:
     return kind
 
 
-def distrusted_job(entry: Mapping[str, Any], nproc: int) -> str | None:
+def distrusted_job(entry: Mapping[str, Any], world_size: int) -> str | None:
     """Why a logged job's verdicts cannot be reused, or ``None``. Each rank's must agree with itself
-    (`distrusted_verdict`), and a job that fitted fitted on every one of its ``nproc`` ranks (a job
+    (`distrusted_verdict`), and a job that fitted fitted on every one of its ``world_size`` ranks (a job
     ends at its first failure, so a failure may come from one rank alone)."""
     size, steps, ranks = entry["batch_size"], entry["steps"], entry["ranks"]
     if not (_count(size) and _count(steps) and ranks):
         return "its batch size, steps or ranks are not a job's"
     fitted: set[int] = set()
     for name, verdict in ranks.items():
-        if not (isinstance(name, str) and name.isdigit() and int(name) < nproc):
-            return f"it holds a verdict of rank {name[:20]!r}, not one of the {nproc} ranks"
+        if not (isinstance(name, str) and name.isdigit() and int(name) < world_size):
+            return f"it holds a verdict of rank {name[:20]!r}, not one of the {world_size} ranks"
         if "error" in verdict:
             if not isinstance(verdict["error"], str):
                 return f"rank {name}'s error is not a message"
@@ -341,8 +341,8 @@ def distrusted_job(entry: Mapping[str, Any], nproc: int) -> str | None:
             return f"rank {name}'s verdict {why}"
         if verdict["trial"]["fits"]:
             fitted.add(int(name))
-    if len(fitted) == len(ranks) and fitted != set(range(nproc)):
-        missing = ", ".join(str(rank) for rank in sorted(set(range(nproc)) - fitted))
+    if len(fitted) == len(ranks) and fitted != set(range(world_size)):
+        missing = ", ".join(str(rank) for rank in sorted(set(range(world_size)) - fitted))
         return f"it says the job fitted, and rank(s) {missing} gave no verdict"
     return None
 

@@ -38,7 +38,6 @@ import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -61,11 +60,12 @@ from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCall
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
 from batchfit.probe.probing import FromLine
+from batchfit.probe.runner import TrialRequest, opened
 from batchfit.probe.safe_batch import safe_cap
-from batchfit.probe.timing import UNTIMED_STEPS
+from batchfit.probe.timing import UNTIMED_STEPS, warm_steps
 from batchfit.report import Fit, Placement, Policy, PolicyRow, Result, Trial
 from batchfit.report.checkpointing import fit_recommendation
-from batchfit.report.recommendation_rules import split_global
+from batchfit.report.global_split import split_global
 from batchfit.search.near import HEDGE
 from batchfit.units import format_bytes, positive_int
 
@@ -93,7 +93,7 @@ def fit_with(
     """[`fit`][batchfit.fit] for callers that hold an [`Options`][batchfit.Options] (see the module)."""
     started = time.monotonic()
     target = positive_int("target_batch", target_batch)
-    quiet = replace(options, timed_steps=0)
+    quiet = options.untimed()
     trials: list[Trial] = []
 
     def told(trial: Trial) -> None:
@@ -238,8 +238,8 @@ def _saved_bytes(
     everything that step changes is put back."""
     if on_trial_start is not None:
         on_trial_start(1, "search")
-    with Prober(model, sample, options=options) as prober, saving(model, blocks.free) as saved:
-        trial = prober.trial(1, steps=1)
+    with opened(runner := Prober(model, sample, options=options)), saving(model, blocks.free) as saved:
+        trial = runner.run(TrialRequest(1, steps=1))
     told(trial)
     return saved if trial.fits else {}
 
@@ -324,8 +324,8 @@ def _far_line(
     size = none.max_batch
     if on_trial_start is not None:
         on_trial_start(size, "search")
-    with applied(model, most) as runnable, Prober(runnable, sample, options=options) as prober:
-        trial = prober.trial(size, kind="search")
+    with applied(model, most) as runnable, opened(runner := Prober(runnable, sample, options=options)):
+        trial = runner.run(TrialRequest(size))
     told(trial)
     peak = trial.peak_in(none.budget_counts)
     if not trial.fits or peak is None:
@@ -372,26 +372,26 @@ def _time(
     plain steps. Each micro-batch is within its policy's safe batch, which that policy's probe
     verified. Policies of blocks share one prober (switched between trials); a budget runs its own
     compiled module, in a prober of its own."""
-    steps = UNTIMED_STEPS + max(MIN_TIMED_STEPS, options.timed_steps)
+    steps = UNTIMED_STEPS + max(MIN_TIMED_STEPS, warm_steps(options))
     rates: dict[int, float] = {}
 
-    def timed(prober: Prober, k: int, micro: int) -> None:
+    def timed(runner: Prober, k: int, micro: int) -> None:
         if on_trial_start is not None:
             on_trial_start(micro, "time")
-        trial = prober.trial(micro, steps=steps, kind="time", fresh_optimizer=True)
+        trial = runner.run(TrialRequest(micro, steps, "time", fresh_optimizer=True))
         told(trial)
         if trial.fits and trial.samples_per_s:
             rates[k] = trial.samples_per_s
 
     if any(choose(k).budget is not None for k, _, _ in candidates):
         for k, micro, _ in candidates:
-            with applied(model, choose(k)) as runnable, Prober(runnable, sample, options=options) as prober:
-                timed(prober, k, micro)
+            with applied(model, choose(k)) as runnable, opened(runner := Prober(runnable, sample, options=options)):
+                timed(runner, k, micro)
         return rates
-    with Prober(model, sample, options=options) as prober:
+    with opened(runner := Prober(model, sample, options=options)):
         for k, micro, _ in candidates:
             with applied(model, choose(k)):
-                timed(prober, k, micro)
+                timed(runner, k, micro)
     return rates
 
 

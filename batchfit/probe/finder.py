@@ -1,12 +1,13 @@
 """The algorithm: search over real trials, pick and verify the safe batch, assemble the [`Result`][batchfit.Result].
 
-`search_with` reads top to bottom as what a probe does: set the prober up (the user's
+`search_with` reads top to bottom as what a probe does: open the runner (the user's
 objects snapshotted, the limit applied), let the pure search (``batchfit.search``) ask it for
 trials until it knows the boundary, fit the memory equation, choose and verify the safe batch,
 and hand back a frozen [`Result`][batchfit.Result] with the notes a reader needs; the
-prober's ``__exit__`` restores everything on the way out. It runs over any prober: the real
-[`Prober`][batchfit.Prober], a job per trial (``batchfit.probe.job_runner``) or fake
-trials (``batchfit.estimation``). The keyword front end users call is [`batchfit.find`][batchfit.find].
+runner's ``close`` restores everything on the way out. It runs over any `Runner`
+(``batchfit.probe.runner``) and never asks which: the real [`Prober`][batchfit.Prober], a job per
+trial (``batchfit.probe.job_runner``) or fake trials (``batchfit.estimation``). The keyword front
+end users call is [`batchfit.find`][batchfit.find].
 """
 
 from __future__ import annotations
@@ -20,33 +21,29 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchfit.distributed import Solo
 from batchfit.errors import NothingFitsError
 from batchfit.probe.cache import open_cache
 from batchfit.probe.checks import check_callbacks
 from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
 from batchfit.probe.noise_measure import check_noise_data, measure_noise
-from batchfit.probe.notes import (
-    allocator_notes,
-    equation_notes,
-    non_monotone,
-    ranks_notes,
-    throughput_notes,
-    trial_notes,
-)
+from batchfit.probe.notes import allocator_notes, equation_notes, non_monotone, trial_notes
 from batchfit.probe.options import Options
-from batchfit.probe.per_rank import per_rank
 from batchfit.probe.positions import prompt_length
 from batchfit.probe.prober import Prober
-from batchfit.probe.probing import FromInit, ProbesTrials, SearchPlan
+from batchfit.probe.probing import FromInit, SearchPlan
+from batchfit.probe.runner import Findings, GroupAnswer, Runner, Settled, Setup, TrialRequest, opened
 from batchfit.probe.safe_batch import boundary_room, safe_batch, safe_cap
 from batchfit.probe.timing import (
     UNTIMED_STEPS,
     knee_deadline,
     step_at_max,
+    throughput_notes,
     time_knee,
     time_safe,
     trial_cost,
     unpinned_notes,
+    warm_steps,
 )
 from batchfit.report import Evaluation, Generation, MemoryModel, Result, Settings, Throughput, Trial, TrialKind, Unit
 from batchfit.search import Attempt, SearchReport, confirm_from_scratch
@@ -89,7 +86,7 @@ def find_with(
             )
             notes = (*result.notes, *(f"eval: {note}" for note in evaluated.notes if note not in result.notes))
             elapsed = time.monotonic() - started  # both searches
-            result = replace(result, evaluation=evaluation_of(evaluated), notes=notes, elapsed_s=elapsed)
+            result = replace(result, evaluation=Evaluation.of(evaluated), notes=notes, elapsed_s=elapsed)
     if options.noise_scale:  # it depends on the weights, which the cache's key leaves out: measured every time
         noise = measure_noise(model, sample, options, micro_batch=result.safe_batch)
         result = replace(result, noise_scale=noise, elapsed_s=time.monotonic() - started)
@@ -100,20 +97,6 @@ def evaluation_options(options: Options) -> Options:
     """``find(eval=True)``'s options for its evaluation probe: ``mode="eval"``, nothing added to the answer
     (the noise scale and the cache are the training answer's)."""
     return replace(options, mode="eval", eval=False, noise_scale=False, cache=None)
-
-
-def evaluation_of(result: Result) -> Evaluation:
-    """The `Evaluation` record of a `mode="eval"` probe's ``result``."""
-    return Evaluation(
-        max_batch=result.max_batch,
-        safe_batch=result.safe_batch,
-        best_throughput_batch=result.best_throughput_batch,
-        safe_verified=result.safe_verified,
-        boundary_reached=result.boundary_reached,
-        throughput=result.throughput,
-        memory=result.memory,
-        trials=result.trials,
-    )
 
 
 def described(result: Result, sample: Any, options: Options) -> Result:
@@ -128,7 +111,7 @@ def described(result: Result, sample: Any, options: Options) -> Result:
 
 
 def search_with(
-    prober: ProbesTrials,
+    runner: Runner,
     options: Options,
     started: float,
     *,
@@ -137,138 +120,151 @@ def search_with(
     on_start: ProbeStartCallback | None = None,
     plan: SearchPlan | None = None,
 ) -> Result:
-    """The search, the safe batch and the [`Result`][batchfit.Result], over any prober.
+    """The search, the safe batch and the [`Result`][batchfit.Result], over any runner.
 
     The sizes the throughput answer rests on are timed warm around the safe batch's verification
-    (`batchfit.probe.timing`) where the prober's trials can (`times_warm`) and
-    `options.timed_steps` is not 0. The steps that run trials call the pure search, the timing and
+    (`batchfit.probe.timing`) where the runner's trials can (`Traits.times_warm`) and the options
+    time steps warm (`warm_steps`). The steps that run trials call the pure search, the timing and
     `safe_batch` from here, with `SearchRun`'s methods: the path from `find` to the model stays short.
 
     Args:
-        prober: what runs the trials (`ProbesTrials`): the [`Prober`][batchfit.Prober], a job per
-            trial (`batchfit.probe.job_runner`) or fake trials (`batchfit.estimation`).
+        runner: what runs the trials (`batchfit.probe.runner.Runner`): the [`Prober`][batchfit.Prober],
+            a job per trial (`batchfit.probe.job_runner`) or fake trials (`batchfit.estimation`).
         options: the probe's settings.
         started: the `time.monotonic()` the answer's time counts from.
         callback: told each trial once it ran.
         on_trial_start: told each trial's batch size and kind before it runs.
-        on_start: told the device and the budget once the prober is set up.
+        on_start: told the device and the budget once the runner is open.
         plan: how the boundary is searched (`SearchPlan`); `None`: `FromInit`, from `init_batch`
             with the options' strategy. The frontier searches each further length from the boundary
             its surface predicts (`batchfit.probe.lengths`).
     """
     check_callbacks(callback, on_trial_start, on_start)
     plan = FromInit(options.make_strategy()) if plan is None else plan
-    run = SearchRun(prober, options, started, callback, on_trial_start)
-    grid, timed_steps = run.grid, options.timed_steps
-    # 1. Set up: the user's objects snapshotted, the model on the device, the limit applied (all
-    #    undone by the prober's __exit__, whatever ends the probe, Ctrl-C included).
-    with prober:
-        run.budget, run.unit = prober.budget_bytes, prober.counts
-        if on_start is not None:
-            on_start(prober.device_info, run.budget)
-        # 2. The boundary: the pure search asks for real trials until it knows it.
-        try:
-            report = plan.search(run.oracle, grid, should_stop=run.out_of_time, budget_bytes=run.budget)
-        except NothingFitsError as failed:
-            if run.in_trial:
-                raise  # the user's callback (or model) raised it: not the search's verdict
-            raise run.nothing_fits(failed) from None
-        if prober.layout_carries and run.trials[0].fits:
-            # The optimizer kept between trials carries its memory layout (`batchfit.search.scratch`):
-            # the boundary is confirmed as a fresh process meets it, on both sides.
-            searched = report.largest_fit
-            from_scratch = partial(run.oracle, from_scratch=True)
-            report = confirm_from_scratch(report, grid, from_scratch, run.trials[0].batch_size)
-            run.say_from_scratch(searched, report.largest_fit)
-        # 3. What lives outside the allocator may have grown since the set-up (kernels and
-        #    handles load lazily): reserve="auto" measures it again, and the budget shrinks.
-        run.budget = budget = prober.settle_reserve()
-        # 4. The memory equation, fitted on the search's trials.
-        memory = prober.memory_model(run.trials)
-        if memory is None:
-            memory = plan.memory_hint(run.trials, budget, run.unit)
-        # 5. The knee's neighbourhood, timed warm and alike (a search trial's single step after a
-        #    release runs cold, and must not be ranked against warm ones; `batchfit.probe.timing`).
-        timing_notes: list[str] = []
-        timing_s: float | None = None
-        largest = report.largest_fit
-        timing = run.timing and not run.out_of_time()
-        if timing:
-            timing_started = time.monotonic()
-            timing_notes = time_knee(run.trials, largest, grid, run.timed, timed_steps, run.neighbourhood(largest))
-            timing_s = time.monotonic() - timing_started
-        # 6. The safe batch the equation predicts, verified by real steps (the search's trials are
-        #    its candidates): the last trial of a new size, so that it proves the safe batch in the
-        #    state the rest left behind. When the throughput is timed, its warm steps are the safe
-        #    batch's rate, the top of the curve (`SearchRun.verify_steps`).
-        searched_trials = [t for t in run.trials if t.kind != "time"]
-        if prober.layout_carries:  # a caching allocator: the headroom holds one more of the largest block
-            run.keep_free = boundary_room(searched_trials, report.largest_fit, report.smallest_fail)
-        safe, verified, safe_notes = safe_batch(
-            report,
-            searched_trials,
-            memory,
-            budget,
-            options,
-            run.unit,
-            run.run,
-            keep_within=plan.keep_verified_within,
-            steps=run.verify_steps,
-            keep_free=run.keep_free,
-        )
-        if timing:  # the safe batch, unless its verification timed it; and where its rate moved the knee
-            timing_started = time.monotonic()
-            timing_notes += time_safe(run.trials, safe, run.timed, timed_steps)
-            timing_notes += unpinned_notes(run.trials, largest, safe, grid)
-            timing_s = (timing_s or 0.0) + time.monotonic() - timing_started
-        # 7. Ranks with different budgets: each rank's own max and safe batch (`batchfit.probe.per_rank`).
-        answers, answers_notes = (
-            per_rank(prober, grid, largest, safe, verified, options.verify_steps, options.headroom, run.out_of_time)
-            if isinstance(prober, Prober) and prober.ranks.world_size > 1
-            else ((), [])
-        )
-    # 8. The answer (after the prober's __exit__, whose notes it carries).
-    result = run.answer(report, memory, safe, verified, safe_notes, timing_notes, timing_s)
-    return replace(result, per_rank=answers, notes=(*result.notes, *answers_notes)) if answers else result
+    run = SearchRun(runner, options, started, callback, on_trial_start)
+    grid, warm = run.grid, warm_steps(options)
+    # 1. Open: the user's objects snapshotted, the model on the device, the limit applied (all
+    #    undone by the runner's close, whatever ends the probe, Ctrl-C included).
+    session = opened(runner, run.trials)
+    try:
+        with session as setup:
+            run.open(setup)
+            if on_start is not None:
+                on_start(setup.device, run.budget)
+            # 2. The boundary: the pure search asks for real trials until it knows it.
+            try:
+                report = plan.search(run.oracle, grid, should_stop=run.out_of_time, budget_bytes=run.budget)
+            except NothingFitsError as failed:
+                run.failed = None if run.in_trial else failed  # raised by the user's callback: not the verdict
+                raise
+            if setup.traits.layout_carries and run.trials[0].fits:
+                # The optimizer kept between trials carries its memory layout (`batchfit.search.scratch`):
+                # the boundary is confirmed as a fresh process meets it, on both sides.
+                searched = report.largest_fit
+                from_scratch = partial(run.oracle, from_scratch=True)
+                report = confirm_from_scratch(report, grid, from_scratch, run.trials[0].batch_size)
+                scratch_notes = run.say_from_scratch(searched, report.largest_fit)
+            else:
+                scratch_notes = []
+            # 3. What lives outside the allocator may have grown since the set-up (kernels and
+            #    handles load lazily): reserve="auto" measures it again, and the budget shrinks.
+            #    4. The memory equation, fitted on the search's trials.
+            run.settled = settled = runner.settle(run.trials)
+            run.budget = budget = settled.budget_bytes
+            memory = settled.memory if settled.memory is not None else plan.memory_hint(run.trials, budget, run.unit)
+            run.notes += [*settled.notes, *scratch_notes]
+            # 5. The knee's neighbourhood, timed warm and alike (a search trial's single step after a
+            #    release runs cold, and must not be ranked against warm ones; `batchfit.probe.timing`).
+            timing_notes: list[str] = []
+            timing_s: float | None = None
+            largest = report.largest_fit
+            timing = run.timing and not run.out_of_time()
+            if timing:
+                timing_started = time.monotonic()
+                timing_notes = time_knee(run.trials, largest, grid, run.timed, warm, run.neighbourhood(largest))
+                timing_s = time.monotonic() - timing_started
+            # 6. The safe batch the equation predicts, verified by real steps (the search's trials are
+            #    its candidates): the last trial of a new size, so that it proves the safe batch in the
+            #    state the rest left behind. When the throughput is timed, its warm steps are the safe
+            #    batch's rate, the top of the curve (`SearchRun.verify_steps`).
+            searched_trials = [t for t in run.trials if t.kind != "time"]
+            if setup.traits.layout_carries:  # a caching allocator: the headroom holds one more of the largest block
+                run.keep_free = boundary_room(searched_trials, report.largest_fit, report.smallest_fail)
+            safe, verified, safe_notes = safe_batch(
+                report, searched_trials, memory, budget, options, run.unit, run.run,
+                keep_within=plan.keep_verified_within, steps=run.verify_steps, keep_free=run.keep_free,
+            )  # fmt: skip
+            if timing:  # the safe batch, unless its verification timed it; and where its rate moved the knee
+                timing_started = time.monotonic()
+                timing_notes += time_safe(run.trials, safe, run.timed, warm)
+                timing_notes += unpinned_notes(run.trials, largest, safe, grid)
+                timing_s = (timing_s or 0.0) + time.monotonic() - timing_started
+            # 7. Ranks with different budgets: the runner finds each rank's own max and safe batch as it
+            #    closes, where it can (`Findings.per_rank`; the Prober's `batchfit.probe.per_rank`).
+            verify_steps, headroom = options.verify_steps, options.headroom
+            session.answer = GroupAnswer(grid, largest, safe, verified, verify_steps, headroom, run.out_of_time)
+    except NothingFitsError as failed:
+        if failed is not run.failed:
+            raise
+        raise run.nothing_fits(failed, session.findings) from None
+    # 8. The answer (after the runner's close, whose findings it carries).
+    findings = session.findings
+    assert findings is not None
+    result = run.answer(report, memory, safe, verified, [*findings.notes, *safe_notes], timing_notes, timing_s)
+    if not findings.per_rank:
+        return result
+    return replace(result, per_rank=findings.per_rank, notes=(*result.notes, *findings.per_rank_notes))
 
 
 class SearchRun:
-    """One probe's search over a prober: its trials, told to the callbacks as they run, and what
-    `search_with`'s steps need of them. Each trial method calls `prober.trial` itself, not through
+    """One probe's search over a runner: its trials, told to the callbacks as they run, and what
+    `search_with`'s steps need of them. Each trial method calls `runner.run` itself, not through
     another: the path from `find` to the model stays short (`tests/test_call_path.py`)."""
 
     def __init__(
         self,
-        prober: ProbesTrials,
+        runner: Runner,
         options: Options,
         started: float,
         callback: TrialCallback | None,
         on_trial_start: StartCallback | None,
     ) -> None:
-        self.prober, self.options, self.started = prober, options, started
+        self.runner, self.options, self.started = runner, options, started
         self.callback, self.on_trial_start = callback, on_trial_start
         self.grid = options.grid()
         #: Every trial of the probe, in order.
         self.trials: list[Trial] = []
-        #: The budget and the memory it counts, once the prober is set up.
+        #: What the runner said when it opened, and after the search (`open`, `runner.settle`); the
+        #: budget and the memory it counts.
+        self.setup: Setup | None = None
+        self.settled: Settled | None = None
         self.budget: int | None = None
         self.unit: Unit = "allocated"
+        #: The result's notes so far: the set-up's, the settling's, the search's own.
+        self.notes: list[str] = []
+        #: The search's `NothingFitsError`, once it gave up (told the fixed memory's advice after the close).
+        self.failed: NothingFitsError | None = None
         #: True while a trial or a callback runs: a `NothingFitsError` raised then is not the search's verdict.
         self.in_trial = False
         #: What the safe batch's cap keeps free beyond the headroom, and why (`boundary_room`).
         self.keep_free: tuple[int, str | None] = (0, None)
 
+    def open(self, setup: Setup) -> None:
+        """Take what the runner said once it opened."""
+        self.setup, self.budget, self.unit = setup, setup.budget_bytes, setup.counts
+        self.notes = list(setup.notes)
+
     def run(self, batch_size: int, kind: TrialKind, steps: int | None = None, cap_bytes: int | None = None) -> Trial:
         """A trial of `kind` (`safe_batch`'s verifications), kept and told."""
         fresh = self._begin(batch_size, kind, steps)
-        trial = self.prober.trial(batch_size, steps=steps, kind=kind, from_scratch=fresh, cap_bytes=cap_bytes)
+        trial = self.runner.run(TrialRequest(batch_size, steps, kind, cap_bytes=cap_bytes, from_scratch=fresh))
         return self._keep(trial, cap_bytes)
 
-    def timed(self, batch_size: int, timed_steps: int) -> Trial:
-        """A timing trial (`batchfit.probe.timing`): one untimed step, then `timed_steps` timed ones."""
-        steps = UNTIMED_STEPS + timed_steps
+    def timed(self, batch_size: int, warm: int) -> Trial:
+        """A timing trial (`batchfit.probe.timing`): one untimed step, then ``warm`` timed ones."""
+        steps = UNTIMED_STEPS + warm
         fresh = self._begin(batch_size, "time", steps)
-        trial = self.prober.trial(batch_size, steps=steps, kind="time", fresh_optimizer=fresh)
+        trial = self.runner.run(TrialRequest(batch_size, steps, "time", fresh_optimizer=fresh))
         return self._keep(trial, None)
 
     def oracle(self, batch_size: int, kind: TrialKind = "search", from_scratch: bool = False) -> Attempt:
@@ -282,7 +278,7 @@ class SearchRun:
         """
         steps, cap = (self.verify_steps, self.verify_cap(batch_size)) if kind == "verify" else (None, None)
         fresh = self._begin(batch_size, kind, steps, from_scratch)
-        trial = self.prober.trial(batch_size, steps=steps, kind=kind, from_scratch=fresh, cap_bytes=cap)
+        trial = self.runner.run(TrialRequest(batch_size, steps, kind, cap_bytes=cap, from_scratch=fresh))
         return verdict(self._keep(trial, cap), self.unit)
 
     def _begin(self, batch_size: int, kind: TrialKind, steps: int | None, from_scratch: bool = False) -> bool:
@@ -314,59 +310,65 @@ class SearchRun:
         """Whether the time budget ran out; the first rank out of time stops them all, at the same point."""
         if self.options.time_budget is None:
             return False
-        return self.prober.ranks.any(time.monotonic() - self.started > self.options.time_budget)
+        return self.ranks.any(time.monotonic() - self.started > self.options.time_budget)
+
+    @property
+    def ranks(self) -> Solo:
+        """The ranks that probe together (`Setup.ranks`), once the runner is open."""
+        return self.setup.ranks if self.setup is not None else Solo()
 
     @property
     def timing(self) -> bool:
-        """Whether the throughput answer is timed warm: `timed_steps` asks it and the prober's trials can."""
-        return bool(self.options.timed_steps) and self.prober.times_warm
+        """Whether the throughput answer is timed warm: the options ask it (`warm_steps`), the runner's trials can."""
+        return bool(warm_steps(self.options)) and self.setup is not None and self.setup.traits.times_warm
 
     @property
     def verify_steps(self) -> int:
         """The steps of the safe batch's verification: `verify_steps`, and when the throughput is
-        timed at least `1 + timed_steps`, so that its warm steps are the safe batch's rate and it
-        needs no trial of its own; under a meter that slows every step, `timed_steps` more, timed
+        timed at least `1 + warm_steps`, so that its warm steps are the safe batch's rate and it
+        needs no trial of its own; under a meter that slows every step, `warm_steps` more, timed
         without it (`Prober.trial`). 0: no verification."""
         steps = self.options.verify_steps
         if not steps or not self.timing:
             return steps
-        return steps + self.options.timed_steps if self.prober.slows_steps else max(steps, 1 + self.options.timed_steps)
+        slows = self.setup is not None and self.setup.traits.slows_steps
+        warm = warm_steps(self.options)
+        return steps + warm if slows else max(steps, 1 + warm)
 
     def neighbourhood(self, largest: int) -> Callable[[int, int], bool]:
-        """The `out_of_time(size, timed_steps)` of the timing of the knee's neighbourhood, from now: whether
+        """The `out_of_time(size, warm)` of the timing of the knee's neighbourhood, from now: whether
         that timing trial would end past `knee_deadline` (`trial_cost`), so the timing's cost stays bounded."""
         at_max = step_at_max(self.trials, largest)
         deadline = knee_deadline(time.monotonic(), at_max, self.started, self.options.time_budget)
 
-        def out_of_time(size: int, timed_steps: int) -> bool:
-            ends = time.monotonic() + trial_cost(size, UNTIMED_STEPS + timed_steps, largest, at_max)
-            return bool(self.prober.ranks.any(ends > deadline))
+        def out_of_time(size: int, warm: int) -> bool:
+            ends = time.monotonic() + trial_cost(size, UNTIMED_STEPS + warm, largest, at_max)
+            return bool(self.ranks.any(ends > deadline))
 
         return out_of_time
 
-    def nothing_fits(self, failed: NothingFitsError) -> NothingFitsError:
+    def nothing_fits(self, failed: NothingFitsError, findings: Findings | None) -> NothingFitsError:
         """The search's `NothingFitsError`, told what the last trial said and the fixed memory's advice."""
-        last = self.trials[-1]
-        return NothingFitsError(
-            failed.batch_size, failed.needed_bytes, self.budget, last.phase, last.message, self.prober.fixed_advice()
-        )
+        last, advice = self.trials[-1], findings.fixed_advice if findings is not None else None
+        return NothingFitsError(failed.batch_size, failed.needed_bytes, self.budget, last.phase, last.message, advice)
 
-    def say_from_scratch(self, searched: int, largest: int) -> None:
+    def say_from_scratch(self, searched: int, largest: int) -> list[str]:
         """A note when the boundary from scratch moved from the one the search found with the optimizer kept."""
         if largest < searched:
-            self.prober.notes.append(
+            return [
                 f"batch {searched} fitted with the optimizer state kept from a smaller trial, not from scratch as "
                 f"a fresh process runs it: the largest batch is {largest} "
                 "(see docs/concepts/search.md#the-largest-batch-from-scratch)"
-            )
-        elif largest > searched:
-            self.prober.notes.append(
+            ]
+        if largest > searched:
+            return [
                 f"batch {searched + 1}"
                 + (f" to {largest}" if largest > searched + 1 else "")
                 + " failed with the optimizer state kept from a smaller trial but fitted from scratch, as a fresh "
                 f"process runs it: the largest batch is {largest} "
                 "(see docs/concepts/search.md#the-largest-batch-from-scratch)"
-            )
+            ]
+        return []
 
     def answer(
         self,
@@ -374,14 +376,17 @@ class SearchRun:
         memory: MemoryModel | None,
         safe: int,
         verified: bool,
-        safe_notes: list[str],
+        closing_notes: list[str],
         timing_notes: list[str],
         timing_s: float | None,
     ) -> Result:
-        """The `Result`: what the trials measured, and what a reader should know about them."""
-        prober, trials, budget, unit = self.prober, self.trials, self.budget, self.unit
+        """The `Result`: what the trials measured, and what a reader should know about them (``closing_notes``:
+        the runner's findings and the safe batch's, after the notes of the set-up and the search)."""
+        trials, budget, unit, setup, settled = self.trials, self.budget, self.unit, self.setup, self.settled
+        assert setup is not None and settled is not None
         throughput = Throughput.of(trials, timing_s=timing_s, largest=report.largest_fit)
-        varies = prober.sized_on.leaf if prober.sized_on is not None else None  # real data of varying length
+        varies = setup.sized_on.leaf if setup.sized_on is not None else None  # real data of varying length
+        limits = (settled.limit_bytes, settled.limit_source, settled.reserve_bytes)
         return Result(
             max_batch=report.largest_fit,
             safe_batch=safe,
@@ -393,18 +398,15 @@ class SearchRun:
             safe_verified=verified,
             trials=tuple(trials),
             memory=memory,
-            device=prober.device_info,
-            settings=_settings(self.options, prober, report.strategy),
+            device=setup.device,
+            settings=settings_of(self.options, *limits, report.strategy),
             elapsed_s=time.monotonic() - self.started,
             torch_version=torch.__version__,
             batchfit_version=__version__,
             notes=tuple(
                 [
-                    *prober.notes,
-                    *prober.compile_notes(trials),
-                    *prober.meter_notes(),
-                    *ranks_notes(prober),
-                    *safe_notes,
+                    *self.notes,
+                    *closing_notes,
                     *trial_notes(trials, report),
                     *allocator_notes(trials, report.largest_fit, budget, self.options.headroom, varies),
                     *equation_notes(memory, report, budget),
@@ -414,18 +416,14 @@ class SearchRun:
             ),
             budget_counts=unit,
             throughput=throughput,
-            world_size=prober.ranks.world_size,
-            sized_on=prober.sized_on,
+            world_size=setup.ranks.world_size,
+            sized_on=setup.sized_on,
         )
 
 
 def verdict(trial: Trial, unit: Unit) -> Attempt:
     """A trial as the search sees it: fits or not, and its peaks in the budget's unit."""
     return Attempt(trial.batch_size, trial.fits, trial.peak_in(unit), trial.phase_peaks_in(unit))
-
-
-def _settings(options: Options, prober: ProbesTrials, strategy: str) -> Settings:
-    return settings_of(options, prober.limit_bytes, prober.limit_source, prober.reserve_bytes, strategy)
 
 
 def settings_of(

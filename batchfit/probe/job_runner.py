@@ -9,8 +9,9 @@ another step in the same process (Composer's FSDP2 notes). So instead of probing
 ``batchfit probe TARGET --nproc-per-trial N`` runs the search in a single driver process, and
 every trial is a fresh job (DeepSpeed's autotuner does the same):
 
-* the driver starts ``torchrun --standalone --nproc-per-node N -m batchfit probe TARGET
-  --trial-batch B ...``; each rank joins the process group *before* it loads the target (so the
+* the driver writes the trial as a `batchfit.probe.wire.WorkerRequest` and starts ``torchrun
+  --standalone --nproc-per-node N -m batchfit.worker REQUEST`` (`batchfit.probe.job_worker` is the
+  rank's side); each rank joins the process group *before* it loads the target (so the
   target's factory can call ``fully_shard``), runs one trial of its own (``distributed=False``:
   no meetings, the model's collectives run as in training), and writes its verdict to a file as
   soon as it has one, before anything else can hang;
@@ -26,32 +27,34 @@ every trial is a fresh job (DeepSpeed's autotuner does the same):
   rank under its own budget less the headroom (the driver learns the budget from that same job).
 
 The search, the safe batch and the result are ``find()``'s own (`batchfit.probe.finder.search_with`);
-`JobPerTrial` stands in for [`Prober`][batchfit.Prober] (both are `ProbesTrials`). Every job starts a fresh
-optimizer, so a trial runs two steps (step 1 allocates the optimizer state).
+`JobPerTrial` stands in for [`Prober`][batchfit.Prober] (both are a `batchfit.probe.runner.Runner`). Every job
+starts a fresh optimizer, so a trial runs two steps (step 1 allocates the optimizer state).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from batchfit.distributed import Solo, combine_trials
-from batchfit.errors import RankFailedError, RanksTimeoutError
+from batchfit.errors import RanksTimeoutError
 from batchfit.probe.cache_files import TRIAL_LOG_SCHEMA, append_line, read_trial_log
+from batchfit.probe.checks import fit_memory
+from batchfit.probe.job_worker import raise_failure, read_verdicts, worker_env
+from batchfit.probe.notes import ranks_notes
 from batchfit.probe.options import Options
+from batchfit.probe.runner import Findings, GroupAnswer, Settled, Setup, Traits, TrialRequest
 from batchfit.probe.safe_batch import safe_cap
 from batchfit.probe.sessions import end_torchrun, in_session
-from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
+from batchfit.probe.wire import WorkerRequest, worker_command
+from batchfit.report import DeviceInfo, Trial, TrialKind, Unit
 
 #: Steps of a trial in a fresh job: step 1 allocates the optimizer state, step 2 runs with it.
 FRESH_STEPS = 2
@@ -70,24 +73,18 @@ class Opening:
     headroom: float | None = None
 
 
-class _JobRanks(Solo):
-    """The ranks of every job, as the search sees them: one driver decides alone."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-
-
 class JobPerTrial:
     """A probe whose every trial is a fresh ``torchrun`` job of ``nproc`` ranks (see the module docs).
 
-    ``worker_args``: what follows ``batchfit probe`` for a worker (the target, the device and the
-    memory options, `batchfit.probe.job_search.worker_args`); ``key``: the settings a logged verdict
-    must match to be reused; ``opening``: the first job (default: ``init_batch``).
+    ``request``: what every rank of a job runs (`batchfit.probe.wire.WorkerRequest`: the target and
+    the options its trial needs, `batchfit.probe.job_search.worker_request`), less the trial itself;
+    ``key``: the settings a logged verdict must match to be reused; ``opening``: the first job
+    (default: ``init_batch``).
     """
 
     def __init__(
         self,
-        worker_args: list[str],
+        request: WorkerRequest,
         nproc: int,
         options: Options,
         *,
@@ -96,10 +93,10 @@ class JobPerTrial:
         key: dict[str, Any] | None = None,
         opening: Opening | None = None,
     ) -> None:
-        self.worker_args = list(worker_args)
+        self.request = request
         self.opening = opening or Opening(options.grid().init)
         self.options = options
-        self.ranks = _JobRanks(nproc)
+        self.ranks = Solo(nproc)  # the ranks of every job, as the search sees them: one driver decides alone
         self.log = log
         self.timeout_s = timeout_s
         self.key = dict(key or {})
@@ -120,35 +117,35 @@ class JobPerTrial:
         self._logged = self._read_log()
 
     # lifetime ------------------------------------------------------------------------------------
-    def __enter__(self) -> JobPerTrial:
+    def open(self) -> Setup:
         """Run the first job (`Opening`): it is also what tells the driver the budget, the device and
-        the limit every rank has. The search's first trial of the same size, kind, steps and cap is it."""
+        the limit every rank has. The search's first trial of the same size, kind, steps and cap is it.
+        Every trial is a fresh job: no layout carries, no size is timed warm; each worker builds its
+        own batches, so the driver does not know which batch they were sized on."""
         opening = self.opening
         steps = opening.steps or self.options.steps_per_trial or FRESH_STEPS
         trial, cap = self._logged_or_run(opening.batch_size, steps, None, opening.headroom)
         self._first = (opening.batch_size, opening.kind, steps, cap), replace(trial, kind=opening.kind, cap_bytes=cap)
-        return self
+        facts = (self.budget_bytes, self.counts, self.device_info, self.ranks, self.limit_bytes, self.limit_source)
+        return Setup(*facts, self.reserve_bytes, Traits(), None, (*self.notes,))
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self.reused:
-            self.notes.append(f"{self.reused} trial(s) were reused from the trial log {self.log}")
+    def close(self, trials: Sequence[Trial], answer: GroupAnswer | None, exc: BaseException | None) -> Findings:
+        """Nothing to undo (each job ended with its trial): what the jobs said."""
+        reused = [f"{self.reused} trial(s) were reused from the trial log {self.log}"] if self.reused else []
+        jobs = (
+            f"every trial ran as a fresh job of {self.ranks.world_size} ranks ({self.jobs} job(s) started): the "
+            "model's own collectives ran as in training, and a rank that ran out of memory ended its job"
+        )
+        said = (*reused, *ranks_notes(self.ranks.world_size, [jobs]))  # no meter, no compilation said back
+        return Findings(said, self._facts.get("fixed_advice"))
 
     # trials ----------------------------------------------------------------------------------------
-    def trial(
-        self,
-        batch_size: int,
-        steps: int | None = None,
-        kind: TrialKind = "search",
-        fresh_optimizer: bool = False,
-        cap_bytes: int | None = None,
-        from_scratch: bool = False,
-    ) -> Trial:
-        """One trial at ``batch_size``: the first job's when it asked the same, else from the log
-        when it holds one, else a job (each rank under ``cap_bytes`` when given)."""
+    def run(self, request: TrialRequest) -> Trial:
+        """One trial: the first job's when it asked the same, else from the log when it holds one,
+        else a job (each rank under ``request.cap_bytes`` when given)."""
         first, self._first = self._first, None
-        steps = steps or self.options.steps_per_trial or FRESH_STEPS
+        batch_size, kind, cap_bytes = request.batch_size, request.kind, request.cap_bytes
+        steps = request.steps or self.options.steps_per_trial or FRESH_STEPS
         if first is not None and first[0] == (batch_size, kind, steps, cap_bytes):
             return first[1]
         return replace(self._logged_or_run(batch_size, steps, cap_bytes, None)[0], kind=kind)
@@ -174,7 +171,7 @@ class JobPerTrial:
         return trial, cap
 
     def _combine(self, batch_size: int, verdicts: dict[int, dict[str, Any]]) -> Trial:
-        _raise_failure(batch_size, verdicts, self.ranks.world_size)
+        raise_failure(batch_size, verdicts, self.ranks.world_size)
         facts = verdicts[min(verdicts)]
         self._facts = facts
         budgets = [v["budget_bytes"] for v in verdicts.values() if v.get("budget_bytes") is not None]
@@ -199,35 +196,33 @@ class JobPerTrial:
         """Start the job, wait for a decision (every rank fitted, or the first failure), and kill
         whatever is left of the job."""
         self.jobs += 1
-        nproc = self.ranks.world_size
+        world_size = self.ranks.world_size
         with tempfile.TemporaryDirectory(prefix="batchfit-trial-") as folder:
             out = Path(folder)
-            command = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                "-m", "batchfit", "probe", *self.worker_args,
-                "--trial-batch", str(batch_size), "--trial-steps", str(steps), "--trial-dir", str(out),
-                *(["--trial-cap", str(cap_bytes)] if cap_bytes is not None else []),
-                *(["--trial-headroom", repr(float(headroom))] if headroom is not None else []),
-            ]  # fmt: skip
+            request = replace(
+                self.request, out=str(out), batch_size=batch_size, steps=steps, cap_bytes=cap_bytes, headroom=headroom
+            )
+            request.write(out / "request.json")
+            command = worker_command(out / "request.json", world_size)
             # From the job's start on (a Ctrl-C while Popen starts it too), every way out kills it whole.
             with (
                 open(out / "stderr.txt", "w") as stderr,
                 in_session(
-                    command, partial(end_torchrun, out=out), stdout=subprocess.DEVNULL, stderr=stderr, env=_worker_env()
+                    command, partial(end_torchrun, out=out), stdout=subprocess.DEVNULL, stderr=stderr, env=worker_env()
                 ) as job,
             ):
                 return self._wait(job, out, batch_size)
 
     def _wait(self, job: subprocess.Popen[bytes], out: Path, batch_size: int) -> dict[int, dict[str, Any]]:
         deadline = time.monotonic() + self.timeout_s
-        nproc = self.ranks.world_size
+        world_size = self.ranks.world_size
         while True:
             exited = job.poll() is not None
             verdicts = read_verdicts(out)
-            if any("error" in v or not v["trial"]["fits"] for v in verdicts.values()) or len(verdicts) == nproc:
+            if any("error" in v or not v["trial"]["fits"] for v in verdicts.values()) or len(verdicts) == world_size:
                 return verdicts
             if exited:
-                missing = sorted(set(range(nproc)) - set(verdicts))
+                missing = sorted(set(range(world_size)) - set(verdicts))
                 tail = (out / "stderr.txt").read_text(errors="replace")[-2000:]
                 raise RuntimeError(
                     f"the trial job at batch size {batch_size} ended (exit code {job.returncode}) without an answer "
@@ -284,20 +279,14 @@ class JobPerTrial:
             append_line(self.log, json.dumps(entry, sort_keys=True))
 
     # what find() asks of a probe --------------------------------------------------------------------
-    def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
-        from batchfit.probe.checks import fit_memory
-
+    def settle(self, trials: Sequence[Trial]) -> Settled:
+        """The budget (each job measures its own reserve when it starts: its context is fresh), and
+        the memory equation with the state the largest completed job said a rank holds."""
         facts = self._state[1]
         weights, trainable = facts.get("weights_bytes", 0), facts.get("trainable_bytes", 0)
-        return fit_memory(
-            trials,
-            weights,
-            trainable,
-            self.options.mode,
-            facts.get("optimizer_state_bytes", 0),
-            self.counts,
-            self.budget_bytes,
-        )
+        state = facts.get("optimizer_state_bytes", 0)
+        memory = fit_memory(list(trials), weights, trainable, self.options.mode, state, self.counts, self.budget_bytes)
+        return Settled(self.budget_bytes, self.limit_bytes, self.limit_source, self.reserve_bytes, memory)
 
     def state_bytes(self) -> int:
         """What a rank holds whatever the batch, as its jobs said: its shards of the weights, of the
@@ -305,125 +294,3 @@ class JobPerTrial:
         facts = self._state[1]
         trainable = facts.get("trainable_bytes", 0) if self.options.mode == "train" else 0
         return int(facts.get("weights_bytes", 0) + trainable + facts.get("optimizer_state_bytes", 0))
-
-    #: Every trial is a fresh job: nothing carries from one trial to the next.
-    layout_carries = False
-    #: A fresh process per trial: no size can be timed warm after the search.
-    times_warm = False
-    slows_steps = False
-    #: Each worker builds its own batches: the driver does not know which batch they were sized on.
-    sized_on: SizedOn | None = None
-
-    def settle_reserve(self) -> int | None:
-        """The budget: each job measures its own reserve when it starts (its context is fresh)."""
-        return self.budget_bytes
-
-    def fixed_advice(self) -> str | None:
-        return self._facts.get("fixed_advice")
-
-    def meter_notes(self) -> list[str]:
-        return []  # each trial's meter lives and dies in its own job
-
-    def compile_notes(self, trials: list[Trial]) -> list[str]:
-        return []  # each job's rank says nothing back about compilation
-
-    def ranks_notes(self) -> list[str]:
-        return [
-            f"every trial ran as a fresh job of {self.ranks.world_size} ranks ({self.jobs} job(s) started): the "
-            "model's own collectives ran as in training, and a rank that ran out of memory ended its job"
-        ]
-
-
-#: What a rank's error says when it waited for another rank in vain (to join the group, in a collective).
-_WAITED = ("RanksTimeoutError:", "DistStoreError:", "DistNetworkError:", "Timed out", "closed by peer", "reset by peer")
-
-
-def _raise_failure(batch_size: int, verdicts: dict[int, dict[str, Any]], world_size: int) -> None:
-    """The error of a rank that failed on its own; where every error only says that its rank waited
-    for others in vain, the ranks that gave no answer (stopped, stuck or dead) are the ones named."""
-    errors = {rank: v for rank, v in sorted(verdicts.items()) if "error" in v}
-    own = [rank for rank, v in errors.items() if not any(said in v["error"] for said in _WAITED)]
-    silent = sorted(set(range(world_size)) - set(verdicts))
-    if errors and not own and silent:
-        rank, verdict = next(iter(errors.items()))
-        raise RanksTimeoutError(
-            f"the trial job at batch size {batch_size}: rank(s) {', '.join(map(str, silent))} gave no answer (stopped, "
-            f"stuck or died; their own output says why, if anything) while rank(s) {', '.join(map(str, errors))} "
-            f"waited for them; rank {rank} said, during {verdict.get('phase') or 'the trial'}: {verdict['error']}"
-        )
-    for rank in own or list(errors):
-        verdict = errors[rank]
-        raise RankFailedError(rank, batch_size, verdict.get("phase") or "the trial", verdict["error"])
-
-
-def read_verdicts(out: Path) -> dict[int, dict[str, Any]]:
-    """The verdict files the ranks of a job wrote so far (written whole: see `write_verdict`)."""
-    verdicts = {}
-    for path in out.glob("rank*.json"):
-        with contextlib.suppress(ValueError, OSError):
-            verdicts[int(path.stem.removeprefix("rank"))] = json.loads(path.read_text())
-    return verdicts
-
-
-def write_verdict(out: Path, rank: int, verdict: dict[str, Any]) -> None:
-    """Write a rank's verdict whole (a rename), so the driver never reads half a file."""
-    partial = out / f".rank{rank}.json.partial"
-    partial.write_text(json.dumps(verdict))
-    partial.replace(out / f"rank{rank}.json")
-
-
-def run_worker_trial(
-    model: Any,
-    sample: Any,
-    options: Options,
-    batch_size: int,
-    steps: int,
-    out: Path,
-    rank: int,
-    cap_bytes: int | None = None,
-    headroom: float | None = None,
-) -> int:
-    """One rank's side of a job: one trial (under ``cap_bytes`` when given, or under this rank's
-    budget less ``headroom``), its verdict written before anything can hang."""
-    import torch
-
-    from batchfit.errors import first_line
-    from batchfit.probe.prober import Prober
-
-    (out / f"rank{rank}.pid").write_text(str(os.getpid()))
-    phase = "the probe's set-up"
-    try:
-        with Prober(model, sample, options=replace(options, distributed=False)) as prober:
-            phase = "the trial"
-            if headroom is not None and prober.budget_bytes is not None:
-                cap_bytes = safe_cap(prober.budget_bytes, headroom)
-            trial = prober.trial(batch_size, steps=steps, cap_bytes=cap_bytes)
-            local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]  # a shard's own bytes
-            weights = sum(p.numel() * p.element_size() for p in local)
-            trainable = sum(p.numel() * p.element_size() for p, q in zip(local, model.parameters()) if q.requires_grad)
-            write_verdict(out, rank, {
-                "trial": asdict(trial),
-                "budget_bytes": prober.budget_bytes,
-                "cap_bytes": cap_bytes,
-                "counts": prober.counts,
-                "device": asdict(prober.device_info),
-                "limit_bytes": prober.limit_bytes,
-                "limit_source": prober.limit_source,
-                "reserve_bytes": prober.reserve_bytes,
-                "weights_bytes": weights,
-                "trainable_bytes": trainable,
-                "optimizer_state_bytes": prober.optimizer_state_bytes,
-                "fixed_advice": None if trial.fits else prober.fixed_advice(),
-                "torch": torch.__version__,
-            })  # fmt: skip
-    except Exception as exc:
-        if not (out / f"rank{rank}.json").exists():
-            write_verdict(out, rank, {"error": first_line(exc), "phase": phase})
-        return 1
-    return 0
-
-
-def _worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
-    return env

@@ -1,9 +1,10 @@
 """A sharded model's search whose every trial is a fresh ``torchrun`` job, from ``init_batch`` or from a guess.
 
 One path for [`batchfit.find_sharded`][batchfit.find_sharded] and ``batchfit probe TARGET
---nproc-per-trial N``: the workers' command line is built from the [`Options`][batchfit.Options] here
-(`worker_args`), the jobs are `batchfit.probe.job_runner`' (`JobPerTrial`), and the search, the safe batch
-and the [`Result`][batchfit.Result] are `find()`'s own (`search_with`).
+--nproc-per-trial N``: what every rank runs is built from the [`Options`][batchfit.Options] here
+(`worker_request`, the options as JSON: `batchfit.probe.wire`), the jobs are `batchfit.probe.job_runner`'s
+(`JobPerTrial`), and the search, the safe batch and the [`Result`][batchfit.Result] are `find()`'s own
+(`search_with`).
 
 From a guess (`FromGuess`: a safe batch per rank, or a `Result` whose safe batch and memory line
 aim it, such as an estimate or an earlier answer), the first job is the guessed safe batch's
@@ -14,7 +15,7 @@ about six; when it does not, the search goes on (`search_near`) and stays exact.
 
 The trial log's key (`log_key`) is what changes a job's verdicts and can be known before a job:
 the target (its name, and the path and SHA-256 of the file its factory is in), the device's
-identity, the ranks and their command line, torch's and batchfit's versions. The sharded estimate
+identity, the ranks and the options they run with, torch's and batchfit's versions. The sharded estimate
 a search started from is logged under it too (`log_estimate`), so that a resume takes the same path
 without making it again.
 """
@@ -29,41 +30,52 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from batchfit.backends import backend_for, default_device
+from batchfit.backends.select import is_host
 from batchfit.probe.cache_files import TRIAL_LOG_SCHEMA, append_line, read_file, read_trial_log
 from batchfit.probe.finder import search_with
 from batchfit.probe.job_runner import JobPerTrial, Opening
 from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
 from batchfit.probe.options import Options
 from batchfit.probe.probing import Oracle
+from batchfit.probe.wire import CLI_CPU_MEMORY_LIMIT, WorkerRequest, to_wire
 from batchfit.report import MemoryModel, Result, Trial, Unit
 from batchfit.search import Grid, SearchReport, Strategy, search, search_near
 from batchfit.version import __version__
 
-#: The options a job's ranks need on their command line, where not at their default (each rank
-#: builds its own model, batches and step, and waits for the others); the search's options stay with
-#: the driver, and a code option comes from the target.
-WORKER_OPTIONS = (
-    "device", "memory_limit", "reserve", "amp", "mode", "max_new_tokens", "seq_len", "scan_batches", "rank_timeout"
-)  # fmt: skip
+#: The options a job's ranks need, where not at their default (each rank builds its own model,
+#: batches and step, and waits for the others); the search's options stay with the driver, and a
+#: code option comes from the target.
+WORKER_OPTIONS = tuple(option.name for option in fields(Options) if option.metadata.get("ranks"))
 
 
-def worker_args(target: str, options: Options) -> list[str]:
-    """What follows ``batchfit probe`` on a rank of every job: the target and the options its trial needs."""
-    args, defaults = [target], Options()
-    for name in WORKER_OPTIONS:
-        value = getattr(options, name)
-        if value != getattr(defaults, name):  # a None here is scan_batches' "all"
-            args += ["--" + name.replace("_", "-"), "all" if value is None else str(value)]
-    return args
+def worker_options(options: Options) -> Options:
+    """``options`` as a rank of a job runs them: the device resolved here (the driver's default,
+    ``cuda`` is each rank's own ``cuda:LOCAL_RANK`` there), and on the CPU without a memory limit the
+    command line's (`CLI_CPU_MEMORY_LIMIT`)."""
+    device = str(options.device if options.device is not None else default_device())
+    limit = options.memory_limit
+    if limit is None and is_host(device):
+        limit = CLI_CPU_MEMORY_LIMIT
+    return replace(options, device=device, memory_limit=limit)
+
+
+def worker_request(target: str, world_size: int, options: Options) -> WorkerRequest:
+    """What every rank of every job runs: a trial of ``target`` with the options it needs (the
+    trial itself and the job's folder are each job's: `batchfit.probe.job_runner.JobPerTrial`)."""
+    wire = to_wire(worker_options(options), WORKER_OPTIONS)
+    return WorkerRequest(kind="trial", target=target, options=wire, world_size=world_size, out="")
 
 
 def find_sharded_with(
     target: str,
-    nproc: int,
+    world_size: int,
     options: Options,
     *,
     trial_log: str | os.PathLike[str] | None,
@@ -79,8 +91,8 @@ def find_sharded_with(
         TypeError: ``guess`` is neither an int nor a `Result`.
     """
     started = time.monotonic()
-    args = worker_args(target, options)
-    key = log_key(target, nproc, options)
+    request = worker_request(target, world_size, options)
+    key = log_key(target, world_size, options)
     log = Path(trial_log) if trial_log is not None else None
     opening: Opening | None = None
     slope: float | None = None
@@ -90,7 +102,7 @@ def find_sharded_with(
         if options.verify_steps:  # the headroom off each rank's budget: none at init_batch (`SearchRun.verify_cap`)
             headroom = options.headroom if safe > options.grid().init else None
             opening = Opening(safe, "verify", options.verify_steps, headroom)
-    prober = JobPerTrial(args, nproc, options, log=log, timeout_s=trial_timeout, key=key, opening=opening)
+    prober = JobPerTrial(request, world_size, options, log=log, timeout_s=trial_timeout, key=key, opening=opening)
     plan = None
     if opening is not None:
         plan = FromGuess(
@@ -101,18 +113,16 @@ def find_sharded_with(
     )
 
 
-def log_key(target: str, nproc: int, options: Options) -> dict[str, Any]:
+def log_key(target: str, world_size: int, options: Options) -> dict[str, Any]:
     """What a logged job must match to be reused: everything that changes its verdicts and is known
     before a job (see the module docs). Not the modules the target's file imports, nor the
     environment (``PYTORCH_CUDA_ALLOC_CONF``): after changing those, start a new log."""
-    import torch
-
     return {
         "target": target,
         "target_file": target_file(target),
         "device": device_identity(options.device),
-        "nproc": nproc,
-        "worker": worker_args(target, options)[1:],
+        "world_size": world_size,
+        "worker": worker_request(target, world_size, options).options,
         "torch": torch.__version__,
         "batchfit": __version__,
     }
@@ -146,10 +156,6 @@ def _module_file(where: str) -> Path | None:
 def device_identity(device: Any) -> dict[str, Any]:
     """The device the ranks run on, as its backend describes it: its type, name and memory (not its
     index: every rank has its own). The driver's view of it, before any job."""
-    import torch
-
-    from batchfit.backends import backend_for, default_device
-
     where = torch.device(device if device is not None else default_device())
     backend = backend_for(where)
     info = backend.describe(backend.validate(where))
@@ -159,7 +165,7 @@ def device_identity(device: Any) -> dict[str, Any]:
 def logged_estimate(log: Path, key: dict[str, Any]) -> dict[str, Any] | None:
     """The sharded estimate logged under ``key`` in the trial log ``log`` (its ``result`` and why it
     ``failed``), ``None`` when there is none (`batchfit.probe.cache_files.read_trial_log`'s checks)."""
-    return read_trial_log(log, key, key["nproc"]).estimate
+    return read_trial_log(log, key, key["world_size"]).estimate
 
 
 def log_estimate(log: Path, key: dict[str, Any], estimated: Result | None, failed: str | None) -> None:

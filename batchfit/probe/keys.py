@@ -19,15 +19,15 @@ the cache entry stores it beside the key, so a reader can see what an entry was 
 * **batch**: the shapes and dtypes of the batch the probe sizes on, with their tree paths, after a
   ``DataLoader``'s worst-batch pick and ``seq_len``; with ``make_batch``, its qualified name and
   the shapes of the batch it builds at the first size (built with the random generators put back);
-* **work** and **search**: mode, amp, the optimizer (its class and the settings of each param
-  group that can change memory, without the parameters: `optimizer_fields`; a factory by its
-  qualified name, so two lambdas on one line key alike: pass an optimizer object to key on its
-  settings; the default AdamW says so), the loss (``loss_fn``/``step_fn`` by qualified name, a
-  module ``criterion`` by its repr), the memory limit in bytes as resolved (a fraction keys on the
-  bytes it comes to now) and the reserve (in bytes, or ``"auto"``: what it measures varies from run
-  to run), headroom, ``init_batch``, ``max_batch``, ``multiple_of``, ``steps_per_trial``,
-  ``verify_steps``, the strategy's name, ``time_budget``, ``timed_steps``, ``seq_len``,
-  ``scan_batches``;
+* **work** and **search**: every option `Options` marks as changing the answer (its field
+  metadata: `_changes`), by the section it names: a plain value as the answer sees it
+  (`Options.answer_settings`); the code by what it is, never by identity (`CODE`): the optimizer
+  by its class and the settings of each param group that can change memory, without the
+  parameters (`optimizer_fields`; a factory by its qualified name, so two lambdas on one line key
+  alike: pass an optimizer object to key on its settings; the default AdamW says so), a module
+  criterion by its repr, any other callable by its qualified name; the memory limit in bytes as
+  resolved (a fraction keys on the bytes it comes to now) and the reserve (in bytes, or
+  ``"auto"``: what it measures varies from run to run);
 * **versions**: torch's and batchfit's (`cache_key` takes them as inputs, so a test can ask
   for another version's key).
 
@@ -35,8 +35,8 @@ the cache entry stores it beside the key, so a reader can see what an entry was 
 ranks there are (DDP's buckets are the model's size, not the group's): an answer measured on one
 kind of device holds when an elastic job restarts with more or fewer ranks, which is what lets a
 re-plan reuse it. A hit says which world size measured it (``CacheHit.world_size``), and its rates
-stay those of the ranks that measured them. Nor ``restore_rng``, ``distributed``,
-``rank_timeout``, ``noise_scale`` or ``noise_passes``: none of them changes the search's answer.
+stay those of the ranks that measured them. Nor any option `Options` marks as unable to change
+the answer (each says why in its metadata: `_keeps`).
 
 Values that JSON cannot say exactly are written as text: a float by its ``repr``, a tensor by its
 dtype, shape and values, anything else by its type and ``repr`` (a ``repr`` with an address in it
@@ -231,15 +231,18 @@ def _named(thing: Any) -> str | None:
     return None if thing is None else qualified(thing)
 
 
-#: How each option that is code (a callable, an optimizer) is keyed: by what it is, never by identity.
-CODE: dict[str, Callable[[Any], Any]] = {
-    "make_batch": _named,
-    "loss_fn": _named,
-    "step_fn": _named,
-    "generate_fn": _named,
-    "eval_step": _named,
+#: How code (a callable, an optimizer) is keyed, by the `keyed` its option declares: by what it is, never by identity.
+KEYED: dict[str, Callable[[Any], Any]] = {
+    "name": _named,
     "criterion": lambda criterion: None if criterion is None else criterion_fields(criterion),
     "optimizer": optimizer_fields,
+}
+
+#: How each option that is code is keyed, read off `Options`' field metadata.
+CODE: dict[str, Callable[[Any], Any]] = {
+    option.name: KEYED[option.metadata["keyed"]]
+    for option in dataclasses.fields(Options)
+    if option.metadata.get("how") == "code"
 }
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-from batchfit.report import DeviceInfo, Trial
+from batchfit.report import DeviceInfo, Result, Trial
 from batchfit.report.records import Mode
 
 if TYPE_CHECKING:
@@ -184,6 +184,32 @@ HOOK_DEFAULTS: dict[str, Any] = {"callback": None, "on_trial_start": None, "on_s
 
 class FindKeywords(FindOptions, Hooks, total=False):
     """`find`'s keywords: its options and the hooks."""
+
+
+class JobOptions(TypedDict, total=False):
+    """How a search whose every trial is a fresh `torchrun` job runs (`find` of a target with
+    `world_size`): not options of a probe in this process, so a model's `find` refuses them."""
+
+    trial_log: str | os.PathLike[str] | None
+    """A JSON-lines file every job's verdicts are appended to; a later call with the same settings
+    reuses them instead of running those jobs again (resume after Ctrl-C), and the sharded estimate
+    it started from. Default: None, no log."""
+    trial_timeout: float
+    """Seconds a job may take to answer before it is killed and reported. Default: 600.0."""
+    guess: int | Result | None
+    """Where to start: the safe batch per rank you expect, or a `Result` (an estimate, an earlier
+    answer) whose safe batch and bytes per sample aim the search. Default: None, from the estimate."""
+    estimate: bool
+    """Without a `guess`, start from the sharded estimate (fake tensors, a fake process group, no
+    job); it needs `memory_limit` as a size. Default: True."""
+
+
+#: What a job search's own keyword is when it is not given.
+JOB_DEFAULTS: dict[str, Any] = {"trial_log": None, "trial_timeout": 600.0, "guess": None, "estimate": True}
+
+
+class FindJobKeywords(FindKeywords, JobOptions, total=False):
+    """`find`'s keywords with a target's job search's own (`JobOptions`, refused with a model)."""
 
 
 class FrontierKeywords(FrontierOptions, Hooks, total=False):

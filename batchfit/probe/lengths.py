@@ -45,8 +45,9 @@ from batchfit.probe.finder import described, search_with, verdict
 from batchfit.probe.keywords import ProbeStartCallback, StartCallback, TrialCallback
 from batchfit.probe.options import Options, check_takes_length
 from batchfit.probe.positions import generation_positions, position_limit
-from batchfit.probe.probing import FromLine, ProbesTrials
+from batchfit.probe.probing import FromLine
 from batchfit.probe.real_data import sequence_dims
+from batchfit.probe.runner import Runner, TrialRequest, opened
 from batchfit.report import Frontier, FrontierPoint, LongestLimit, Result, Surface
 from batchfit.search import Attempt, Grid, SearchReport, search_near
 from batchfit.search.near import HEDGE
@@ -61,9 +62,9 @@ __all__ = [
     "frontier_with",
 ]
 
-#: ``options -> prober``: a context manager that runs trials (``batchfit.probe.Prober``, or the
-#: estimate's ``FakeProbe``) for the options given (their ``make_batch`` bound to one length).
-ProberFactory = Callable[[Options], ProbesTrials]
+#: ``options -> runner``: what runs trials (a `batchfit.probe.runner.Runner`: ``batchfit.probe.Prober``,
+#: or the estimate's ``FakeProbe``) for the options given (their ``make_batch`` bound to one length).
+ProberFactory = Callable[[Options], Runner]
 #: Called with each point once its length is done (the CLI's view draws it).
 PointCallback = Callable[[FrontierPoint], None]
 #: How far the length-axis search may go when neither the model nor ``max_seq_len`` bounds it.
@@ -234,7 +235,7 @@ def frontier_with(
             on_length(s)
         # find(make_batch, seq_len=s); a point's tokens/s is its verification's warm steps, no
         # sizes are timed again after each length's search
-        at_length = replace(options, make_batch=make_batch, seq_len=s, timed_steps=0)
+        at_length = replace(options, make_batch=make_batch, seq_len=s).untimed()
         predicted: list[float] = []
         plan = None  # the first length: find()'s search from init_batch
         if surface is not None:
@@ -355,14 +356,15 @@ def _longest_at_batch_1(
     one = replace(options, make_batch=_bound_to(make_batch, length), init_batch=1, max_batch=1, multiple_of=1)
     top = LENGTH_CEILING if ceiling is None else ceiling
     trials = [0]
-    with make_prober(one) as prober:
-        budget, unit = prober.budget_bytes, prober.counts
+    runner = make_prober(one)
+    with opened(runner) as setup:
+        budget, unit = setup.budget_bytes, setup.counts
 
         def oracle(seq_len: int) -> Attempt:
             length[0] = seq_len
             if on_trial_start is not None:
                 on_trial_start(1, "search")
-            trial = prober.trial(1, kind="search")
+            trial = runner.run(TrialRequest(1))
             trials[0] += 1
             if callback is not None:
                 callback(trial)

@@ -56,6 +56,7 @@ from batchfit.probe.batches import batch_size_of, check_structure, map_tensors, 
 from batchfit.probe.options import Options
 from batchfit.probe.prober import Prober
 from batchfit.probe.real_data import generators_kept, is_batch_source
+from batchfit.probe.runner import opened
 from batchfit.report import NoiseScale
 from batchfit.units import positive_int
 
@@ -135,7 +136,7 @@ def measure_noise(
     with generators_kept(data) if options.restore_rng else contextlib.nullcontext():
         stream = _Stream(iter(data), micro_batch)
         try:
-            with Prober(model, stream.first, options=options) as prober:
+            with opened(prober := Prober(model, stream.first, options=options)):
                 run = _Run(prober, stream, budget, per_window)
                 run.measure()
         finally:

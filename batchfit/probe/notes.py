@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from batchfit.backends.allocator_rule import facts_notes
 from batchfit.probe.safe_batch import safe_cap
-from batchfit.report import MemoryModel, Throughput, Trial
+from batchfit.report import MemoryModel, Trial
 from batchfit.search import Attempt, SearchReport, is_non_monotone
 from batchfit.units import format_bytes
 
 
-def ranks_notes(prober: Any) -> list[str]:
-    """Say what a batch size means when several ranks probed together."""
-    size = prober.ranks.world_size
-    if size == 1:
+def ranks_notes(world_size: int, said: list[str]) -> list[str]:
+    """Say what a batch size means when several ranks probed together, then what the runner
+    ``said`` about its ranks (nothing for one rank)."""
+    if world_size == 1:
         return []
     return [
-        f"probed on {size} ranks together: batch sizes are per rank (the global batch is {size} x that), a size "
-        "fits only where it fitted on every rank, peaks are the largest rank's, samples/s are the whole group's "
-        "(the slowest rank's step)",
-        *prober.ranks_notes(),
+        f"probed on {world_size} ranks together: batch sizes are per rank (the global batch is {world_size} x that), "
+        "a size fits only where it fitted on every rank, peaks are the largest rank's, samples/s are the whole "
+        "group's (the slowest rank's step)",
+        *said,
     ]
 
 
@@ -78,37 +77,6 @@ def equation_notes(memory: MemoryModel | None, report: SearchReport, budget: int
         f"the memory equation predicts {format_bytes(memory.predict(failed))} for batch {failed}, within the "
         f"budget, but batch {failed} ran out of memory: do not extrapolate the equation near the boundary"
     ]
-
-
-def throughput_notes(throughput: Throughput | None) -> list[str]:
-    """Say how far the throughput answer can be trusted."""
-    if throughput is None:
-        return []
-    notes: list[str] = []
-    if not throughput.warm:
-        notes.append(
-            "throughput: no size was timed warm (timed_steps=0, or time ran out): the rates are the search's own "
-            "single steps, each run right after the previous trial's memory was released; compare them loosely"
-        )
-    if throughput.knee_batch == throughput.best_batch:
-        return notes
-    notes += [
-        f"throughput: batch {throughput.knee_batch} reaches {throughput.knee_samples_per_s:,.1f} samples/s, within "
-        f"5% of the best measured ({throughput.best_samples_per_s:,.1f} at batch {throughput.best_batch}): "
-        "bigger batches hardly pay in speed"
-    ]
-    if throughput.within_noise:
-        notes.append(
-            f"throughput: the difference between batch {throughput.best_batch} and {throughput.knee_batch} is within "
-            f"the measurement's noise (repeated steps spread by {throughput.spread:.0%})"
-        )
-    if throughput.single_step_best and not throughput.warm:  # warm sizes are timed alike, with timed_steps each
-        notes.append(
-            f"throughput: the rate of batch {throughput.best_batch} comes from one timed step (a search trial), "
-            "which on a GPU also pays for the first use of that shape"
-        )
-    return notes
-
 
 
 def allocator_notes(

@@ -36,12 +36,21 @@ MODES: tuple[str, ...] = get_args(Mode)
 AMPS: tuple[str, ...] = get_args(Amp)
 
 
-def _changes(section: str, how: str = "value", shown: Callable[[Options], Any] | None = None) -> dict[str, Any]:
+def _changes(
+    section: str, how: str = "value", shown: Callable[[Options], Any] | None = None, keyed: str = "name"
+) -> dict[str, Any]:
     """Field metadata: the option changes the answer, and the cache key holds it under `section`.
     `how`: `"value"` (its plain value, `shown(options)` when given: in `answer_settings`), `"code"`
-    (a callable or optimizer, keyed by what it is: `batchfit.probe.keys`) or `"resolved"` (keyed as the
+    (a callable or optimizer, keyed by what it is, `keyed`: by its qualified `"name"`, as a
+    `"criterion"` or an `"optimizer"`: `batchfit.probe.keys`) or `"resolved"` (keyed as the
     probe resolves it: the device, the limit in bytes, the reserve)."""
-    return {"section": section, "how": how, "shown": shown}
+    return {"section": section, "how": how, "shown": shown, "keyed": keyed}
+
+
+def _ranks(metadata: dict[str, Any]) -> dict[str, Any]:
+    """Field metadata: a job's rank needs the option too (it builds its own model, batches and
+    step, and waits for the others: `batchfit.probe.job_search.WORKER_OPTIONS`)."""
+    return {**metadata, "ranks": True}
 
 
 def _keeps(reason: str) -> dict[str, Any]:
@@ -59,17 +68,19 @@ class Options:
     make_batch: Callable[..., Any] | None = field(default=None, metadata=_changes("batch", "code"))
     loss_fn: Callable[[Any, Any], Any] | None = field(default=None, metadata=_changes("work", "code"))
     step_fn: Callable[[Any, Any], Any] | None = field(default=None, metadata=_changes("work", "code"))
-    criterion: Callable[[Any, Any], Any] | None = field(default=None, metadata=_changes("work", "code"))
-    optimizer: Any = field(default=None, metadata=_changes("work", "code"))
-    amp: Amp | None = field(default=None, metadata=_changes("work"))
-    mode: Mode = field(default="train", metadata=_changes("work"))
-    max_new_tokens: int | None = field(default=None, metadata=_changes("work"))
+    criterion: Callable[[Any, Any], Any] | None = field(
+        default=None, metadata=_changes("work", "code", keyed="criterion")
+    )
+    optimizer: Any = field(default=None, metadata=_changes("work", "code", keyed="optimizer"))
+    amp: Amp | None = field(default=None, metadata=_ranks(_changes("work")))
+    mode: Mode = field(default="train", metadata=_ranks(_changes("work")))
+    max_new_tokens: int | None = field(default=None, metadata=_ranks(_changes("work")))
     generate_fn: Callable[[Any, Any, int], Any] | None = field(default=None, metadata=_changes("work", "code"))
     eval_step: Callable[[Any, Any], Any] | None = field(default=None, metadata=_changes("work", "code"))
     eval: bool = field(default=False, metadata=_changes("work"))
-    device: str | torch.device | None = field(default=None, metadata=_changes("device", "resolved"))
-    memory_limit: int | float | str | None = field(default=None, metadata=_changes("search", "resolved"))
-    reserve: int | str | None = field(default=None, metadata=_changes("search", "resolved"))
+    device: str | torch.device | None = field(default=None, metadata=_ranks(_changes("device", "resolved")))
+    memory_limit: int | float | str | None = field(default=None, metadata=_ranks(_changes("search", "resolved")))
+    reserve: int | str | None = field(default=None, metadata=_ranks(_changes("search", "resolved")))
     steps_per_trial: int | None = field(default=None, metadata=_changes("search"))
     headroom: float = field(default=0.10, metadata=_changes("search", shown=lambda o: float(o.headroom)))
     init_batch: int | None = field(default=None, metadata=_changes("search", shown=lambda o: o.first_batch))
@@ -87,9 +98,9 @@ class Options:
     distributed: bool | None = field(
         default=None, metadata=_keeps("batch sizes are per rank; a rank's memory does not depend on the world size")
     )
-    rank_timeout: float = field(default=300.0, metadata=_keeps("it bounds a wait, not what a trial measures"))
-    seq_len: int | None = field(default=None, metadata=_changes("search"))
-    scan_batches: int | None = field(default=64, metadata=_changes("search"))
+    rank_timeout: float = field(default=300.0, metadata=_ranks(_keeps("it bounds a wait, not what a trial measures")))
+    seq_len: int | None = field(default=None, metadata=_ranks(_changes("search")))
+    scan_batches: int | None = field(default=64, metadata=_ranks(_changes("search")))
     noise_scale: bool = field(default=False, metadata=_keeps("measured after the search, every time, never cached"))
     noise_passes: int = field(default=128, metadata=_keeps("it bounds the noise scale, measured every time"))
     timed_steps: int = field(default=1, metadata=_changes("search"))
@@ -201,6 +212,12 @@ class Options:
             return 1
         return max(self.multiple_of, 2)
 
+    @property
+    def wait_for_ranks_s(self) -> float:
+        """How long a rank waits for the others, joining the group and at each meeting: the one
+        reading of ``rank_timeout`` (`batchfit.distributed` takes it in seconds)."""
+        return float(self.rank_timeout)
+
     def untimed(self) -> Options:
         """These options with no warm timing: for probes whose rates nobody reads (the gate, a
         frontier length, a checkpointing policy's boundary), so their trials cost no timed steps."""
@@ -226,7 +243,8 @@ class Options:
 
 def parameters_of(function: Callable[..., Any]) -> dict[str, inspect.Parameter]:
     """`function`'s parameters as a caller sees them: its `**options: Unpack[Group]` spelled out as
-    keyword-only parameters with `Options`' defaults (a hook's: `HOOK_DEFAULTS`), in place of the
+    keyword-only parameters with `Options`' defaults (a hook's: `HOOK_DEFAULTS`, a job search's:
+    `JOB_DEFAULTS`), in place of the
     `**` one. What a type checker shows; what the contract tests compare across entry points."""
     spelled: dict[str, inspect.Parameter] = {}
     for name, parameter in inspect.signature(function).parameters.items():
@@ -236,7 +254,7 @@ def parameters_of(function: Callable[..., Any]) -> dict[str, inspect.Parameter]:
             continue
         group = getattr(keywords, annotation.removeprefix("Unpack[").removesuffix("]"))
         for key in keywords.keywords_of(group):
-            default = keywords.HOOK_DEFAULTS[key] if key in keywords.HOOK_DEFAULTS else _DEFAULTS[key]
+            default = {**_DEFAULTS, **keywords.HOOK_DEFAULTS, **keywords.JOB_DEFAULTS}[key]
             spelled[key] = inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default)
     return spelled
 
@@ -360,9 +378,18 @@ def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
-def renamed(where: str, old: str, old_value: Any, new: str, new_value: Any) -> tuple[Any, str]:
+def renamed(
+    where: str,
+    old: str,
+    old_value: Any,
+    new: str,
+    new_value: Any,
+    why: str = "as in batchfit.find()",
+    stacklevel: int = 3,
+) -> tuple[Any, str]:
     """The value of keyword ``new`` of ``where()``, also accepted under its old spelling ``old``
     with a ``DeprecationWarning``, and the name the user wrote, for messages that name it.
+    ``why``: the warning's reason for the new name; ``stacklevel``: where the user's call is.
 
     Every entry point takes the same names for the same things (``find``'s); where one shipped
     with another name, that name keeps working until it is removed. Both at once is a
@@ -372,8 +399,8 @@ def renamed(where: str, old: str, old_value: Any, new: str, new_value: Any) -> t
     if new_value is not None:
         raise TypeError(f"{where}() got both {old}= and {new}=: they are one argument, pass {new}= only")
     warnings.warn(
-        f"{where}({old}=...) is now {where}({new}=...), as in batchfit.find(); {old}= will be removed",
+        f"{where}({old}=...) is now {where}({new}=...), {why}; {old}= will be removed",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
     return old_value, old

@@ -19,8 +19,9 @@ the others fit more, and an uneven split of one global batch can use it
    steps down; one that never passes keeps the group's safe batch, marked not verified.
 
 These trials are not the group's: they are left out of ``Result.trials`` (whose sizes are every
-rank's) and said in a note. Only the in-process `Prober` over several ranks runs this: a job per
-trial (``batchfit.probe.job_runner``) and an estimate have no per-rank meter.
+rank's) and said in a note. Only the in-process `Prober` over several ranks runs this, as the last
+step of its `close` (`batchfit.probe.runner`): a job per trial (``batchfit.probe.job_runner``) and an
+estimate have no per-rank meter.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from batchfit.distributed import Solo
 from batchfit.distributed.ranks import Group
-from batchfit.probe.prober import Prober
+from batchfit.probe.runner import GroupAnswer, TrialRequest
 from batchfit.probe.safe_batch import ATTEMPTS, STEP_DOWN, safe_cap
 from batchfit.report import RankBatch, Trial, Unit
 from batchfit.search import Grid
@@ -44,47 +46,38 @@ LINE_POINTS = 3
 
 
 def per_rank(
-    prober: Prober,
-    grid: Grid,
-    largest: int,
-    safe: int,
-    verified: bool,
-    verify_steps: int,
-    headroom: float,
-    out_of_time: Callable[[], bool],
+    ranks: Solo, run: Callable[[TrialRequest], Trial], unit: Unit, budget: int | None, group: GroupAnswer
 ) -> tuple[tuple[RankBatch, ...], list[str]]:
-    """Every rank's `RankBatch` and a note, or ``((), [])`` where the ranks' budgets are alike
-    (see the module docs). ``largest``, ``safe``, ``verified``: the group's answer."""
-    ranks, meter = prober.ranks, prober.meter
-    if not isinstance(ranks, Group) or meter is None:
+    """Every rank's `RankBatch` and a note, or ``((), [])`` where the ranks' budgets are alike (see
+    the module docs): the last step of `Prober.close`. ``run``: a trial on every rank; ``budget``:
+    this rank's; ``group``: the group's answer."""
+    if not isinstance(ranks, Group):
         return (), []
-    budget = meter.budget_bytes
     budgets = ranks.gather(budget, "gathering every rank's budget")
     if None in budgets or len(set(budgets)) == 1:
         return (), []
     assert budget is not None
+    grid, safe, verify_steps, headroom = group.grid, group.safe, group.verify_steps, group.headroom
     started = len(ranks.history)
-    own = _Own(ranks, prober.counts, grid, budget, largest)
+    own = _Own(ranks, unit, grid, budget, group.largest)
     rounds = 0
-    while ranks.any(not own.done) and not out_of_time() and rounds < MAX_ROUNDS:
+    while ranks.any(not own.done) and not group.out_of_time() and rounds < MAX_ROUNDS:
         size = grid.init if own.done else own.next_size()
-        trial = prober.trial(size, kind="search")
+        trial = run(TrialRequest(size))
         if not own.done:
             own.learn(size, trial)
         rounds += 1
     mine, mine_verified = own.safe_candidate(safe_cap(budget, headroom), safe), False
     for _ in range(ATTEMPTS if verify_steps else 0):
         under = safe_cap(budget, headroom) if mine > grid.init else None
-        check = prober.trial(
-            mine, steps=verify_steps, kind="verify", fresh_optimizer=verify_steps >= 2, cap_bytes=under
-        )
+        check = run(TrialRequest(mine, verify_steps, "verify", fresh_optimizer=verify_steps >= 2, cap_bytes=under))
         if check.fits:
             mine_verified = True
             break
         if ranks.rank in ranks.history[-1][1]:  # this rank ran out of memory itself: step down
             mine = max(safe, grid.floor(math.floor(mine * (1 - STEP_DOWN))))
     if not mine_verified and verify_steps:
-        mine, mine_verified = safe, verified  # the group's safe batch, verified under a lower cap than this rank's
+        mine, mine_verified = safe, group.verified  # the group's safe batch, verified under a cap below this rank's
     answer = (mine, mine_verified, own.lo, own.boundary)
     answers = ranks.gather(answer, "gathering every rank's own answer")
     records = tuple(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from batchfit.backends import Meter, backend_for, resolve_device
+from batchfit.backends.select import is_host
 from batchfit.distributed import Solo, ranks_for
 from batchfit.errors import DeviceFailedError, annotate
 from batchfit.interrupts import InterruptGuard
@@ -34,13 +36,16 @@ from batchfit.probe.checks import (
 )
 from batchfit.probe.compiled import compile_notes, compile_seconds, compiled_info
 from batchfit.probe.keywords import FindOptions, check_keywords
+from batchfit.probe.notes import ranks_notes
 from batchfit.probe.options import Options
+from batchfit.probe.per_rank import per_rank
 from batchfit.probe.positions import check_seq_len
 from batchfit.probe.real_data import worst_batch
+from batchfit.probe.runner import Findings, GroupAnswer, Settled, Setup, Traits, TrialRequest, opened
 from batchfit.probe.state import Snapshot, take
 from batchfit.probe.trial import run_trial, state_bytes
 from batchfit.probe.workload import AMP_DTYPES, Workload, optimizer_factory
-from batchfit.report import DeviceInfo, MemoryModel, SizedOn, Trial, TrialKind, Unit
+from batchfit.report import DeviceInfo, SizedOn, Trial, TrialKind, Unit
 from batchfit.units import format_bytes, parse_memory_limit, parse_reserve, positive_int
 
 if TYPE_CHECKING:
@@ -60,8 +65,8 @@ class Prober:
     ```
 
     Keywords are [`batchfit.find`][batchfit.find]'s (an [`Options`][batchfit.Options] as ``options=``,
-    keywords override it); the search keywords are accepted and ignored here. What `search_with`
-    asks of it is `ProbesTrials` (`batchfit.probe.probing`).
+    keywords override it); the search keywords are accepted and ignored here. It is a `Runner`
+    (`batchfit.probe.runner`): ``with`` and `trial` are `open`, `close` and `run` by other names.
     """
 
     def __init__(
@@ -71,11 +76,10 @@ class Prober:
         options = Options(**kwargs) if options is None else replace(options, **kwargs)
         #: Things the probe's set-up wants the result to say (a clipped budget, ...).
         self.notes: list[str] = []
+        self._told = 0  # the notes handed on so far (`_news`)
         self._output_said = False  # the note on the output held through backward, after the first step
         check_seq_len(model, options.seq_len)  # before a loader is scanned
-        sample, drawn, sized_on = worst_batch(
-            sample, scan_batches=options.scan_batches, seq_len=options.seq_len, keep_rng=options.restore_rng
-        )
+        sample, drawn, sized_on = worst_batch(sample, options)
         #: Which batch of real data the sizes are built from (``batchfit.probe.real_data``), or ``None``.
         self.sized_on: SizedOn | None = sized_on
         if drawn is not None:
@@ -106,18 +110,14 @@ class Prober:
         self._grad_scale: float | None = None
         #: The optimizer of the last trial, whose state is live (see ``trial.py``): handed on.
         self._optimizer: torch.optim.Optimizer | None = None
-        self._interrupts = InterruptGuard(exits=(Prober.__exit__, Prober._finish))
+        self._interrupts = InterruptGuard(exits=(Prober.__exit__, Prober.close, Prober._finish, opened.__exit__))
         #: The processes that probe together (``batchfit.distributed.ranks``): this one, or every rank.
-        self.ranks: Solo = ranks_for(options.distributed, options.rank_timeout, model, self._interrupts)
+        self.ranks: Solo = ranks_for(options.distributed, options.wait_for_ranks_s, model, self._interrupts)
         # Across ranks a Ctrl-C is raised at the next meeting, on every rank at once.
         self._interrupts.deferred = self.ranks.world_size > 1
         self._workload: Workload | None = None
         self._snapshot: Snapshot | None = None
         self._stack: contextlib.ExitStack | None = None
-
-    #: Its trials can time sizes warm after the search (``batchfit.probe.timing``): one process
-    #: keeps running, unlike a job per trial (a fresh process each) or fake trials (no time).
-    times_warm = True
 
     def _runnable(self, model: nn.Module) -> nn.Module:
         """A ``torch.compile``d model runs eagerly where the backend's meter cannot run compiled
@@ -147,11 +147,6 @@ class Prober:
         return self.meter is not None and self.meter.observes_operations and not self._runs_compiled
 
     @property
-    def layout_carries(self) -> bool:
-        """Whether the optimizer kept between trials carries its memory layout (``Meter.layout_carries``)."""
-        return self.meter is not None and self.meter.layout_carries
-
-    @property
     def counts(self) -> Unit:
         """The memory the budget counts on this device (see ``batchfit.backends.base``)."""
         return self.meter.counts if self.meter is not None else "allocated"
@@ -177,10 +172,14 @@ class Prober:
 
     # lifetime ------------------------------------------------------------------------------------
     def __enter__(self) -> Prober:
-        # Ctrl-C is deferred to safe points from here until the restore has finished.
+        self.open()
+        return self
+
+    def open(self) -> Setup:
+        """The set-up (`Runner.open`); Ctrl-C is deferred to safe points from here until the restore has finished."""
         self._interrupts.__enter__()
         try:
-            self.ranks.join(self._search_settings())
+            self.ranks.join(self.options.answer_settings())  # every option that changes the answer
             with self.ranks.meet("the probe's set-up"):
                 self._snapshot = take(self._model, self._user_optimizer, self.backend, self.device)
                 self._stack = contextlib.ExitStack()
@@ -190,12 +189,19 @@ class Prober:
         except BaseException as exc:
             self._finish(device_usable=True, exc=exc)
             raise
-        return self
+        layout = self.meter is not None and self.meter.layout_carries  # times warm: one process keeps running
+        traits, self._told = Traits(layout, self.slows_steps, times_warm=True), 0
+        facts = (self.budget_bytes, self.counts, self.device_info, self.ranks, self.limit_bytes, self.limit_source)
+        return Setup(*facts, self.reserve_bytes, traits, self.sized_on, self._news())
+
+    def _news(self) -> tuple[str, ...]:  # the notes added since the last ones were handed on
+        news, self._told = tuple(self.notes[self._told :]), len(self.notes)
+        return news
 
     def join_ranks(self) -> None:
         """Meet the other ranks before the probe (the result cache decides for all of them first:
         ``batchfit.probe.cache``); ``__enter__`` then finds them met. Undone by ``ranks.close()``."""
-        self.ranks.join(self._search_settings())
+        self.ranks.join(self.options.answer_settings())  # every option that changes the answer
 
     @property
     def model_for_key(self) -> nn.Module:
@@ -207,11 +213,6 @@ class Prober:
         """The batch the sizes are built from (a loader's worst batch, cut to ``seq_len``), ``None``
         with ``make_batch``: the result cache keys on its shapes."""
         return self._raw_sample
-
-    def _search_settings(self) -> dict[str, Any]:
-        """What every rank must search with alike, or the ranks would take different paths: every
-        option that changes the answer (`Options.answer_settings`, which the cache keys on too)."""
-        return self.options.answer_settings()
 
     def _agree_on_budget(self) -> None:
         """The budget of the group: the smallest rank's (heterogeneous or partly occupied devices)."""
@@ -277,20 +278,35 @@ class Prober:
             return reachable
         return self.limit_bytes
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        failed = isinstance(exc, DeviceFailedError)
-        self._finish(device_usable=not failed, exc=exc)
-        if failed and exc is not None and self.device.type != "cpu":
-            annotate(
-                exc,
-                f"batchfit: the model's tensors that were on {self.device} were restored to their exact values "
-                "on the CPU: the device cannot be used again in this process",
-            )
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:  # noqa: E501
+        self.close((), None, exc)
+
+    def close(self, trials: Sequence[Trial], answer: GroupAnswer | None, exc: BaseException | None) -> Findings:
+        """Undo everything (`Runner.close`); with the group's ``answer`` over ranks with different
+        budgets, each rank's own answer first (``batchfit.probe.per_rank``)."""
+        ranks, meter, own = self.ranks, self.meter, ((), [])
+        try:
+            if exc is None and answer is not None and ranks.world_size > 1 and meter is not None:
+                own = per_rank(ranks, self.run, self.counts, meter.budget_bytes, answer)
+        except BaseException as failed:
+            exc = failed
+            raise
+        finally:
+            failed_device = isinstance(exc, DeviceFailedError)
+            self._finish(device_usable=not failed_device, exc=exc)
+            if failed_device and exc is not None and not is_host(self.device):
+                annotate(
+                    exc,
+                    f"batchfit: the model's tensors that were on {self.device} were restored to their exact values "
+                    "on the CPU: the device cannot be used again in this process",
+                )
+        if exc is not None:
+            return Findings(fixed_advice=self.fixed_advice())
+        seconds = compile_seconds() - self._compile_started if self.compiled is not None else 0.0  # what compiling did
+        said = compile_notes(self.compiled, len({t.batch_size for t in trials}), self._runs_compiled, seconds)
+        said += meter.notes() if meter is not None else []
+        said += ranks_notes(ranks.world_size, ranks.notes(self._run_model))
+        return Findings((*self._news(), *said), None, own[0], tuple(own[1]))
 
     def _finish(self, device_usable: bool, exc: BaseException | None) -> None:
         """Undo everything (no Ctrl-C can cut it short), then let a Ctrl-C that arrived meanwhile
@@ -328,7 +344,11 @@ class Prober:
         cap_bytes: int | None = None,
         from_scratch: bool = False,
     ) -> Trial:
-        """Run one real trial at ``batch_size``.
+        """Run one real trial at ``batch_size`` (`run`, whose docs say how)."""
+        return self.run(TrialRequest(batch_size, steps, kind, fresh_optimizer, cap_bytes, from_scratch))
+
+    def run(self, request: TrialRequest) -> Trial:
+        """Run one real trial at ``request.batch_size`` (`Runner.run`).
 
         The optimizer of the previous trial is kept, state and all, and used again (the state
         does not depend on the batch size, and a real run holds it from its first step on), so
@@ -343,14 +363,17 @@ class Prober:
         """
         if self._workload is None or self.meter is None:
             raise RuntimeError("Prober.trial() needs an active probe: use 'with Prober(...) as p:'")
-        batch_size = positive_int("batch_size", batch_size)
-        fresh_optimizer = fresh_optimizer or from_scratch
+        steps, kind, cap_bytes, from_scratch = request.steps, request.kind, request.cap_bytes, request.from_scratch
+        batch_size = positive_int("batch_size", request.batch_size)
+        fresh_optimizer = request.fresh_optimizer or from_scratch
         replay = from_scratch and self.meter.layout_carries
         if fresh_optimizer and self._optimizer is not None:  # a collection (~150 ms) only if its state outlives it
             held, self._optimizer = self.meter.allocated_bytes() - state_bytes(self._optimizer, self.meter), None
             self.meter.release(target_bytes=held)
-        if steps is None:
-            steps = self.options.steps_per_trial or max(self.verdict_steps, self.warm_steps)
+        if steps is None:  # the fewest that count the optimizer state (step 1 of a fresh one makes it), and 2
+            # where the first step after a release runs cold (`Backend.cold_after_release`: on CUDA cudaMalloc...)
+            verdict = 1 if self.mode != "train" or self._optimizer is not None else 2
+            steps = self.options.steps_per_trial or max(verdict, 2 if self.backend.cold_after_release else 1)
         else:
             steps = positive_int("steps", steps)
         if self._runs_compiled:
@@ -379,45 +402,18 @@ class Prober:
         self.optimizer_state_bytes = max(self.optimizer_state_bytes, run.optimizer_state_bytes)
         return self.ranks.combine(run.trial)
 
-    def ranks_notes(self) -> list[str]:
-        """What the ranks have to say about this model (``batchfit.distributed.ranks``)."""
-        return self.ranks.notes(self._run_model)
-
-    def meter_notes(self) -> list[str]:
-        """What the meter has to say about how it counted (``Meter.notes``)."""
-        return self.meter.notes() if self.meter is not None else []
-
-    def compile_notes(self, trials: list[Trial]) -> list[str]:
-        """What to say about a ``torch.compile``'d model (``batchfit.probe.compiled``)."""
-        seconds = compile_seconds() - self._compile_started if self.compiled is not None else 0.0
-        sizes = len({t.batch_size for t in trials})
-        return compile_notes(self.compiled, sizes, self._runs_compiled, seconds)
-
-    @property
-    def warm_steps(self) -> int:
-        """The fewest steps for an honest time: 2 where the first step after a release runs cold
-        (``Backend.cold_after_release``: on CUDA it pays ``cudaMalloc`` for every block, the first
-        use of each shape and lazily loaded kernels, none of which training pays per step)."""
-        return 2 if self.backend.cold_after_release else 1
-
-    @property
-    def verdict_steps(self) -> int:
-        """The fewest steps whose peak counts the optimizer state: 1 while an earlier trial's
-        optimizer is kept (and in inference), 2 with a fresh one (step 1 allocates the state)."""
-        return 1 if self.mode != "train" or self._optimizer is not None else 2
-
     def fixed_advice(self) -> str | None:
         """What to say when not even the first batch fits and the memory that does not depend
         on the batch (weights, gradients, the optimizer's state) already exceeds the budget."""
         weights, trainable = parameter_bytes(self._model)
         return fixed_memory_advice(weights, trainable, self.mode, self.options.optimizer, self.budget_bytes)
 
-    def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
-        """The memory equation of ``trials``, in the unit the budget counts."""
+    def settle(self, trials: Sequence[Trial]) -> Settled:
+        """The budget after the search (`settle_reserve`) and the memory equation of ``trials`` (`Runner.settle`)."""
+        budget = self.settle_reserve()
         weights, trainable = parameter_bytes(self._model)
-        return fit_memory(
-            trials, weights, trainable, self.mode, self.optimizer_state_bytes, self.counts, self.budget_bytes
-        )
+        memory = fit_memory(list(trials), weights, trainable, self.mode, self.optimizer_state_bytes, self.counts, budget)  # noqa: E501
+        return Settled(budget, self.limit_bytes, self.limit_source, self.reserve_bytes, memory, self._news())
 
     def settle_reserve(self) -> int | None:
         """The budget, after ``reserve="auto"`` measured again what lives outside the allocator.

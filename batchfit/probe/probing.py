@@ -1,11 +1,8 @@
-"""What `search_with` takes: the prober its trials run on (`ProbesTrials`) and how it searches (`SearchPlan`).
+"""How `search_with` searches (`SearchPlan`); what runs its trials is a `Runner` (`batchfit.probe.runner`).
 
-`search_with` runs over three probers: the real [`Prober`][batchfit.Prober], a job per trial
-(`batchfit.probe.job_runner`) and fake trials (`batchfit.estimation`); each is a `ProbesTrials`
-(`tests/test_call_path.py` checks it member by member). A `SearchPlan` says how the boundary is
-searched: `FromInit`, `find`'s search from `init_batch`, or the frontier's from the boundary its
-surface predicts (`batchfit.probe.lengths`) and checkpointing's from the line its other policies
-predict (`batchfit.probe.checkpointing_search`): both `FromLine`.
+A `SearchPlan` says how the boundary is searched: `FromInit`, `find`'s search from `init_batch`, or
+the frontier's from the boundary its surface predicts (`batchfit.probe.lengths`) and checkpointing's
+from the line its other policies predict (`batchfit.probe.checkpointing_search`): both `FromLine`.
 """
 
 from __future__ import annotations
@@ -14,15 +11,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from types import TracebackType
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from batchfit.distributed import Solo
 from batchfit.probe.safe_batch import STEP_DOWN, safe_cap
-from batchfit.report import DeviceInfo, MemoryModel, PhaseLine, SizedOn, Trial, TrialKind, Unit
+from batchfit.report import MemoryModel, PhaseLine, Trial, Unit
 from batchfit.search import Attempt, Grid, SearchReport, Strategy, search, search_near
 
-__all__ = ["ANCHOR_MARGIN", "FromInit", "FromLine", "Oracle", "ProbesTrials", "SearchPlan"]
+__all__ = ["ANCHOR_MARGIN", "FromInit", "FromLine", "Oracle", "SearchPlan"]
 
 #: The verification that opens a search from a predicted line aims this fraction below the safe batch
 #: the line predicts: a verification that fails under the lowered cap is a wasted trial, one a little
@@ -32,127 +27,6 @@ ANCHOR_MARGIN = 0.01
 #: `oracle(batch_size, kind="search")`: a trial as the search sees it (`SearchRun.oracle` in
 #: `batchfit.probe.finder`); `kind="verify"` runs the safe batch's verification at that size.
 Oracle = Callable[..., Attempt]
-
-
-@runtime_checkable
-class ProbesTrials(Protocol):
-    """What `search_with` asks of a prober: a context manager that sets a probe up, runs its
-    trials and undoes everything on the way out. Its attributes are read once it is entered."""
-
-    def __enter__(self) -> Any: ...
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None: ...
-
-    def trial(
-        self,
-        batch_size: int,
-        steps: int | None = None,
-        kind: TrialKind = "search",
-        fresh_optimizer: bool = False,
-        cap_bytes: int | None = None,
-        from_scratch: bool = False,
-    ) -> Trial:
-        """One trial at `batch_size`.
-
-        Args:
-            batch_size: the size to try.
-            steps: the steps to run; `None` for the prober's own count.
-            kind: what the trial is for, recorded in it.
-            fresh_optimizer: start with no optimizer state kept.
-            cap_bytes: run under this lower limit (the safe batch's verification).
-            from_scratch: run as a fresh training process does (a fresh optimizer; on a caching
-                allocator nothing cached, no workspace made, steps until its layout settles).
-        """
-        ...
-
-    @property
-    def ranks(self) -> Solo:
-        """The processes that probe together: they stop at the same point."""
-        ...
-
-    @property
-    def budget_bytes(self) -> int | None:
-        """The memory the trials may use, in the unit of `counts`."""
-        ...
-
-    @property
-    def counts(self) -> Unit:
-        """Which memory the budget counts (`"reserved"` on caching allocators)."""
-        ...
-
-    @property
-    def device_info(self) -> DeviceInfo:
-        """The device the trials ran on, for the result."""
-        ...
-
-    @property
-    def notes(self) -> list[str]:
-        """What the result should say about the set-up; `search_with` adds its own."""
-        ...
-
-    @property
-    def limit_bytes(self) -> int | None:
-        """The memory limit as resolved, for the result's settings."""
-        ...
-
-    @property
-    def limit_source(self) -> str:
-        """Where the limit came from, for the result's settings."""
-        ...
-
-    @property
-    def reserve_bytes(self) -> int:
-        """What was set aside for memory outside the allocator."""
-        ...
-
-    @property
-    def layout_carries(self) -> bool:
-        """Whether the optimizer kept between trials carries its memory layout: the largest fit is
-        then tried again from scratch (`batchfit.search.scratch`)."""
-        ...
-
-    @property
-    def slows_steps(self) -> bool:
-        """Whether the meter's bookkeeping slows every step (the CPU's live-tensor meter): a timed
-        step then runs without it, after the steps it measures (`Meter.unobserved`)."""
-        ...
-
-    @property
-    def times_warm(self) -> bool:
-        """Whether its trials can time sizes warm after the search (`batchfit.probe.timing`): one
-        process keeps running, unlike a job per trial or fake trials."""
-        ...
-
-    @property
-    def sized_on(self) -> SizedOn | None:
-        """Which batch of real data the sizes are built from, or `None`."""
-        ...
-
-    def memory_model(self, trials: list[Trial]) -> MemoryModel | None:
-        """The memory equation fitted on `trials`, in the unit the budget counts."""
-        ...
-
-    def fixed_advice(self) -> str | None:
-        """What to say when not even `init_batch` fits and the fixed memory is the reason."""
-        ...
-
-    def settle_reserve(self) -> int | None:
-        """The budget after the search, once the memory outside the allocator was measured again."""
-        ...
-
-    def compile_notes(self, trials: list[Trial]) -> list[str]:
-        """What to say about a `torch.compile`d model."""
-        ...
-
-    def meter_notes(self) -> list[str]:
-        """What the meter has to say about how it counted."""
-        ...
-
-    def ranks_notes(self) -> list[str]:
-        """What the ranks have to say about the model."""
-        ...
 
 
 @runtime_checkable

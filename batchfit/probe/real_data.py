@@ -28,7 +28,7 @@ import contextlib
 import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,25 +36,43 @@ from batchfit.probe.batches import batch_size_of, map_tensors, tensor_leaves
 from batchfit.probe.scan import Scan, scan, warn_at_caller
 from batchfit.report import SizedOn
 
+if TYPE_CHECKING:
+    from batchfit.probe.options import Options
+
 __all__ = ["at_length", "generators_kept", "is_batch_source", "sequence_dims", "worst_batch"]
+
+#: What to pass when a scan did not read the whole epoch (`Scan.gap` says what it missed).
+_SCAN_ADVICE = (
+    "Pass scan_batches=None to read every batch, seq_len= the longest length you train with, or a DataLoader whose "
+    "dataset declares `lengths` (one per item: its longest item is read alone)"
+)
 
 #: Where the sizes come from, said once in every note.
 _REPEATED = "repeated along dim 0 to build every size"
 
 
 def worst_batch(
-    sample: Any, *, scan_batches: int | None = 64, seq_len: int | None = None, keep_rng: bool = True
+    sample: Any,
+    options: Options | None = None,
+    *,
+    scan_batches: int | None = 64,
+    seq_len: int | None = None,
+    keep_rng: bool = True,
 ) -> tuple[Any, str | None, SizedOn | None]:
     """The batch to size on, the note that says what it is, and the record for the result.
 
     ``sample``: a batch, a ``DataLoader`` or any other iterable of batches, or ``None`` (the
-    probe builds batches with ``make_batch``). ``scan_batches``: how many batches a scan reads
+    probe builds batches with ``make_batch``). ``options``: the probe's, which say the three
+    below (``restore_rng`` is ``keep_rng``); the keywords are for a caller without them.
+    ``scan_batches``: how many batches a scan reads
     (``None``: the whole epoch; `scan`). ``seq_len``: the sequence length to
     size on. ``keep_rng``: draw on copies of the random generators (a loader's iterator seeds
     itself from torch's), so they come back as they were (`generators_kept`). A scan that
     did not read the whole epoch says so in the note and in a ``UserWarning``, unless ``seq_len``
     fixed the length.
     """
+    if options is not None:
+        scan_batches, seq_len, keep_rng = options.scan_batches, options.seq_len, options.restore_rng
     if sample is None:
         if seq_len is None:
             return None, None, None
@@ -77,6 +95,7 @@ def worst_batch(
     note = _scan_note(scanned, record)
     gap = scanned.gap()
     if gap is not None:
+        gap += f". {_SCAN_ADVICE}"
         note += f"; {gap}"
         if not scanned.one_shape():  # a loader of one shape throughout is said in the note alone
             warn_at_caller(f"batchfit: {gap}")

@@ -123,8 +123,8 @@ class Scan:
         return f"{self.scanned:,} batch{plural} scanned" + (f" (of {self.total:,})" if self.total is not None else "")
 
     def gap(self) -> str | None:
-        """What the scan did not read and what to pass for an answer every batch honours; ``None``
-        when it read the whole epoch."""
+        """What the scan did not read, and what that risks; ``None`` when it read the whole epoch.
+        What to pass instead is the caller's to say (`batchfit.probe.real_data`, which reads the options)."""
         if self.ended or (self.total is not None and self.scanned >= self.total):
             return None
         if self.spread and self.total is not None:
@@ -140,11 +140,7 @@ class Scan:
                 read += f", and they were still growing (its worst was batch {self.worst_number:,}, near its end)"
             else:
                 read += ": a longer batch may come later"
-        return (
-            f"{read}; a batch longer than the worst read runs out of memory at a size this answer calls safe. Pass "
-            "scan_batches=None to read every batch, seq_len= the longest length you train with, or a DataLoader whose "
-            "dataset declares `lengths` (one per item: its longest item is read alone)"
-        )
+        return f"{read}; a batch longer than the worst read runs out of memory at a size this answer calls safe"
 
 
 def scan(loader: Any, limit: int | None) -> Scan:

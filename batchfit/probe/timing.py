@@ -42,7 +42,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from batchfit.report import Trial
+from batchfit.probe.options import Options
+from batchfit.report import Throughput, Trial
 from batchfit.report.throughput import KNEE_FRACTION, is_warm, knee_of, warm_rates
 from batchfit.search import Grid
 
@@ -67,6 +68,12 @@ SPREAD_BELOW = 8
 
 #: ``run(batch_size, timed_steps) -> Trial``: one trial of an untimed step, then ``timed_steps`` timed ones.
 RunTimed = Callable[[int, int], Trial]
+
+
+def warm_steps(options: Options) -> int:
+    """The timed steps each warm timing trial runs after its untimed one (``Options.timed_steps``; 0:
+    nothing is timed warm): read here, where it acts, by the search and the checkpointing fit."""
+    return options.timed_steps
 
 
 def knee_deadline(now: float, step_at_max_s: float | None, started: float, time_budget: float | None) -> float:
@@ -205,3 +212,33 @@ def unpinned_notes(trials: list[Trial], largest: int, safe: int, grid: Grid) -> 
         f"throughput: the safe batch's rate, timed last, moved the knee up to batch {knee}: it lies between "
         f"batch {max(below)} and {knee}"
     ]
+
+
+def throughput_notes(throughput: Throughput | None) -> list[str]:
+    """Say how far the throughput answer can be trusted."""
+    if throughput is None:
+        return []
+    notes: list[str] = []
+    if not throughput.warm:
+        notes.append(
+            "throughput: no size was timed warm (timed_steps=0, or time ran out): the rates are the search's own "
+            "single steps, each run right after the previous trial's memory was released; compare them loosely"
+        )
+    if throughput.knee_batch == throughput.best_batch:
+        return notes
+    notes += [
+        f"throughput: batch {throughput.knee_batch} reaches {throughput.knee_samples_per_s:,.1f} samples/s, within "
+        f"5% of the best measured ({throughput.best_samples_per_s:,.1f} at batch {throughput.best_batch}): "
+        "bigger batches hardly pay in speed"
+    ]
+    if throughput.within_noise:
+        notes.append(
+            f"throughput: the difference between batch {throughput.best_batch} and {throughput.knee_batch} is within "
+            f"the measurement's noise (repeated steps spread by {throughput.spread:.0%})"
+        )
+    if throughput.single_step_best and not throughput.warm:  # warm sizes are timed alike, with timed_steps each
+        notes.append(
+            f"throughput: the rate of batch {throughput.best_batch} comes from one timed step (a search trial), "
+            "which on a GPU also pays for the first use of that shape"
+        )
+    return notes

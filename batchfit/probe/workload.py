@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from batchfit.errors import annotate
 from batchfit.probe.batches import (
     META_BATCH,
     batch_size_of,
@@ -22,6 +23,7 @@ from batchfit.probe.batches import (
     tile,
     to_device,
 )
+from batchfit.probe.compiled import mark_batch_dynamic
 from batchfit.probe.generate_step import generate
 
 if TYPE_CHECKING:
@@ -55,7 +57,6 @@ def _explain_spread(exc: TypeError, batch: Any) -> None:
     """A hint on `exc` when a tuple sample was spread over too many arguments: `find(resnet, (x, y))`
     calls `resnet(x, y)`, which is the classic first mistake."""
     if isinstance(batch, (tuple, list)) and "positional argument" in str(exc):
-        from batchfit.errors import annotate
 
         annotate(
             exc,
@@ -256,7 +257,6 @@ class Workload:
             if got != batch_size:
                 raise ValueError(f"make_batch({batch_size}) returned a batch of size {got}")
         if self.dynamic_batch:
-            from batchfit.probe.compiled import mark_batch_dynamic
 
             mark_batch_dynamic(batch)
         return batch

@@ -2,6 +2,8 @@
 
 Pure Python (no torch import): a result can be loaded and read on a machine without torch.
 
+* `batchfit.report.boundary`: the boundary every answer shares ([`Boundary`][batchfit.report.boundary.Boundary]:
+  max and safe batch, verified, reached);
 * `batchfit.report.records`: [`Trial`][batchfit.Trial], [`DeviceInfo`][batchfit.DeviceInfo],
   [`Settings`][batchfit.Settings], `SizedOn`, [`CacheHit`][batchfit.report.records.CacheHit];
 * `batchfit.report.memory`: the fitted memory equation ([`MemoryModel`][batchfit.MemoryModel]);
@@ -17,7 +19,8 @@ Pure Python (no torch import): a result can be loaded and read on a machine with
   ([`UnevenSplit`][batchfit.report.uneven.UnevenSplit]), with the loss weights that keep the mean;
 * `batchfit.report.result`: [`Result`][batchfit.Result] and its versioned JSON document;
 * `batchfit.report.codec`: reading a document back, every field checked against its type and
-  the constraints its hint declares (`Batch`, `Bytes`, ...), for other records too;
+  the constraints its hint declares (`Batch`, `Bytes`, ...), for other records too, and JSON both
+  ways for any record (`JsonRecord`);
 * `batchfit.report.text`: ``str(result)`` and a device's one-line description;
 * `batchfit.report.frontier`: [`Frontier`][batchfit.Frontier] (the largest batch per sequence length, the
   memory surface), with its text (`frontier_text`) and its image

@@ -9,12 +9,13 @@ rests on. Pure Python (no torch), like the rest of `batchfit.report`.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
+from batchfit.report.boundary import Boundary
+from batchfit.report.codec import Batch, Bytes, Count, JsonRecord, Rate, Seconds
 from batchfit.report.recommendation import Recommendation
 from batchfit.report.records import DeviceInfo, Unit
 
@@ -67,8 +68,9 @@ class Policy:
 
 
 @dataclass(frozen=True)
-class PolicyRow:
-    """What real steps measured under one policy.
+class PolicyRow(Boundary):
+    """What real steps measured under one policy (its boundary, by keyword, is a
+    [`Boundary`][batchfit.report.boundary.Boundary]'s).
 
     Attributes:
         policy: the policy applied.
@@ -81,20 +83,16 @@ class PolicyRow:
     """
 
     policy: Policy
-    max_batch: int
-    safe_batch: int
-    safe_verified: bool
-    boundary_reached: bool
     fixed_bytes: int | None
     per_sample_bytes: float | None
-    trials: int
-    micro_batch: int | None = None
-    accumulation: int | None = None
-    samples_per_s: float | None = None
+    trials: Count
+    micro_batch: Batch | None = None
+    accumulation: Batch | None = None
+    samples_per_s: Rate | None = None
 
 
 @dataclass(frozen=True)
-class Fit:
+class Fit(JsonRecord):
     """The answer of [`batchfit.fit`][batchfit.fit]: the policies measured, and the one to train with.
 
     Attributes:
@@ -114,18 +112,24 @@ class Fit:
         notes: what a reader should know (blocks you had checkpointed, a prediction that missed).
     """
 
-    target_batch: int
+    #: The schema its JSON document names.
+    SCHEMA: ClassVar[str] = SCHEMA
+    #: What the document carries for its readers, derived from the fields (skipped on reading).
+    DERIVED: ClassVar[tuple[str, ...]] = ("policy",)
+    NOUN: ClassVar[str] = "fit"
+
+    target_batch: Batch
     blocks: tuple[str, ...]
     blocks_from: str
     rows: tuple[PolicyRow, ...]
-    chosen: int
+    chosen: Count
     recommendation: Recommendation
     predicted: tuple[tuple[int, int], ...]
-    budget_bytes: int | None
+    budget_bytes: Bytes | None
     budget_counts: Unit
     device: DeviceInfo
-    trials: int
-    elapsed_s: float
+    trials: Count
+    elapsed_s: Seconds
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -138,27 +142,16 @@ class Fit:
         return next((row for row in self.rows if row.policy.k == k), None)
 
     def __str__(self) -> str:
-        from batchfit.report.checkpointing_text import fit_text
+        from batchfit.report.checkpointing_text import fit_text  # lazy: it annotates with Fit, the one way back
 
         return fit_text(self)
 
     def plot(self, path: str | os.PathLike[str], *, dpi: int = 120) -> str:
         """Draw max batch and samples/s against blocks checkpointed to ``path`` (``.png``, ``.svg``, ``.pdf``);
         needs matplotlib (``pip install 'batchfit[plot]'``). Returns the path written."""
-        from batchfit.report.checkpointing_text import save_fit_plot
+        from batchfit.report.checkpointing_text import save_fit_plot  # lazy: as __str__'s
 
         return save_fit_plot(self, path, dpi=dpi)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields and the schema (``policy`` derived, for readers)."""
-        data = asdict(self)
-        data["schema"] = SCHEMA
-        data["policy"] = asdict(self.policy)
-        return data
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The fit as a JSON document (`to_dict`)."""
-        return json.dumps(self.to_dict(), indent=indent)
 
 
 def fit_recommendation(

@@ -30,6 +30,10 @@ also name fields its document carries for readers but that are derived from the 
 Whatever is wrong, a document is refused with one ``ValueError`` saying what and where, e.g.
 ``not a batchfit result: field 'trials[2].peak_bytes' must be an int or null, got str '17'``;
 a document nested too deeply to read (``"[" * 100000``) is one too, never a ``RecursionError``.
+
+`JsonRecord` gives a record its JSON both ways (``to_dict``/``to_json``/``from_dict``/``from_json``)
+from these declarations alone: a record subclasses it and names itself in refusals (``NOUN``); any
+answer type may use it (the fit, the evaluation, the noise scale, an uneven split).
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from functools import cache
 from types import UnionType
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 _Record = TypeVar("_Record")
+_Json = TypeVar("_Json", bound="JsonRecord")
 
 #: Every int in a document lies in ``[-INT_LIMIT, INT_LIMIT)`` (a signed 64-bit int): no batch,
 #: byte count or step count comes near it, and every such int becomes a float (as ``str(result)``
@@ -134,6 +139,66 @@ def read_document(cls: type[_Record], data: Any, noun: str) -> _Record:
         raise ValueError(f"not a batchfit {noun}: {corrupt}") from None
     except RecursionError:  # the reading follows the hints, so only a value shown can go this deep
         raise ValueError(f"not a batchfit {noun}: the document is nested too deeply to read") from None
+
+
+# Writing and reading, for any record ------------------------------------------------------------
+class JsonRecord:
+    """JSON both ways for a frozen dataclass record: ``X.from_json(x.to_json()) == x``.
+
+    The document is the fields (nested records as objects, tuples as lists), with the ``"schema"``
+    of every record that declares one (``SCHEMA``, at any depth, as reading requires) and the
+    values of its ``DERIVED`` names, for readers (skipped on reading). Reading checks every field
+    as `read_document` does; a check of the record's own (``__post_init__``) is refused the same
+    way, ``not a batchfit <NOUN>: ...``.
+    """
+
+    #: What a refused document is called: ``not a batchfit <NOUN>: ...``.
+    NOUN: ClassVar[str] = "record"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields, the schema and the derived values, as JSON values."""
+        return document_of(self)  # type: ignore[no-any-return]
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """A stable JSON document (keys sorted) of `to_dict`."""
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls: type[_Json], data: dict[str, Any]) -> _Json:
+        """The inverse of `to_dict`; one ``ValueError`` naming the field for anything else."""
+        return _constructed(read_document, cls, data)
+
+    @classmethod
+    def from_json(cls: type[_Json], text: str | bytes) -> _Json:
+        """The inverse of `to_json`; one ``ValueError`` for anything else, invalid JSON included."""
+        return _constructed(read_json, cls, text)
+
+
+def document_of(value: Any) -> Any:
+    """``value`` as JSON values: ``dataclasses.asdict``, with each record's ``SCHEMA`` and ``DERIVED``."""
+    if is_dataclass(value) and not isinstance(value, type):
+        data = {f.name: document_of(getattr(value, f.name)) for f in fields(value)}
+        schema = getattr(value, "SCHEMA", None)
+        if isinstance(schema, str):
+            data["schema"] = schema
+        for name in getattr(value, "DERIVED", ()):
+            data[name] = document_of(getattr(value, name))
+        return data
+    if isinstance(value, (list, tuple)):
+        return [document_of(item) for item in value]
+    if isinstance(value, dict):
+        return {key: document_of(item) for key, item in value.items()}
+    return value
+
+
+def _constructed(read: Callable[[type[_Json], Any, str], _Json], cls: type[_Json], document: Any) -> _Json:
+    """``read(cls, document, cls.NOUN)``, a record's own refusal (``__post_init__``) said as the codec's."""
+    try:
+        return read(cls, document, cls.NOUN)
+    except ValueError as error:
+        if str(error).startswith("not a batchfit"):
+            raise
+        raise ValueError(f"not a batchfit {cls.NOUN}: {error}") from None
 
 
 def _read_record(cls: type[_Record], data: Any, path: str) -> _Record:

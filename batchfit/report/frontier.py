@@ -147,23 +147,26 @@ class FrontierPoint:
     then generates all its new tokens (``result.generation.new_tokens``), so the batch holds
     ``context_tokens = seq_len + new_tokens`` tokens a row in its KV cache, and its tokens/s are new tokens.
 
+    Its boundary (``max_batch``, ``safe_batch``, ``safe_verified``, ``boundary_reached``) is its
+    result's, read through it: ``max_batch`` is the exact largest batch at that length (fits,
+    ``max_batch + 1`` did not) when ``boundary_reached``; ``safe_batch`` leaves the headroom free,
+    verified by real steps (``safe_verified``). At lengths after the first, the verification runs
+    first, at the safe batch the surface predicts, and is kept when the memory line's candidate is
+    at most 3% above it (one trial less; ``find()`` would verify the candidate itself). Its JSON
+    carries ``max_batch`` and ``safe_batch`` for readers.
+
     Attributes:
         seq_len: the length every sequence of the batch had (the prompt's, generating).
-        max_batch: the exact largest batch at that length (fits, ``max_batch + 1`` did not) when
-            ``result.boundary_reached``.
-        safe_batch: the batch leaving the headroom free, verified by real steps (``result.safe_verified``).
-            At lengths after the first, the verification runs first, at the safe batch the surface
-            predicts, and is kept when the memory line's candidate is at most 3% above it (one
-            trial less; ``find()`` would verify the candidate itself).
         tokens_per_s: tokens/s of the safe batch's timed steps (``None`` when they were not timed:
             an estimate, ``verify_steps=0``).
         best_batch, best_tokens_per_s: the measured batch with the most tokens/s at this length.
         result: the one-dimensional answer at this length, every trial included.
     """
 
+    #: What the document carries for its readers, read from ``result`` (skipped on reading).
+    DERIVED: ClassVar[tuple[str, ...]] = ("max_batch", "safe_batch")
+
     seq_len: Batch
-    max_batch: Batch
-    safe_batch: Batch
     tokens_per_s: Rate | None
     best_batch: Batch
     best_tokens_per_s: Rate | None
@@ -177,13 +180,29 @@ class FrontierPoint:
         per_row = result.generation.new_tokens if result.generation is not None else seq_len  # tokens a row makes
         return cls(
             seq_len=seq_len,
-            max_batch=result.max_batch,
-            safe_batch=result.safe_batch,
             tokens_per_s=None if safe is None or not safe.samples_per_s else safe.samples_per_s * per_row,
             best_batch=result.best_throughput_batch,
             best_tokens_per_s=None if best is None else best.best_samples_per_s * per_row,
             result=result,
         )
+
+    @property
+    def max_batch(self) -> int:
+        """The largest batch that trained at this length (``result.max_batch``)."""
+        return self.result.max_batch
+
+    @property
+    def safe_batch(self) -> int:
+        """The batch to run with at this length (``result.safe_batch``)."""
+        return self.result.safe_batch
+
+    @property
+    def safe_verified(self) -> bool:
+        return self.result.safe_verified
+
+    @property
+    def boundary_reached(self) -> bool:
+        return self.result.boundary_reached
 
     @property
     def new_tokens(self) -> int:
@@ -286,8 +305,9 @@ class Frontier:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["schema"] = FRONTIER_SCHEMA
-        for point in data["points"]:
-            point["result"]["schema"] = RESULT_SCHEMA
+        for point, written in zip(self.points, data["points"]):
+            written.update(max_batch=point.max_batch, safe_batch=point.safe_batch)
+            written["result"]["schema"] = RESULT_SCHEMA
         return data
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -305,13 +325,13 @@ class Frontier:
         return read_json(cls, text, "frontier")
 
     def __str__(self) -> str:
-        from batchfit.report.frontier_text import render_frontier  # text reads frontiers, not the reverse
+        from batchfit.report.frontier_text import render_frontier  # lazy: it annotates with Frontier, the one way back
 
         return render_frontier(self)
 
     def plot(self, path: str | os.PathLike[str], *, dpi: int = 120) -> str:
         """Draw the frontier to an image at ``path`` (``.png``, ``.svg``, ``.pdf``); the path written.
         Needs matplotlib: ``pip install 'batchfit[plot]'`` (an ``ImportError`` saying so otherwise)."""
-        from batchfit.report.frontier_plot import save_frontier_plot  # matplotlib only when drawing
+        from batchfit.report.frontier_plot import save_frontier_plot  # lazy: matplotlib only when drawing
 
         return save_frontier_plot(self, path, dpi=dpi)

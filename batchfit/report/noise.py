@@ -26,9 +26,9 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from batchfit.report.codec import Batch, Count, Range, Seconds, read_document
+from batchfit.report.codec import Batch, Count, JsonRecord, Range, Seconds
 
 #: Where the small and the big batch came from: K micro-batches on one process and their mean,
 #: or each rank's local gradient and the all-reduced mean under DDP.
@@ -156,7 +156,7 @@ def _interval(low: float, high: float, grouped: bool = True) -> str:
 
 
 @dataclass(frozen=True)
-class NoiseScale:
+class NoiseScale(JsonRecord):
     """The simple gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al. 2018),
     measured from real batches with the unbiased two-batch-size estimator.
 
@@ -180,7 +180,11 @@ class NoiseScale:
         small_norm_sq, big_norm_sq: the mean squared gradient norms measured at ``small_batch``
             and ``big_batch`` (``None`` when not recorded); ``small_norm_sq`` alone overstates
             ``|G|^2`` by ``tr(Sigma) / small_batch``, which is what the estimator takes out.
+
+    JSON both ways: ``NoiseScale.from_json(noise.to_json()) == noise`` (`batchfit.report.codec.JsonRecord`).
     """
+
+    NOUN: ClassVar[str] = "noise scale"
 
     b_simple: Annotated[float, Range(0)] | None
     low: Annotated[float, Range(0)]
@@ -264,5 +268,6 @@ class NoiseScale:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> NoiseScale:
-        """The inverse of ``dataclasses.asdict(noise)``; ``ValueError`` naming the field otherwise."""
-        return read_document(cls, data, "noise scale")
+        """The inverse of ``dataclasses.asdict(noise)`` (and of ``to_dict``); ``ValueError`` naming the field
+        otherwise."""
+        return super().from_dict(data)

@@ -10,10 +10,13 @@ batch, past which a larger batch buys almost no fewer optimizer steps for the sa
 1. **A target** (``target_batch``, or ``target_tokens`` in whole sequences of ``seq_len``) is the
    user's: the learning rate and schedule were tuned for it. It is reached exactly where any
    micro-batch within the safe batch (a multiple of ``settings.multiple_of``) divides each rank's
-   share, with the largest such micro-batch (fewest passes; a global batch costs the same samples
-   however it is split). Otherwise with the fewest accumulation steps and the micro-batch that
+   share: the fastest measured such micro-batch on the measured plateau, else the largest
+   (fewest passes; a global batch costs the same samples however it is split). Otherwise (the
+   ranks cannot share the target) with the fewest accumulation steps and the micro-batch that
    brings the global batch nearest the target, and ``target_changed_by`` (and the reason) say by
-   how much: never silently. `split_global` is that arithmetic.
+   how much: never silently. `batchfit.report.global_split` is that arithmetic, the one splitter
+   ([`batchfit.plan`][batchfit.plan] and the integrations use it too). Tokens are whole
+   sequences, the same number on every rank, rounded up.
 2. **The noise scale**, ``B`` (global): above what fits (``safe x world_size``), train at the safe
    batch and accumulate to about ``B``: up to ``B`` more samples per step still cut the steps
    nearly in proportion, and accumulation is the only way there. Below the throughput knee, train
@@ -42,9 +45,10 @@ torch recommends the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, ClassVar
 
-from batchfit.report.codec import Batch, Count, NotAbove, Range, Rate, read_document
+from batchfit.report.codec import Batch, Count, JsonRecord, NotAbove, Range, Rate
+from batchfit.report.global_split import whole_sequences
 from batchfit.report.recommendation_rules import (
     Decider,
     Facts,
@@ -68,8 +72,12 @@ LABEL = 17
 
 
 @dataclass(frozen=True)
-class Recommendation:
+class Recommendation(JsonRecord):
     """The batch to train with, how to reach it, the bound that decided it, and the numbers behind it.
+
+    A plan ([`batchfit.plan`][batchfit.plan]) is a recommendation decided by the target; it reads
+    under the names a training loop uses too (`micro_batch`, `accumulation_steps`, `target_batch`,
+    `remainder`, `exact`). JSON both ways: ``Recommendation.from_json(rec.to_json()) == rec``.
 
     Attributes:
         batch_size: the micro-batch each rank runs per forward/backward (never above ``safe_batch``).
@@ -119,6 +127,8 @@ class Recommendation:
     target_changed_by: int | None = None
     uneven: UnevenSplit | None = None
 
+    NOUN: ClassVar[str] = "recommendation"
+
     def __post_init__(self) -> None:
         # The numbers a step is set up from must agree: a record that says otherwise would mislead
         # exactly where it matters (how many samples an optimizer step sees).
@@ -140,6 +150,55 @@ class Recommendation:
     def exact(self) -> bool:
         """The target was reached exactly (``True`` without a target)."""
         return not self.target_changed_by
+
+    @property
+    def micro_batch(self) -> int:
+        """``batch_size``: what each rank runs per forward/backward."""
+        return self.batch_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        """``accumulation``: forward/backward passes per optimizer step."""
+        return self.accumulation
+
+    @property
+    def target_batch(self) -> int | None:
+        """``target``: the global batch asked for (``None``: none was)."""
+        return self.target
+
+    @property
+    def remainder(self) -> int:
+        """``target - global_batch`` (0 when exact or without a target): stated, never dropped silently."""
+        return -(self.target_changed_by or 0)
+
+    def summary(self) -> str:
+        """One line: the split, how near the target, the rate at the micro-batch, the bounds, why
+        (``global batch 1024 = 4 ranks x micro-batch 64 x 4 accumulation steps (exact); ...``)."""
+        ranks = f"{self.world_size} ranks x " if self.world_size > 1 else ""
+        steps = "step" if self.accumulation == 1 else "steps"
+        exactness = "exact" if self.exact else f"{self.remainder} short of the target {self.target}"
+        if self.remainder < 0:
+            exactness = f"{-self.remainder} over the target {self.target}"
+        if self.target_tokens is not None and self.tokens_per_step is not None and self.exact:
+            over = self.tokens_per_step - self.target_tokens
+            if over:
+                exactness = f"{over:,} tokens over the target {self.target_tokens:,}: whole sequences"
+        if self.target is None:
+            exactness = f"decided by {self.decided_by}"
+        split = f"{ranks}micro-batch {self.batch_size} x {self.accumulation} accumulation {steps} ({exactness})"
+        text = f"global batch {self.global_batch} = {split}"
+        if self.seq_len is not None and self.tokens_per_step is not None:
+            per_step = f"{self.tokens_per_step:,} tokens/step"
+            text = f"{per_step} = global batch {self.global_batch} x {self.seq_len:,} tokens = {split}"
+        if self.samples_per_s is not None:
+            text += f"; {self.samples_per_s:,.0f} samples/s"
+            if self.seq_len is not None:
+                text += f" ({self.samples_per_s * self.seq_len:,.0f} tokens/s)"
+            text += f" measured at micro-batch {self.batch_size}"
+        text += f"; safe batch {self.safe_batch}"
+        if self.knee_batch is not None:
+            text += f", throughput knee {self.knee_batch}"
+        return f"{text}. {self.reason}" + ("" if self.reason.endswith(".") else ".")
 
     def split(self) -> str:
         """``global batch 384 = micro-batch 48 x 4 accumulation steps x 2 ranks``: the set-up in words."""
@@ -190,16 +249,6 @@ class Recommendation:
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Recommendation:
-        """The inverse of ``dataclasses.asdict(recommendation)``; ``ValueError`` naming the field otherwise."""
-        try:
-            return read_document(cls, data, "recommendation")
-        except ValueError as exc:  # __post_init__'s consistency checks, said as the codec says the rest
-            if str(exc).startswith("not a batchfit"):
-                raise
-            raise ValueError(f"not a batchfit recommendation: {exc}") from None
-
 
 # The recommendation --------------------------------------------------------------------------------
 def recommend(
@@ -218,8 +267,8 @@ def recommend(
             [`batchfit.estimate`][batchfit.estimate]), batch sizes per rank; its ``noise_scale`` is
             used when measured.
         target_batch: a global batch to reach, in samples (over every rank and accumulation step).
-        target_tokens: instead, tokens per optimizer step: ``ceil(target_tokens / seq_len)``
-            whole sequences.
+        target_tokens: instead, tokens per optimizer step: the fewest whole sequences, the same
+            number on every rank, that hold them (rounded up; the reason says by how much).
         seq_len: the tokens in each sequence; default the length the probe sized on
             (``result.sized_on``). It adds the token view (``tokens_per_step``).
         world_size: the ranks to train on; default the ranks that probed (``result.world_size``).
@@ -263,11 +312,13 @@ def recommend(
             "record the length it was sized on"
         )
     facts = Facts.of(result, world_size)
+    about = _about_length(seq_len, sized, target_tokens) if target_batch is not None or target_tokens else []
     if target_tokens is not None:
         assert length is not None
-        target_batch = -(-target_tokens // length)
+        target_batch, rounded = whole_sequences(target_tokens, length, facts.ranks)
+        about += [rounded] if rounded else []
     if target_batch is not None:
-        micro, steps, decided, reason, caveats = by_target(facts, target_batch, target_tokens, length)
+        micro, steps, decided, reason, caveats = by_target(facts, target_batch, tuple(about))
     elif facts.noise is not None:
         micro, steps, decided, reason, caveats = by_noise(facts, facts.noise)
     else:
@@ -292,7 +343,8 @@ def recommend(
         safe_batch=result.safe_batch,
         best_batch=facts.best,
         knee_batch=facts.knee,
-        samples_per_s=facts.rate(micro),
+        # A target's split is chosen on each size's best-timed trial, and states the rate it chose on.
+        samples_per_s=facts.measured.get(micro) if target_batch is not None else facts.rate(micro),
         noise_scale=None if noise is None else noise.b_simple,
         noise_low=None if noise is None else noise.low,
         noise_high=None if noise is None else noise.high,
@@ -303,6 +355,16 @@ def recommend(
         target_changed_by=None if target_batch is None else global_batch - target_batch,
         uneven=split,
     )
+
+
+def _about_length(seq_len: int | None, sized: int | None, target_tokens: int | None) -> list[str]:
+    """What a target's reason says first of the length: the probe's, where the tokens are counted in
+    it, or that the probe sized on another length (its batch sizes hold at that one)."""
+    if seq_len is None and target_tokens is not None and sized is not None:
+        return [f"seq_len {sized:,} is the length the probe sized on"]
+    if seq_len is not None and sized is not None and sized != seq_len:
+        return [f"the probe sized on sequences of {sized:,} tokens, not {seq_len:,}: its batch sizes hold at {sized:,}"]
+    return []
 
 
 def _rank_safe_batches(result: Measured, world_size: int | None) -> tuple[int, ...]:

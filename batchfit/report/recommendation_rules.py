@@ -12,12 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from batchfit.report.throughput import KNEE_FRACTION
-from batchfit.units import check_positive_int
+from batchfit.report.global_split import choose_split
+from batchfit.report.throughput import KNEE_FRACTION, best_timed
 
 if TYPE_CHECKING:
     from batchfit.report.noise import NoiseScale
-    from batchfit.report.records import Settings, SizedOn
+    from batchfit.report.records import Settings, SizedOn, Trial
     from batchfit.report.throughput import Throughput
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "by_target",
     "caveats_for",
     "off_text",
-    "split_global",
     "split_text",
 ]
 
@@ -76,34 +75,8 @@ class Measured(Protocol):
     @property
     def sized_on(self) -> SizedOn | None: ...
 
-
-# The split of a global batch ----------------------------------------------------------------------
-def split_global(target: int, safe_batch: int, world_size: int = 1, multiple_of: int = 1) -> tuple[int, int]:
-    """``(micro_batch, accumulation)`` for a global batch of ``target`` samples over ``world_size`` ranks.
-
-    The micro-batch is at most ``safe_batch`` and a multiple of ``multiple_of`` (ignored only when
-    ``safe_batch`` is below it: then no multiple fits). Exact (``micro * accumulation *
-    world_size == target``) whenever any such micro-batch divides each rank's share, with the
-    largest one; otherwise the fewest accumulation steps that reach the target with micro-batches
-    that fit, and among those micro-batches the one whose global batch is nearest the target
-    (more samples on a tie, as tokens round up to whole sequences).
-    """
-    for name, value in (("target", target), ("safe_batch", safe_batch), ("world_size", world_size)):
-        check_positive_int(name, value)
-    check_positive_int("multiple_of", multiple_of)
-    step = multiple_of if multiple_of <= safe_batch else 1
-    top = safe_batch // step * step
-    if target % world_size == 0:
-        share = target // world_size
-        for micro in range(min(top, share // step * step), 0, -step):
-            if share % micro == 0:
-                return micro, share // micro
-    steps = max(1, -(-target // (top * world_size)))
-    ideal = target / (steps * world_size)
-    low = min(top, max(step, math.floor(ideal / step) * step))
-    high = min(top, max(step, math.ceil(ideal / step) * step))
-    micro = high if abs(high * steps * world_size - target) <= abs(low * steps * world_size - target) else low
-    return micro, steps
+    @property
+    def trials(self) -> tuple[Trial, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -118,6 +91,7 @@ class Facts:
     rates: dict[int, float]
     noise: NoiseScale | None
     result: Measured
+    measured: dict[int, float]  # samples/s per size from its best-timed trial: what a target's split is chosen on
 
     @classmethod
     def of(cls, result: Measured, world_size: int | None = None) -> Facts:
@@ -141,6 +115,7 @@ class Facts:
             rates=rates,
             noise=result.noise_scale,
             result=result,
+            measured={size: t.samples_per_s or 0.0 for size, t in best_timed(getattr(result, "trials", ())).items()},
         )
 
     def rate(self, size: int) -> float | None:
@@ -170,36 +145,24 @@ class Facts:
 Choice = tuple[int, int, Decider, str, list[str]]
 
 
-def by_target(facts: Facts, target: int, tokens: int | None, length: int | None) -> Choice:
-    """Rule 1: reach the target, exactly where a split allows."""
-    micro, steps = split_global(target, facts.result.safe_batch, facts.ranks, facts.step)
+def by_target(facts: Facts, target: int, about: tuple[str, ...] = ()) -> Choice:
+    """Rule 1: reach the target, exactly where the ranks share it (`choose_split`); ``about``: how
+    the target was read (tokens rounded to whole sequences, the length), said first."""
+    multiple = max(1, facts.result.settings.multiple_of)
+    micro, steps, said = choose_split(target, facts.result.safe_batch, facts.ranks, multiple, facts.measured)
     reached = micro * steps * facts.ranks
     asked = f"the target global batch {target}"
-    if tokens is not None:
-        assert length is not None
-        asked = f"the target of {tokens:,} tokens per step ({target} sequences of {length:,})"
-    bound = f"micro-batches up to the safe batch {facts.safe}" + (
-        f" in multiples of {facts.step}" if facts.step > 1 else ""
-    )
     caveats: list[str] = []
     if reached == target:
-        reason = f"{asked}, exactly, with the largest of the {bound}"
-        quick = _fewest_steps(facts, target)
-        if quick[0] >= 2 * micro and quick[1] < steps:
-            other = quick[0] * quick[1] * facts.ranks
-            caveats.append(
-                f"the exact split runs small micro-batches: {split_text(*quick, facts.ranks)} would need "
-                f"{quick[1]} passes per step instead of {steps}, at a global batch of {other} "
-                f"({off_text(other - target)} the target)"
-            )
+        if facts.ranks != facts.result.world_size and micro in facts.measured:
+            said.append(f"the rates were measured with {facts.result.world_size} rank(s), not {facts.ranks}")
+        reason = "; ".join([*about, f"{asked}, exactly: {said[0]}", *said[1:]])
     else:
-        why = f"no split into {bound}" + (f" over {facts.ranks} ranks" if facts.ranks > 1 else "") + " reaches it"
-        reason = f"{asked} becomes {reached}, {off_text(reached - target)} it, because {why}"
-    if tokens is not None and length is not None and reached * length != tokens:
-        caveats.append(
-            f"a step holds {reached * length:,} tokens, {off_text(reached * length - tokens, ' tokens')} the "
-            f"{tokens:,} asked"
+        bound = f"micro-batches up to the safe batch {facts.safe}" + (
+            f" in multiples of {facts.step}" if facts.step > 1 else ""
         )
+        why = f"no split into {bound}" + (f" over {facts.ranks} ranks" if facts.ranks > 1 else "") + " reaches it"
+        reason = "; ".join([*about, f"{asked} becomes {reached}, {off_text(reached - target)} it, because {why}"])
     noise = facts.noise
     if noise is not None:
         scale = _noise_text(noise)
@@ -340,14 +303,6 @@ def caveats_for(result: Measured, facts: Facts, micro: int) -> list[str]:
 
 
 # Words -----------------------------------------------------------------------------------------------
-def _fewest_steps(facts: Facts, target: int) -> tuple[int, int]:
-    """The split with the fewest accumulation steps (the largest micro-batch), exact or not."""
-    steps = max(1, -(-target // (facts.safe * facts.ranks)))
-    ideal = target / (steps * facts.ranks)
-    micro = min(facts.safe, max(facts.step, math.floor(ideal / facts.step + 0.5) * facts.step))
-    return micro, steps
-
-
 def split_text(micro: int, steps: int, ranks: int) -> str:
     """``48``, ``48 x 4 accumulation``, ``48 per rank x 4 accumulation x 2 ranks``."""
     text = f"{micro}" + (" per rank" if ranks > 1 else "")

@@ -2,29 +2,30 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from batchfit.report.codec import Batch, Bytes, NotAbove, Seconds, read_document, read_json
+from batchfit.report.boundary import Boundary
+from batchfit.report.codec import Batch, Bytes, JsonRecord, Seconds
 from batchfit.report.evaluation import Evaluation
 from batchfit.report.generation import Generation
 from batchfit.report.memory import MemoryModel
 from batchfit.report.noise import NoiseScale
+from batchfit.report.recommendation import Recommendation, recommend
 from batchfit.report.records import CacheHit, DeviceInfo, Settings, SizedOn, Trial, Unit
 from batchfit.report.throughput import Throughput
 from batchfit.report.uneven import RankBatch
 from batchfit.search.core import StopReason
 
-if TYPE_CHECKING:
-    from batchfit.report.recommendation import Recommendation
-
 SCHEMA = "batchfit.result/1"
 
 
 @dataclass(frozen=True)
-class Result:
+class Result(Boundary, JsonRecord):
     """The answer of [`batchfit.find`][batchfit.find].
+
+    Its boundary (``max_batch``, ``safe_batch``, ``safe_verified``, ``boundary_reached``) is declared by
+    [`Boundary`][batchfit.report.boundary.Boundary]: keyword-only fields, read and written as its own.
 
     Attributes:
         max_batch: the largest batch size that trained (the exact boundary when
@@ -68,15 +69,12 @@ class Result:
     SCHEMA: ClassVar[str] = SCHEMA
     #: What the document carries for its readers, derived from the fields (skipped on reading).
     DERIVED: ClassVar[tuple[str, ...]] = ("recommendation",)
+    NOUN: ClassVar[str] = "result"
 
-    max_batch: Batch
-    safe_batch: Annotated[Batch, NotAbove("max_batch")]
     best_throughput_batch: Batch
     budget_bytes: Bytes | None
-    boundary_reached: bool
     stop_reason: StopReason
     non_monotone: bool
-    safe_verified: bool
     trials: tuple[Trial, ...]
     memory: MemoryModel | None
     device: DeviceInfo
@@ -152,8 +150,6 @@ class Result:
         the ranks that probed (an elastic re-plan: the same global batch, no new probe). ``uneven``: also
         split that global batch over the ranks by what each fits (``per_rank``), with the loss weights
         that keep the gradient the mean (``Recommendation.uneven``)."""
-        from batchfit.report.recommendation import recommend
-
         return recommend(
             self,
             target_batch=target_batch,
@@ -174,14 +170,11 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         """The fields, the schema, and the recommendation (derived:
         [`from_dict`][batchfit.report.result.Result.from_dict] skips it)."""
-        data = asdict(self)
-        data["schema"] = SCHEMA
-        data["recommendation"] = asdict(self.recommendation)
-        return data
+        return super().to_dict()
 
     def to_json(self, indent: int | None = 2) -> str:
         """A stable JSON document (schema ``batchfit.result/1``)."""
-        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+        return super().to_json(indent)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Result:
@@ -200,27 +193,18 @@ class Result:
         'settings.headroom' must be a number in [0, 1), got float 1.5``. So a result that
         loads can be printed and compared.
         """
-        return _checked(read_document, cls, data)
+        return super().from_dict(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Result:
         """The inverse of [`to_json`][batchfit.report.result.Result.to_json]; ``ValueError`` for anything else (see
         [`from_dict`][batchfit.report.result.Result.from_dict]),
         a document nested too deeply to parse included."""
-        return _checked(read_json, cls, text)
+        return super().from_json(text)
 
     # Text -----------------------------------------------------------------------------------
     def __str__(self) -> str:
-        from batchfit.report.text import render_text  # text reads results; results do not need text
+        from batchfit.report.text import render_text  # lazy: text annotates with Result, the one way back
 
         return render_text(self)
 
-
-def _checked(read: Any, cls: type[Result], document: Any) -> Result:
-    """``read(cls, document, "result")``, a consistency check of ``__post_init__`` said as the codec says the rest."""
-    try:
-        return read(cls, document, "result")  # type: ignore[no-any-return]
-    except ValueError as exc:
-        if str(exc).startswith("not a batchfit"):
-            raise
-        raise ValueError(f"not a batchfit result: {exc}") from None

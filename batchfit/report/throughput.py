@@ -78,7 +78,7 @@ class Throughput:
 
     When any size was timed warm (after the search, ``batchfit.probe.timing``), only warm steps
     are ranked: each size's rate is ``batch_size / median`` of its pooled warm steps. Otherwise
-    (``timed_steps=0``, a frontier length) each size's rate comes from its best-timed trial (the
+    (no warm timing asked, a frontier length) each size's rate comes from its best-timed trial (the
     one with the most timed steps); a one-step search trial times its only step, which pays for
     page faults, allocator growth and, on a GPU, the first use of that shape.
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, ClassVar
 
-from batchfit.report.codec import Batch, Bytes, Count, NotAbove, Range
+from batchfit.report.boundary import Boundary
+from batchfit.report.codec import Batch, Bytes, Count, JsonRecord, Range
 from batchfit.units import check_positive_int
 
 __all__ = ["TARGET_TOLERANCE", "RankBatch", "UnevenSplit", "split_uneven"]
@@ -37,7 +38,7 @@ _WEIGHT_TOLERANCE = 1e-9
 
 
 @dataclass(frozen=True)
-class RankBatch:
+class RankBatch(Boundary):
     """One rank's own answer, when the ranks of a probe had different budgets.
 
     Attributes:
@@ -51,15 +52,11 @@ class RankBatch:
     """
 
     rank: Count
-    max_batch: Batch
-    safe_batch: Annotated[Batch, NotAbove("max_batch")]
     budget_bytes: Bytes | None
-    safe_verified: bool
-    boundary_reached: bool
 
 
 @dataclass(frozen=True)
-class UnevenSplit:
+class UnevenSplit(JsonRecord):
     """One global batch split over ranks that fit different micro-batches.
 
     Attributes:
@@ -72,6 +69,8 @@ class UnevenSplit:
         safe_batches: the per-rank safe batches the split is proportional to.
         reason: how the split was chosen.
     """
+
+    NOUN: ClassVar[str] = "uneven split"
 
     micro_batches: tuple[Batch, ...]
     accumulation: Batch
@@ -112,6 +111,17 @@ class UnevenSplit:
         for micro in self.micro_batches[:-1]:
             starts.append(starts[-1] + micro)
         return tuple(starts)
+
+    def share(self, rank: int) -> tuple[slice, float, int, int, int]:
+        """Rank ``rank``'s share: ``(part, weight, micro_batch, accumulation, pass_batch)``, its slice
+        of each pass's ``pass_batch`` samples and the weight of its mean loss (see the module docs)."""
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
+        if not 0 <= rank < self.world_size:
+            last = self.world_size - 1
+            raise ValueError(f"rank {rank} is not one of the split's {self.world_size} ranks (0 to {last})")
+        start, micro = self.offsets[rank], self.micro_batches[rank]
+        return slice(start, start + micro), self.loss_weights[rank], micro, self.accumulation, self.pass_batch
 
     def text(self) -> str:
         """``micro-batches 32 + 16 on ranks 0, 1 x 2 accumulation steps``."""

@@ -17,7 +17,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from batchfit.errors import NothingFitsError
 from batchfit.probe.keywords import FindOptions
+from batchfit.probe.options import options_from
+from batchfit.probe.runner import TrialRequest, opened
 from batchfit.report import DeviceInfo, Result, Trial, device_text
 from batchfit.report.codec import Batch, Bytes, Count, Seconds, read_document, read_json
 from batchfit.units import format_bytes
@@ -149,9 +152,7 @@ def check_fits(
     is set by the gate (``batch_size - 1``), and ``verify_steps`` defaults to 0 there: the gate
     reports what fits, it does not pick a safe batch.
     """
-    from batchfit.errors import NothingFitsError
-    from batchfit.probe import Prober, find_with
-    from batchfit.probe.options import options_from
+    from batchfit.probe import Prober, find_with  # lazy: the gate's module loads no torch (the pytest plugin)
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -160,25 +161,27 @@ def check_fits(
     settings = options_from("check_fits", options, FindOptions)
     started = time.monotonic()
 
-    with Prober(model, sample, options=settings) as prober:
+    runner = Prober(model, sample, options=settings)
+    with opened(runner) as setup:
         if on_start is not None:
-            on_start(prober.device_info, prober.budget_bytes)
+            on_start(setup.device, setup.budget_bytes)
         if on_trial_start is not None:
             on_trial_start(batch_size, "gate")
-        trial = prober.trial(batch_size, kind="gate", from_scratch=True)  # as a fresh training run meets it
+        trial = runner.run(TrialRequest(batch_size, kind="gate", from_scratch=True))  # as a fresh training run meets it
         # reserve="auto": what lives outside the allocator grows after the warm-up (kernels load on
         # first launch), and a card of the limit's size holds it too: the verdict uses it.
-        budget, device = prober.settle_reserve(), prober.device_info
-        peak = trial.peak_in(prober.counts)
+        settled = runner.settle([trial])
+        budget, device = settled.budget_bytes, setup.device
+        peak = trial.peak_in(setup.counts)
         if trial.fits and budget is not None and peak is not None and peak > budget:
-            phases = trial.phase_peaks_in(prober.counts)
+            phases = trial.phase_peaks_in(setup.counts)
             trial = replace(
                 trial,
                 fits=False,
                 phase=max(phases, key=lambda item: item[1])[0] if phases else "step",
                 message=(
                     f"the trial's peak of {format_bytes(peak)} is over the budget of {format_bytes(budget)} left once "
-                    f"the reserve was measured again after the trial ({format_bytes(prober.reserve_bytes)} outside "
+                    f"the reserve was measured again after the trial ({format_bytes(settled.reserve_bytes)} outside "
                     "the allocator)"
                 ),
             )
@@ -190,10 +193,9 @@ def check_fits(
     smallest = settings.init_batch or settings.multiple_of
     if not trial.fits and batch_size - 1 >= smallest:
         below = replace(
-            settings,
+            settings.untimed(),  # the gate reports the largest batch below; no throughput answer to time
             max_batch=batch_size - 1,
             verify_steps=settings.verify_steps if "verify_steps" in options else 0,
-            timed_steps=0,  # the gate reports the largest batch below; no throughput answer to time
             noise_scale=False,
         )
         try:
