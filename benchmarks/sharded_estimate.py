@@ -103,7 +103,7 @@ def _large() -> dict[str, Any]:
           f"safe {result.safe_batch} per rank (global {result.global_max_batch} / {result.global_safe_batch}), "
           f"{len(result.trials)} fake trials, {wall:.1f} s")  # fmt: skip
     document = {
-        "schema": "batchfit.api_jobs-estimate-benchmark/1",
+        "schema": "batchfit.sharded-estimate-benchmark/1",
         **compare.stamp(["--large"]),
         "machine": compare.machine(),
         "versions": compare.versions(),
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 flush=True,
             )
     document = {
-        "schema": "batchfit.api_jobs-estimate-benchmark/1",
+        "schema": "batchfit.sharded-estimate-benchmark/1",
         **compare.stamp(argv),
         "machine": compare.machine(),
         "versions": compare.versions(),

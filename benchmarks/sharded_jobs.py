@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             flush=True,
         )
     document = {
-        "schema": "batchfit.api_jobs-jobs-benchmark/1",
+        "schema": "batchfit.sharded-jobs-benchmark/1",
         **compare.stamp(argv),
         "machine": compare.machine(),
         "versions": compare.versions(),

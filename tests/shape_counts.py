@@ -25,7 +25,7 @@ BOUNDARY_FIELDS = ("max_batch", "safe_batch", "safe_verified", "boundary_reached
 #: The parameters of a trial, each restated by a runner that takes them one by one.
 TRIAL_PARAMETERS = ("batch_size", "steps", "kind", "fresh_optimizer", "cap_bytes")
 #: Functions that split a global batch into micro-batch x passes x ranks.
-SPLITTER_NAMES = ("plan_for", "split_global", "split_target")
+SPLITTER_NAMES = ("plan_for", "split_global", "split_target", "choose_split")
 
 
 def modules(package: Path) -> Iterator[tuple[str, ast.Module]]:
@@ -178,13 +178,20 @@ def _classes(package: Path) -> Iterator[tuple[str, ast.ClassDef]]:
                 yield path, node
 
 
+def _holds_a_recommendation(node: ast.ClassDef) -> bool:
+    return any(
+        isinstance(s, ast.AnnAssign) and "Recommendation" in ast.unparse(s.annotation) for s in node.body
+    )
+
+
 def answer_types(package: Path) -> list[str]:
     """Of the types issue 49 named, those still declaring how to train themselves (a batch field of
-    their own); one that holds a `Recommendation`, or an alias of it, answers through it."""
+    their own); one that holds a `Recommendation` (its batch fields then say what was done with
+    it), or an alias of it, answers through it."""
     return [
         f"{path}:{node.lineno} {node.name}"
         for path, node in _classes(package)
-        if node.name in ANSWER_TYPES and set(_fields(node)) & set(BATCH_FIELDS)
+        if node.name in ANSWER_TYPES and set(_fields(node)) & set(BATCH_FIELDS) and not _holds_a_recommendation(node)
     ]
 
 
@@ -218,13 +225,18 @@ def runner_members(package: Path) -> list[str]:
 
 
 def splitters(package: Path) -> list[str]:
-    """Functions that split a global batch, an alias of one (a body of one call) aside."""
+    """Functions that split a global batch themselves: one that calls another splitter (or
+    ``recommend``, which splits through one) delegates, and is not counted."""
     found = []
     for path, tree in modules(package):
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and node.name in SPLITTER_NAMES:
-                body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-                if len(body) > 1:
+                called = {
+                    getattr(call.func, "id", None) or getattr(call.func, "attr", None)
+                    for call in ast.walk(node)
+                    if isinstance(call, ast.Call)
+                }
+                if not called & ({*SPLITTER_NAMES, "recommend"} - {node.name}):
                     found.append(f"{path}:{node.lineno} {node.name}")
     return found
 

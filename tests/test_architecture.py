@@ -530,3 +530,8 @@ def test_an_option_is_named_where_it_is_declared_and_where_it_acts(option: str) 
     """``Options``, the keywords, the command line's flags and the one module that reads it."""
     found = shape_counts.files_naming(PACKAGE, option)
     assert len(found) <= 4, found
+
+
+def test_one_function_splits_a_global_batch() -> None:
+    """`plan`, `recommend`, the integrations and the checkpointing fit split through it, so they agree."""
+    assert [place.rsplit(" ", 1)[1] for place in shape_counts.splitters(PACKAGE)] == ["choose_split"]
