@@ -441,14 +441,16 @@ def test_an_error_in_one_workers_model_fails_the_run_with_it(cluster: None, tmp_
     assert first["type"] == "RankFailedError"
     said = f"rank 1 failed at batch size {batch} during forward: ValueError: boom at batch {batch}"
     assert said in first["message"]
-    # What the driver gets: the failing worker's own exception, and each other worker's that Ray's
-    # controller had collected when it polled (`WorkerGroupPollStatus.errors`: the workers failed by
-    # then; worker 0 raises after its restore, which can come after that poll, so it is not always
-    # there). batchfit's come through pickling whole.
+    # What the driver gets: the exceptions of the workers Ray's controller had collected when it
+    # polled (`WorkerGroupPollStatus.errors`: the workers failed by then). Both fail, at nearly the
+    # same moment, so either may be collected first and alone (worker 0 alone failed CI once); each
+    # names the cause, and batchfit's come through pickling whole.
     assert f"ValueError: boom at batch {batch}" in str(raised.value)
     failures = getattr(raised.value, "worker_failures", None)
     if failures is not None:  # Ray Train v2's WorkerGroupError
-        assert isinstance(failures[1], ValueError) and str(failures[1]) == f"boom at batch {batch}"
+        assert set(failures) & {0, 1}, failures
+        if 1 in failures:
+            assert isinstance(failures[1], ValueError) and str(failures[1]) == f"boom at batch {batch}"
         if 0 in failures:
             assert isinstance(failures[0], batchfit.errors.RankFailedError) and said in str(raised.value)
             assert (failures[0].rank, failures[0].batch_size, failures[0].phase) == (1, batch, "forward")
