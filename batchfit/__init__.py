@@ -3,7 +3,7 @@
 Public API: [`find`][batchfit.find], [`fit`][batchfit.fit], [`frontier`][batchfit.frontier],
 [`find_sharded`][batchfit.find_sharded], [`estimate`][batchfit.estimate],
 [`estimate_sharded`][batchfit.estimate_sharded], [`plan`][batchfit.plan],
-[`what_if`][batchfit.what_if], [`Prober`][batchfit.Prober],
+[`what_if`][batchfit.what_if], [`buckets`][batchfit.buckets], [`soak`][batchfit.soak], [`Prober`][batchfit.Prober],
 [`Options`][batchfit.Options], the result types and the errors. Integrations: ``batchfit.lightning``,
 ``batchfit.transformers``, ``batchfit.accelerate``; the CI gate: ``batchfit.testing``.
 
@@ -22,6 +22,7 @@ from batchfit.version import __version__
 if TYPE_CHECKING:
     from batchfit.api import find, fit, frontier, noise_scale, plan
     from batchfit.api_jobs import find_sharded
+    from batchfit.api_varlen import buckets, soak
     from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
     from batchfit.estimation import Plan, WhatIf, estimate, estimate_sharded, what_if
     from batchfit.probe import Options, Prober
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
         Frontier,
         FrontierPoint,
         Generation,
+        LengthPlan,
         MemoryModel,
         PhaseLine,
         Recommendation,
@@ -57,6 +59,9 @@ _EXPORTS = {
     "plan": "batchfit.api",
     "frontier": "batchfit.api",
     "noise_scale": "batchfit.api",
+    "buckets": "batchfit.api_varlen",
+    "soak": "batchfit.api_varlen",
+    "LengthPlan": "batchfit.report",
     "Fit": "batchfit.report",
     "Frontier": "batchfit.report",
     "FrontierPoint": "batchfit.report",

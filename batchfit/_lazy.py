@@ -31,9 +31,7 @@ def lazy_surface(
         module = exports.get(name)
         if module is None and name in moved:
             module = moved[name]
-            warnings.warn(
-                f"{package}.{name} is deprecated: import it from {module}", DeprecationWarning, stacklevel=2
-            )
+            warnings.warn(f"{package}.{name} is deprecated: import it from {module}", DeprecationWarning, stacklevel=2)
             return getattr(importlib.import_module(module), name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

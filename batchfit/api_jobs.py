@@ -102,6 +102,7 @@ def find_target(
     assert world_size is not None  # checked above
     # lazy: torch, which find of a model and a plan must not load
     from batchfit.probe.job_search import find_sharded_with
+
     said: list[str] = []
     if guess is None and estimate:
         guess, said = estimated_guess(target, world_size, options, trial_timeout, trial_log)

@@ -109,6 +109,7 @@ class CpuBackend(Backend):
         if budget_bytes is not None and limit_bytes is not None and budget_bytes < limit_bytes:  # clipped to reach
             said.append(f"on the CPU {cap_words(int(budget_bytes / SAFE_CPU_FRACTION))}")
         return LiveTensorMeter(budget_bytes, total_host_bytes(), tensors=tensors, notes=said)
+
     # The CPU generator is saved and restored by the snapshot for every probe, whatever the device.
 
 

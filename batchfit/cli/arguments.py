@@ -130,7 +130,5 @@ def option_keywords(args: argparse.Namespace, group: type) -> dict[str, Any]:
     reaches every command that declares its flag without being listed here; unset flags are left
     to [`Options`][batchfit.Options]' defaults."""
     return {
-        name: as_keyword(getattr(args, name))
-        for name in keywords_of(group)
-        if getattr(args, name, None) is not None
+        name: as_keyword(getattr(args, name)) for name in keywords_of(group) if getattr(args, name, None) is not None
     }

@@ -77,23 +77,14 @@ def frontier_kwargs(
 ) -> tuple[Any, dict[str, Any]]:
     """The target's ``make_batch`` (checked: it takes ``(batch_size, seq_len)``) and
     [`batchfit.frontier`][batchfit.frontier]'s keywords: the target's extras and the command line's options."""
-    extras = dict(target.extras)
-    make_batch = extras.pop("make_batch", None)
+    make_batch = lengths_batches(target, "batchfit frontier")
     if make_batch is None:
         raise UsageError(
             f"{target.spec} gave no make_batch: batchfit frontier builds every batch with "
             "make_batch(batch_size, seq_len); return a mapping with 'model' and 'make_batch'"
         )
-    try:
-        inspect.signature(make_batch).bind(1, 1)
-    except TypeError:
-        raise UsageError(
-            f"{target.spec}'s make_batch must take (batch_size, seq_len): batchfit frontier calls it with both"
-        ) from None
-    except ValueError:  # no signature to read (a builtin): the call will tell
-        pass
     kwargs: dict[str, Any] = {
-        **extras,
+        **{key: value for key, value in target.extras.items() if key != "make_batch"},
         **option_keywords(args, FrontierOptions),
         "seq_lens": args.seq_lens,
         "longest_at_batch_1": not args.no_longest,
@@ -103,6 +94,23 @@ def frontier_kwargs(
     if args.max_seq_len is not None:
         kwargs["max_seq_len"] = args.max_seq_len
     return make_batch, kwargs
+
+
+def lengths_batches(target: Target, command: str) -> Any:
+    """The target's ``make_batch`` (``None`` when it gave none), checked to take ``(batch_size,
+    seq_len)`` as ``command`` calls it: a `UsageError` otherwise, before anything runs."""
+    make_batch = target.extras.get("make_batch")
+    if make_batch is None:
+        return None
+    try:
+        inspect.signature(make_batch).bind(1, 1)
+    except TypeError:
+        raise UsageError(
+            f"{target.spec}'s make_batch must take (batch_size, seq_len): {command} calls it with both"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): the call will tell
+        pass
+    return make_batch
 
 
 def check_plot_path(path: str | None) -> None:

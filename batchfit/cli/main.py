@@ -1,5 +1,6 @@
-"""The ``batchfit`` command: ``batchfit probe TARGET``, ``batchfit estimate TARGET``, ``batchfit frontier
-TARGET --seq-lens ...``, ``batchfit fit TARGET --target-batch N`` and ``batchfit devices``.
+"""The ``batchfit`` command: ``batchfit probe TARGET`` (with ``--buckets LENGTHS``: variable-length
+data, ``batchfit.cli.buckets_command``), ``batchfit estimate TARGET``, ``batchfit frontier TARGET
+--seq-lens ...``, ``batchfit fit TARGET --target-batch N`` and ``batchfit devices``.
 
 Exit codes are the interface a CI pipeline reads, so they are fixed and documented:
 
@@ -47,6 +48,7 @@ import warnings
 from collections.abc import Sequence
 
 from batchfit.cli.devices import devices_command
+from batchfit.cli.lengths_arguments import uses_lengths
 from batchfit.cli.output import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
@@ -65,6 +67,10 @@ def run_command(args: argparse.Namespace) -> int:
     ``batchfit --help`` and ``batchfit devices`` never import torch, which the others load."""
     if args.command == "devices":
         return devices_command(args)
+    if args.command == "probe" and uses_lengths(args):
+        from batchfit.cli.buckets_command import buckets_command  # lazy: torch, for this command only
+
+        return buckets_command(args)
     if args.command == "probe":
         from batchfit.cli.probe import probe_command  # lazy: torch, for this command only
 

@@ -173,11 +173,11 @@ def is_terminal(stream: TextIO) -> bool:
         return False
 
 
-def load(args: argparse.Namespace) -> Target | int:
+def load(args: argparse.Namespace, lengths: bool | None = None) -> Target | int:
     """The target, or the exit code of why it could not be loaded (said on stderr). Importing a
     model and building it can take seconds: a terminal is told meanwhile, on a line that goes
-    away when the target is in. A command given ``--seq-lens`` sizes lengths with the target's
-    ``make_batch``; the others size its sample (``batchfit.targets``)."""
+    away when the target is in. A command given ``--seq-lens`` (or ``lengths=True``) sizes lengths
+    with the target's ``make_batch``; the others size its sample (``batchfit.targets``)."""
     from batchfit.targets import TargetCallError, TargetError, load_target  # lazy: torch (--help, devices)
 
     stream = sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
@@ -186,7 +186,9 @@ def load(args: argparse.Namespace) -> Target | int:
         stream.write(f"batchfit: loading {args.target} (importing it, building the model)...")
         stream.flush()
     try:
-        return load_target(args.target, lengths=getattr(args, "seq_lens", None) is not None)
+        if lengths is None:
+            lengths = getattr(args, "seq_lens", None) is not None
+        return load_target(args.target, lengths=lengths)
     except TargetError as exc:
         error(str(exc))
         return EXIT_USAGE

@@ -7,6 +7,7 @@ import sys
 from typing import Any, NoReturn
 
 from batchfit.cli.flags import FIT_REFUSES, add_option_flags
+from batchfit.cli.lengths_arguments import add_buckets_flags
 from batchfit.cli.output import EXIT_USAGE
 from batchfit.cli.values import (
     block_names,
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         "answers (on CUDA this happens by itself when the answer advises expandable segments)",
     )
     probe.add_argument("--traceback", action="store_true", help="on an error, print the full traceback")
+    add_buckets_flags(probe)
 
     estimate = commands.add_parser(
         "estimate",

@@ -196,7 +196,6 @@ def probe_here(args: argparse.Namespace, launch: Launch | None, owned: list[bool
     return code
 
 
-
 def run_jobs(args: argparse.Namespace, kwargs: dict[str, Any], callbacks: dict[str, Any]) -> Any:
     """The search whose trials are jobs: [`find_sharded`][batchfit.find_sharded]'s, one path for both."""
     return find_sharded(

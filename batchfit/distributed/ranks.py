@@ -428,4 +428,3 @@ def leads(distributed: bool | None) -> bool:
     if distributed is False or not (dist.is_available() and dist.is_initialized()):
         return True
     return dist.get_world_size() < 2 or dist.get_rank() == 0
-

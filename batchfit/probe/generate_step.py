@@ -160,7 +160,9 @@ def _why_short(model: nn.Module, sequences: torch.Tensor, made: int, source: str
     said = f"it generated the end-of-sequence token (eos_token_id {_listed(eos)})"
     if source == GENERATE_FN:
         return (
-            f"{said} and stopped there" if ended else "a stopping criterion ended it (an end-of-sequence token, "
+            f"{said} and stopped there"
+            if ended
+            else "a stopping criterion ended it (an end-of-sequence token, "
             "max_length, max_time, stop_strings, or the loop's own)",
             "Make generate_fn generate every token: pass min_new_tokens=max_new_tokens to model.generate (it masks "
             "the end-of-sequence token until the last) and no max_length, max_time or stop_strings; or leave "

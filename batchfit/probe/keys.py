@@ -155,9 +155,7 @@ def model_fields(model: nn.Module) -> dict[str, Any]:
     checkpointing = getattr(model, flag, None) if flag else None
     return {
         "modules": [[name, qualified(type(module)), module.training] for name, module in model.named_modules()],
-        "parameters": [
-            [name, list(p.shape), str(p.dtype), p.requires_grad] for name, p in model.named_parameters()
-        ],
+        "parameters": [[name, list(p.shape), str(p.dtype), p.requires_grad] for name, p in model.named_parameters()],
         "buffers": [[name, list(b.shape), str(b.dtype)] for name, b in model.named_buffers()],
         "gradient_checkpointing": {
             "is_gradient_checkpointing": checkpointing if isinstance(checkpointing, bool) else None,
@@ -185,9 +183,7 @@ def optimizer_fields(optimizer: Any) -> dict[str, Any]:
     if optimizer is None:
         return {"default": "torch.optim.AdamW with torch's defaults"}
     if isinstance(optimizer, torch.optim.Optimizer):
-        groups = [
-            {k: memory_setting(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups
-        ]
+        groups = [{k: memory_setting(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         return {"class": qualified(type(optimizer)), "param_groups": groups}
     return {"factory": qualified(optimizer)}
 

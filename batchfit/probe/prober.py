@@ -278,7 +278,9 @@ class Prober:
             return reachable
         return self.limit_bytes
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:  # noqa: E501
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:  # noqa: E501
         self.close((), None, exc)
 
     def close(self, trials: Sequence[Trial], answer: GroupAnswer | None, exc: BaseException | None) -> Findings:
@@ -412,7 +414,9 @@ class Prober:
         """The budget after the search (`settle_reserve`) and the memory equation of ``trials`` (`Runner.settle`)."""
         budget = self.settle_reserve()
         weights, trainable = parameter_bytes(self._model)
-        memory = fit_memory(list(trials), weights, trainable, self.mode, self.optimizer_state_bytes, self.counts, budget)  # noqa: E501
+        memory = fit_memory(
+            list(trials), weights, trainable, self.mode, self.optimizer_state_bytes, self.counts, budget
+        )  # noqa: E501
         return Settled(budget, self.limit_bytes, self.limit_source, self.reserve_bytes, memory, self._news())
 
     def settle_reserve(self) -> int | None:

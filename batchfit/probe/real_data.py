@@ -39,7 +39,7 @@ from batchfit.report import SizedOn
 if TYPE_CHECKING:
     from batchfit.probe.options import Options
 
-__all__ = ["at_length", "generators_kept", "is_batch_source", "sequence_dims", "worst_batch"]
+__all__ = ["at_length", "generators_kept", "is_batch_source", "loader_lengths", "sequence_dims", "worst_batch"]
 
 #: What to pass when a scan did not read the whole epoch (`Scan.gap` says what it missed).
 _SCAN_ADVICE = (
@@ -231,6 +231,27 @@ def _longest_by_lengths(loader: Any) -> _Longest | None:
         return None
     index = max(range(items), key=lengths.__getitem__)  # the first of the longest
     return _Longest(loader.collate_fn([dataset[index]]), index, lengths[index], items)
+
+
+def loader_lengths(loader: Any) -> tuple[list[int], Any, dict[str, int]] | None:
+    """A loader's declared lengths (its dataset's ``lengths`` or ``length`` column), its longest
+    item collated alone, and that batch's sequence dims; ``None`` where none are declared. A
+    ``ValueError`` when the longest item does not collate to the length declared for it: lengths
+    that disagree with the batches the loader yields size the wrong rows."""
+    longest = _longest_by_lengths(loader)
+    if longest is None:
+        return None
+    dims = sequence_dims(longest.batch, longest.declared)
+    leaf, dim = next(iter(dims.items()))
+    built = dict(tensor_leaves(longest.batch, "sample"))[leaf].shape[dim]
+    if built != longest.declared:
+        raise ValueError(
+            f"the dataset's lengths disagree with the batches the loader yields: item {longest.index:,} is declared "
+            f"{longest.declared:,} long, and collated alone it is {built:,} (dim {dim} of {leaf}); give lengths= "
+            "as the collated lengths (a pad_to_multiple_of rounds them up)"
+        )
+    lengths = _declared_lengths(loader.dataset) or _declared_lengths(getattr(loader, "sampler", None)) or []
+    return lengths, longest.batch, dims
 
 
 def _declared_lengths(dataset: Any) -> list[int] | None:

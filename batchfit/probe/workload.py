@@ -57,7 +57,6 @@ def _explain_spread(exc: TypeError, batch: Any) -> None:
     """A hint on `exc` when a tuple sample was spread over too many arguments: `find(resnet, (x, y))`
     calls `resnet(x, y)`, which is the classic first mistake."""
     if isinstance(batch, (tuple, list)) and "positional argument" in str(exc):
-
         annotate(
             exc,
             f"batchfit: the sample is a {type(batch).__name__} of {len(batch)}, so the model was called as "
@@ -257,7 +256,6 @@ class Workload:
             if got != batch_size:
                 raise ValueError(f"make_batch({batch_size}) returned a batch of size {got}")
         if self.dynamic_batch:
-
             mark_batch_dynamic(batch)
         return batch
 

@@ -25,6 +25,9 @@ Pure Python (no torch import): a result can be loaded and read on a machine with
 * `batchfit.report.frontier`: [`Frontier`][batchfit.Frontier] (the largest batch per sequence length, the
   memory surface), with its text (`frontier_text`) and its image
   (`frontier_plot`, matplotlib imported only when one is drawn);
+* `batchfit.report.varlen`: [`LengthPlan`][batchfit.LengthPlan] (buckets, a token budget and packing for
+  variable-length data), with its text (`varlen_text`), the knobs frameworks take (`knobs`) and the
+  arithmetic that chooses them (`bucketing`);
 * `batchfit.report.checkpointing`: [`Fit`][batchfit.Fit] (the checkpointing policies measured and the one
   to train with), with its text and image (`checkpointing_text`).
 """
@@ -42,6 +45,7 @@ from batchfit.report.result import Result
 from batchfit.report.text import device_text
 from batchfit.report.throughput import Throughput
 from batchfit.report.uneven import RankBatch, UnevenSplit
+from batchfit.report.varlen import LengthPlan
 
 __all__ = [
     "CacheHit",
@@ -51,6 +55,7 @@ __all__ = [
     "Frontier",
     "FrontierPoint",
     "Generation",
+    "LengthPlan",
     "LongestLimit",
     "MemoryModel",
     "NoiseScale",

@@ -164,7 +164,8 @@ def fit_recommendation(
     micro, steps, rate = best.micro_batch or 1, best.accumulation or 1, best.samples_per_s or 0.0
     split = f"{micro}" + (f" x {steps} accumulation steps" if steps > 1 else "")
     others = "; ".join(
-        f"{row.policy.label} at {row.micro_batch}" + (f" x {row.accumulation}" if (row.accumulation or 1) > 1 else "")
+        f"{row.policy.label} at {row.micro_batch}"
+        + (f" x {row.accumulation}" if (row.accumulation or 1) > 1 else "")
         + f": {row.samples_per_s:.1f} samples/s, the chosen {rate / (row.samples_per_s or rate) - 1:.0%} faster"
         for row in timed
         if row is not best

@@ -207,4 +207,3 @@ class Result(Boundary, JsonRecord):
         from batchfit.report.text import render_text  # lazy: text annotates with Result, the one way back
 
         return render_text(self)
-
