@@ -3,22 +3,27 @@
 [`buckets`][batchfit.buckets] turns the data's lengths into per-bucket batch sizes, a token budget
 and, asked, packed rows, each verified by real steps (`batchfit.probe.length_plan`); with
 ``verify="epoch"`` it then replays an epoch of the samplers that take them
-(`batchfit.samplers`) through [`soak`][batchfit.soak] (`batchfit.probe.soak`).
+(`batchfit.samplers`) through [`soak`][batchfit.soak] (`batchfit.probe.soak`). Given a target
+``"module:factory"`` instead of a model, [`soak`][batchfit.soak] replays the steps in a fresh process
+(`batchfit.worker`), as a training run starts: nothing of this process's caches or tensors in it.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from batchfit.api import shows_view
+from batchfit.errors import error_from
 from batchfit.probe import Options, Prober, is_batch_source
 from batchfit.probe.batches import tile
 from batchfit.probe.generation_plan import plan_generation
 from batchfit.probe.keywords import FrontierOptions, split_hooks
 from batchfit.probe.length_plan import plan_lengths
 from batchfit.probe.real_data import at_length, loader_lengths
-from batchfit.probe.soak import soak_with
+from batchfit.probe.soak import checked_steps, soak_with
+from batchfit.probe.wire import WorkerRequest, answer_of, to_wire
 from batchfit.report import LengthPlan
 from batchfit.report.bucketing import histogram_of, is_paired, pairs_of
 from batchfit.report.varlen import Soak
@@ -33,7 +38,7 @@ if TYPE_CHECKING:
     from batchfit.probe import PointCallback
     from batchfit.probe.keywords import FrontierKeywords
 
-__all__ = ["buckets", "soak"]
+__all__ = ["buckets", "epoch_samplers", "soak"]
 
 #: What ``verify=`` takes: ``"epoch"`` replays an epoch of each sampler the plan feeds.
 Verify = Literal["epoch"]
@@ -134,20 +139,32 @@ def buckets(
                 **shown.callbacks(),
             )
     if verify == "epoch":
-        rows = [length for length, count in histogram.items() for _ in range(count)]
-        shapes: list[tuple[str, Any]] = []
-        if plan.buckets:
-            shapes.append(("buckets", BucketBatchSampler(rows, plan.boundaries, plan.batch_sizes, seed=seed)))
-        if plan.token_budget is not None:
-            shapes.append(("token budget", TokenBudgetBatchSampler(rows, plan.token_budget.max_tokens, seed=seed)))
-        for name, sampler in shapes:
+        for name, sampler in epoch_samplers(plan, histogram, seed):
             plan = plan.with_soak(soak(model, make_batch, sampler, name=name, max_steps=soak_steps, **given))
     return plan
 
 
+def epoch_samplers(plan: LengthPlan, histogram: dict[int, int], seed: int = 0) -> list[tuple[str, Any]]:
+    """The samplers that take ``plan``'s sizes over the rows of ``histogram`` (``{length: rows}``),
+    each with its name for the soak: ``"buckets"``, then ``"token budget"``, those the plan has.
+
+    Args:
+        plan: the sizes, as [`buckets`][batchfit.buckets] found them.
+        histogram: the data's rows, ``{length: rows}``.
+        seed: the samplers' seed (the epoch they replay).
+    """
+    rows = [length for length, count in histogram.items() for _ in range(count)]
+    samplers: list[tuple[str, Any]] = []
+    if plan.buckets:
+        samplers.append(("buckets", BucketBatchSampler(rows, plan.boundaries, plan.batch_sizes, seed=seed)))
+    if plan.token_budget is not None:
+        samplers.append(("token budget", TokenBudgetBatchSampler(rows, plan.token_budget.max_tokens, seed=seed)))
+    return samplers
+
+
 def soak(
-    model: nn.Module,
-    make_batch: Callable[[int, int], Any],
+    model: nn.Module | str,
+    make_batch: Callable[[int, int], Any] | None,
     batches: Any,
     *,
     name: str = "sampler",
@@ -156,14 +173,30 @@ def soak(
 ) -> Soak:
     """Replay an epoch's batches as real training steps, as a sampler forms them; the peak, where, and the OOMs.
 
+    A model replays in this process (the first step from scratch: nothing cached, a fresh
+    optimizer; ``Soak.process == "this"``). A target ``"module:factory"`` or
+    ``"path/to/file.py:factory"`` (what [`find`][batchfit.find]'s ``world_size=`` and ``batchfit
+    probe`` take; its factory returns a mapping with ``model`` and ``make_batch``, and ``optimizer``
+    or ``loss_fn`` when it has them) replays in a fresh process started for it, as a training run
+    starts (``"fresh"``); its options cross as JSON, and no hook does. Ctrl-C ends that process
+    and all it started.
+
     Args:
-        model: the `nn.Module` to train.
-        make_batch: ``(batch_size, seq_len) -> batch``: a step's rows, padded to its longest.
+        model: the `nn.Module` to train, or a target string: the soak runs in a fresh process.
+        make_batch: ``(batch_size, seq_len) -> batch``: a step's rows, padded to its longest;
+            ``None`` with a target (its own ``make_batch`` is used).
         batches: a batchfit sampler (its ``steps()``: ``(rows, padded length)`` per step) or an
             iterable of ``(rows, seq_len)`` pairs.
         name: what formed the batches, for the record.
         max_steps: replay at most this many steps.
-        **keywords: [`frontier`][batchfit.frontier]'s options and hooks (``callback`` sees each step).
+        **keywords: [`frontier`][batchfit.frontier]'s options and hooks (``callback`` sees each step;
+            not with a target: a hook cannot cross into its process).
+
+    Raises:
+        TypeError: a target with a ``make_batch`` or a hook, an option JSON cannot carry (give it
+            from the target), ``batches`` that are no steps: before any step.
+        ValueError: a step that is no ``(rows, seq_len)`` of positive ints, none at all; a target
+            that gives no ``make_batch`` (from its process).
     """
     hooks, given = split_hooks("soak", keywords, FrontierOptions)
     options = Options(**given)
@@ -172,11 +205,46 @@ def soak(
         raise TypeError(
             f"batches must be a batchfit sampler or an iterable of (rows, seq_len), got {type(batches).__name__}"
         )
+    if isinstance(model, str):
+        return _soak_target(model, make_batch, checked_steps(steps, name, max_steps), name, given, hooks)
+    if make_batch is None or not callable(make_batch):
+        raise TypeError(
+            f"soak() needs make_batch: a callable (batch_size, seq_len) -> batch, got {type(make_batch).__name__}"
+        )
 
     def make_prober(shaped: Options) -> Prober:
         return Prober(model, None, options=shaped)
 
     return soak_with(make_batch, steps, options, make_prober, name, max_steps=max_steps, callback=hooks.get("callback"))
+
+
+def _soak_target(
+    target: str, make_batch: Any, steps: list[tuple[int, int]], name: str, given: dict[str, Any], hooks: Any
+) -> Soak:
+    """`soak` of ``target`` in a fresh process (`batchfit.worker`'s ``"soak"``): its `Soak`, or the
+    error it raised, raised here as its own type; what cannot cross refused before it starts."""
+    if ":" not in target.strip(":"):
+        raise TypeError(
+            f"model must be an nn.Module or a 'module:factory' / 'path/to/file.py:factory' target, got {target!r}"
+        )
+    if make_batch is not None:
+        raise TypeError(
+            f"soak() of the target {target!r} builds its batches with the target's make_batch: make_batch must be "
+            f"None, got {type(make_batch).__name__}"
+        )
+    hook = next((name for name, value in hooks.items() if value not in (None, False)), None)
+    if hook is not None:
+        raise TypeError(f"{hook}= cannot cross into the soak's fresh process of {target!r}: drop it, or pass a model")
+    wire = to_wire(given, process="the soak's fresh process")
+    with tempfile.TemporaryDirectory(prefix="batchfit-soak-") as folder:
+        shapes = [list(step) for step in steps]
+        request = WorkerRequest("soak", target, wire, world_size=1, out=folder, shapes=shapes, name=name)
+        code, document, tail = answer_of(request)
+    if isinstance(document, dict) and isinstance(document.get("error"), dict):
+        raise error_from(document, "the soak's process")
+    if isinstance(document, dict):
+        return Soak.from_dict(document)
+    raise RuntimeError(f"the soak's process of {target!r} ended (exit code {code}) with:\n{tail}")
 
 
 def _check_generation(

@@ -1,14 +1,18 @@
 """``python -m batchfit.worker REQUEST``: the process a library call starts, never a user.
 
-Why: a job per trial (every rank of each job, `batchfit.probe.job_runner`) and the sharded estimate
-(`batchfit.estimation.rank_estimate.estimate_sharded`) need their model in a fresh process. That
+Why: a job per trial (every rank of each job, `batchfit.probe.job_runner`), the sharded estimate
+(`batchfit.estimation.rank_estimate.estimate_sharded`) and the soak of a target
+([`batchfit.soak`][batchfit.soak] given ``"module:factory"``) need their model in a fresh process. That
 process reads one `batchfit.probe.wire.WorkerRequest` (`worker_command` starts it) and runs it:
 
 * ``"trial"``: join the job's process group *before* the target loads (its factory may call
   ``fully_shard``), run one trial, write this rank's verdict (`batchfit.probe.job_worker`); silent;
 * ``"estimate"``: join a fake process group of the request's ranks as rank 0, load the target in it,
   and write the estimate's [`Result`][batchfit.Result] (or `batchfit.errors.error_document` of what
-  it raised, for the caller to raise again) to the request's ``answer_path``.
+  it raised, for the caller to raise again) to the request's ``answer_path``;
+* ``"soak"``: load the target, replay the request's steps with its model and ``make_batch``
+  (`batchfit.probe.soak.soak_with`, its first step from scratch, as the training run's first is) and
+  write the [`Soak`][batchfit.report.varlen.Soak] (``process="fresh"``) or the error the same way.
 
 The command line (`batchfit.cli`) is not on the way: the options come as JSON (`batchfit.probe.wire`).
 """
@@ -25,9 +29,11 @@ from batchfit.distributed import from_environment
 from batchfit.errors import error_document, first_line
 from batchfit.estimation.fake_ranks import fake_group
 from batchfit.estimation.rank_estimate import estimate_in_group
+from batchfit.probe import Options, Prober
 from batchfit.probe.job_worker import run_worker_trial, write_verdict
+from batchfit.probe.soak import soak_with
 from batchfit.probe.wire import WorkerRequest, from_wire
-from batchfit.targets import load_sharded, load_target, sharded_builder
+from batchfit.targets import TargetError, load_sharded, load_target, sharded_builder
 
 __all__ = ["main"]
 
@@ -42,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m batchfit.worker REQUEST (started by batchfit itself)", file=sys.stderr)
         return _USAGE
     request = WorkerRequest.read(Path(args[0]))
-    return run_trial(request) if request.kind == "trial" else run_estimate(request)
+    run = {"trial": run_trial, "estimate": run_estimate, "soak": run_soak}[request.kind]
+    return run(request)
 
 
 def run_trial(request: WorkerRequest) -> int:
@@ -93,6 +100,35 @@ def run_estimate(request: WorkerRequest) -> int:
         print(f"batchfit: error: {exc}", file=sys.stderr)
         return _FAILED
     request.answer_path.write_text(result.to_json())
+    return _OK
+
+
+def run_soak(request: WorkerRequest) -> int:
+    """The soak of the target's model and ``make_batch``, in this process started for it: its `Soak`
+    (``process="fresh"``), or its error, to ``answer_path``."""
+    try:
+        target = load_target(request.target, lengths=True)  # of a sample and a make_batch: make_batch
+        code = dict(target.extras)
+        make_batch = code.pop("make_batch", None)
+        if make_batch is None:
+            raise TargetError(
+                f"{request.target} gave no make_batch(batch_size, seq_len): a soak in a fresh process builds "
+                "each step's batch with the target's; return a mapping with 'model' and 'make_batch'"
+            )
+        options = from_wire(request.options, **code)
+        model = target.model
+        del target
+
+        def make_prober(shaped: Options) -> Prober:
+            return Prober(model, None, options=shaped)
+
+        shapes = [(rows, seq_len) for rows, seq_len in request.shapes or []]
+        soak = soak_with(make_batch, shapes, options, make_prober, request.name or "sampler")
+    except Exception as exc:  # noqa: BLE001 (raised again by batchfit.soak, in the caller's process)
+        request.answer_path.write_text(json.dumps(error_document(exc)))
+        print(f"batchfit: error: {exc}", file=sys.stderr)
+        return _FAILED
+    request.answer_path.write_text(replace(soak, process="fresh").to_json())
     return _OK
 
 

@@ -165,8 +165,9 @@ def test_the_compositions_are_batches_the_budget_admits(seed):
     budget, binding = propose_budget(histogram, {s: true_batch(s) for s in histogram})
     found = compositions(histogram, budget, binding, lambda rows, s: rows * (300 * s + 2 * s * s))
     kinds = [kind for _, _, kind in found]
-    assert kinds[0] == "longest" and found[0][1] == max(histogram)
-    assert ("shortest" in kinds) == (min(histogram) not in (max(histogram), binding))
+    assert kinds[0] == "binding" and found[0][1] == binding
+    assert ("longest" in kinds) == (max(histogram) != binding)
+    assert any(s == max(histogram) for _, s, _ in found) and any(s == min(histogram) for _, s, _ in found)
     assert len({(r, s) for r, s, _ in found}) == len(found)
     for rows, seq_len, _ in found:
         assert rows == budget // seq_len and rows * seq_len <= budget

@@ -8,6 +8,11 @@ with the probe's memory, headroom, optimizer and search flags. It shows a row pe
 the token budget's compositions, packing, the soaks and each framework's knobs; ``--quiet`` one
 line of ``key=value``; ``--json`` the plan's document (schema ``batchfit.lengths/1``).
 
+``--soak`` replays an epoch of each sampler the plan feeds (`batchfit.api_varlen.epoch_samplers`)
+in a fresh process per sampler ([`batchfit.soak`][batchfit.soak] given the target string), as a
+training run starts; a target whose batches come from its loader (no ``make_batch`` for that
+process to take) soaks in this process instead (``verify="epoch"``).
+
 With ``--token-budget`` the token budget is the answer: its line comes first, ``--quiet`` leads
 with it, and a plan without one (no padded budget holds the longest row) does not fit.
 
@@ -93,9 +98,11 @@ def buckets_command(args: argparse.Namespace) -> int:
     view = BucketsView(human, quiet=args.quiet, pack_length=args.pack_length)
     calls = Calls(view)  # type: ignore[arg-type]  # the view takes a probe's callbacks too
 
+    fresh = args.soak and lengths is not DATASET and batches is not loaded.sample  # the target's make_batch
+
     def run() -> LengthPlan:
         view.start([*header, *header_notes], ends)
-        return api_varlen.buckets(
+        plan = api_varlen.buckets(
             loaded.model,
             batches,
             lengths=None if lengths is DATASET else lengths,
@@ -103,12 +110,18 @@ def buckets_command(args: argparse.Namespace) -> int:
             token_budget=not args.no_token_budget,
             pack_length=args.pack_length,
             world_size=args.world_size or 1,
-            verify="epoch" if args.soak else None,
+            verify="epoch" if args.soak and not fresh else None,
             soak_steps=args.soak_steps,
             on_point=view.point_finished,
             **calls.kwargs(),
             **kwargs,
         )
+        if fresh:  # the options cross as JSON; the target's code is loaded again there
+            crossing = {**option_keywords(args, FrontierOptions), "device": device, "memory_limit": limit}
+            for name, sampler in api_varlen.epoch_samplers(plan, histogram_of(lengths)):
+                soaked = api_varlen.soak(loaded.spec, None, sampler, name=name, max_steps=args.soak_steps, **crossing)
+                plan = plan.with_soak(soaked)
+        return plan
 
     with HeldOutput() as held:  # a library's warnings would split the table: shown once, at the end
         plan, failure = run_shown(view, run)

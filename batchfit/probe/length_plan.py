@@ -183,7 +183,9 @@ def _token_budget(
                     break
             if failed is None:
                 kept = tuple(ran[(rows, seq_len)] for rows, seq_len, _ in worst)
-                return TokenBudget(max_tokens, binding, kept, greedy_steps(histogram, max_tokens, world_size))
+                rejected = tuple(c for c in ran.values() if not c.fits)
+                steps = greedy_steps(histogram, max_tokens, world_size)
+                return TokenBudget(max_tokens, binding, kept, steps, rejected)
             rows, seq_len = failed
             if rows <= 1:
                 raise RuntimeError(
@@ -218,4 +220,5 @@ def _packing(
         longest_packed_row=frontier.longest_at_batch_1,
         fill=fill,
         tokens_per_s=None if point.tokens_per_s is None else point.tokens_per_s * fill,
+        longest_limited_by=frontier.longest_limited_by,
     )

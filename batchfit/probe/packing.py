@@ -35,7 +35,8 @@ def check_takes_positions(model: nn.Module) -> None:
         raise ValueError(
             f"packing needs a model whose forward takes position_ids (packed rows restart them at each document, "
             f"so attention keeps each to itself); {type(model).__name__}.forward takes "
-            f"({', '.join(parameters) or 'nothing readable'}): size buckets or a token budget instead (packing=False)"
+            f"({', '.join(parameters) or 'nothing readable'}): size buckets or a token budget instead "
+            "(pack_length=None)"
         )
 
 

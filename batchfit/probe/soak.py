@@ -24,9 +24,9 @@ from batchfit.probe.shaped import shaped_trials
 from batchfit.report.varlen import Soak
 from batchfit.units import positive_int
 
-__all__ = ["soak_with"]
+__all__ = ["checked_steps", "soak_with"]
 
-#: Steps before the drift is counted: the first ones grow the cache to its working size.
+#: Steps before the drift is counted (half of a shorter soak): the first ones grow the cache to its working size.
 WARM_STEPS = 100
 
 
@@ -42,16 +42,7 @@ def soak_with(
 ) -> Soak:
     """Replay ``shapes`` (``(rows, seq_len)`` per step, a sampler's epoch) as real steps; the
     first ``max_steps`` of them when given. ``sampler`` names what formed them, for the record."""
-    if max_steps is not None:
-        max_steps = positive_int("max_steps", max_steps)
-    plan = []
-    for step, shape in enumerate(shapes):
-        if max_steps is not None and step >= max_steps:
-            break
-        rows, seq_len = shape
-        plan.append((positive_int(f"step {step + 1}'s rows", rows), positive_int(f"step {step + 1}'s length", seq_len)))
-    if not plan:
-        raise ValueError(f"the soak of {sampler} has no steps to replay")
+    plan = checked_steps(shapes, sampler, max_steps)
     started = time.monotonic()
     oom, peak, peak_step = 0, -1, 0
     reserved: list[int] = []
@@ -69,8 +60,9 @@ def soak_with(
             reserved.append(trial.reserved_peak_bytes or 0)
             retries.append(0 if trial.allocator is None else trial.allocator.retries)
         budget = trials.setup.budget_bytes
-    counted = len(plan) - WARM_STEPS
-    per_100 = (lambda total: total * 100 / counted) if carries and counted > 0 else None
+    warm = min(WARM_STEPS, len(plan) // 2)  # a short soak: its first half warms the cache
+    counted = len(plan) - warm
+    per_100 = (lambda total: total * 100 / counted) if carries and counted > 0 and warm > 0 else None
     return Soak(
         sampler=sampler,
         steps=len(plan),
@@ -79,9 +71,26 @@ def soak_with(
         peak_step=peak_step,
         peak_shape=plan[peak_step - 1] if peak_step else plan[0],
         budget_bytes=budget,
-        retries_per_100=None if per_100 is None else per_100(sum(retries[WARM_STEPS:])),
-        reserved_drift_per_100=None
-        if per_100 is None
-        else per_100(max(reserved[WARM_STEPS:]) - reserved[WARM_STEPS - 1]),
+        retries_per_100=None if per_100 is None else per_100(sum(retries[warm:])),
+        reserved_drift_per_100=None if per_100 is None else per_100(max(reserved[warm:]) - reserved[warm - 1]),
         seconds=time.monotonic() - started,
     )
+
+
+def checked_steps(
+    shapes: Iterable[tuple[int, int]], sampler: str, max_steps: int | None = None
+) -> list[tuple[int, int]]:
+    """The steps a soak replays, checked before any of them runs: each ``(rows, seq_len)`` a
+    positive int pair, the first ``max_steps`` when given, at least one (a ``ValueError`` naming
+    the step); a soak in a fresh process checks them here before the process starts."""
+    if max_steps is not None:
+        max_steps = positive_int("max_steps", max_steps)
+    plan = []
+    for step, shape in enumerate(shapes):
+        if max_steps is not None and step >= max_steps:
+            break
+        rows, seq_len = shape
+        plan.append((positive_int(f"step {step + 1}'s rows", rows), positive_int(f"step {step + 1}'s length", seq_len)))
+    if not plan:
+        raise ValueError(f"the soak of {sampler} has no steps to replay")
+    return plan

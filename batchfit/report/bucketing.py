@@ -254,14 +254,15 @@ def compositions(
     binding: int,
     predicted_bytes: Callable[[int, int], float] | None = None,
 ) -> list[tuple[int, int, CompositionKind]]:
-    """The batches a budget of ``max_tokens`` binds at, each ``(rows, seq_len, kind)``: rows at
-    the longest length; as many shortest rows as it admits; the binding length's; and the mix
-    ``predicted_bytes(rows, seq_len)`` calls fullest. Duplicates once, in that order."""
+    """The batches a budget of ``max_tokens`` binds at, each ``(rows, seq_len, kind)``: the binding
+    length's; rows at the longest length; as many shortest rows as it admits; and the mix
+    ``predicted_bytes(rows, seq_len)`` calls fullest. A batch two of these name is listed once,
+    by the first."""
     lengths = sorted(histogram)
     wanted: list[tuple[int, CompositionKind]] = [
+        (binding, "binding"),
         (lengths[-1], "longest"),
         (lengths[0], "shortest"),
-        (binding, "binding"),
     ]
     if predicted_bytes is not None:
         wanted.append((max(lengths, key=lambda s: predicted_bytes(max_tokens // s, s)), "surface"))

@@ -13,8 +13,9 @@ is what ``batchfit probe --buckets`` prints and the JSON carries:
   ``per_device_train_batch_size``.
 
 Generation-shaped plans (``(prompt, response)`` lengths) get batchfit's entry alone: the
-training frameworks' settings do not describe a generation. A framework whose budget this plan did not measure gets its entry's ``"note"`` saying what to
-measure instead, not a number that does not hold.
+training frameworks' settings do not describe a generation. A framework whose budget this plan
+did not measure gets its entry's ``"note"`` saying what to measure instead, not a number that
+does not hold.
 """
 
 from __future__ import annotations

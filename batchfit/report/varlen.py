@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, ClassVar, Literal
 
 from batchfit.report.codec import Batch, Bytes, Count, JsonRecord, Range, Rate, Seconds
-from batchfit.report.frontier import Frontier
+from batchfit.report.frontier import Frontier, LongestLimit
 from batchfit.report.knobs import knobs_for
 
 LENGTHS_SCHEMA = "batchfit.lengths/1"
@@ -73,6 +73,11 @@ class Bucket:
         return math.ceil(self.rows / (self.batch_size * self.world_size))
 
     @property
+    def tokens_per_s(self) -> float | None:
+        """Real (unpadded) tokens a second on one rank at the bucket's measured rate (``None``: not timed)."""
+        return None if not self.samples_per_s or not self.rows else self.samples_per_s * self.tokens / self.rows
+
+    @property
     def seconds(self) -> float | None:
         """The bucket's share of an epoch in seconds, at its measured rate (``None``: not timed)."""
         if not self.samples_per_s:
@@ -116,12 +121,15 @@ class TokenBudget:
             of ``max_tokens // binding_length + 1`` rows, one more than that length holds).
         compositions: the worst batches the budget admits, run for real under the safe cap.
         steps: the steps a greedy sampler over length-sorted rows takes an epoch at this budget.
+        rejected: compositions of a higher budget proposed first that did not fit (each a
+            measurement: the budget was proposed again below it).
     """
 
     max_tokens: Batch
     binding_length: Batch
     compositions: tuple[Composition, ...]
     steps: Count
+    rejected: tuple[Composition, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,8 +142,10 @@ class Packing:
         batch_size, max_batch: the verified safe batch of packed rows, and the exact largest.
         longest_packed_row: the longest single packed row that trains (batch 1): the token budget
             of a collator that flattens the whole batch into one row.
+        longest_limited_by: what ended that search: ``"memory"`` (one token more did not fit),
+            ``"positions"`` (the model takes no longer row) or ``"max_seq_len"``.
         fill: the share of a packed row the data's documents fill (first fit, longest first).
-        tokens_per_s: real tokens/s at ``batch_size`` (measured rate x ``fill``; ``None``: not timed).
+        tokens_per_s: real tokens/s on one rank at ``batch_size`` (measured rate x ``fill``; ``None``: not timed).
     """
 
     pack_length: Batch
@@ -144,10 +154,11 @@ class Packing:
     longest_packed_row: Batch | None
     fill: Annotated[float, Range(0, 1)]
     tokens_per_s: Rate | None
+    longest_limited_by: LongestLimit | None = None
 
 
 @dataclass(frozen=True)
-class Soak:
+class Soak(JsonRecord):
     """An epoch's batches, as a sampler formed them, replayed as real training steps.
 
     Attributes:
@@ -156,12 +167,18 @@ class Soak:
         peak_bytes, peak_step, peak_shape: the highest peak, the step (1-based) where it was,
             and that step's ``(rows, seq_len)``.
         budget_bytes: the budget the steps ran under.
-        retries, reserved_drift_bytes: on a caching allocator, its retries (a flush of the cache
-            to satisfy an allocation) and the growth of reserved memory, each per 100 steps after
-            the first 100 (``None`` where the device keeps no cache: the CPU).
+        retries_per_100, reserved_drift_per_100: on a caching allocator, its retries (a flush of
+            the cache to satisfy an allocation) and the growth of reserved memory in bytes, each per
+            100 steps after the first 100 (after the first half of a shorter soak); ``None`` where
+            the device keeps no cache (the CPU).
         seconds: the replay's wall time.
-        fresh: it started as a fresh process does (nothing cached, a fresh optimizer).
+        fresh: its first step started as in a fresh process (nothing cached, a fresh optimizer),
+            whichever process ran it: always ``True``.
+        process: where it ran: ``"this"`` process (a model given), or a ``"fresh"`` one started
+            for it (a target ``"module:factory"`` given: nothing of the caller's process in it).
     """
+
+    NOUN: ClassVar[str] = "soak"
 
     sampler: str
     steps: Count
@@ -174,6 +191,7 @@ class Soak:
     reserved_drift_per_100: float | None
     seconds: Seconds
     fresh: bool = True
+    process: Literal["this", "fresh"] = "this"
 
 
 @dataclass(frozen=True)
@@ -230,12 +248,12 @@ class LengthPlan(JsonRecord):
 
     @property
     def tokens_per_s(self) -> float | None:
-        """Real tokens/s over an epoch of the buckets, from each bucket's measured rate."""
-        seconds = [bucket.seconds for bucket in self.buckets]
+        """Real tokens/s on one rank over an epoch of the buckets, from each bucket's measured rate."""
+        seconds = [None if not b.samples_per_s else b.rows / b.samples_per_s for b in self.buckets]
         if not seconds or any(s is None for s in seconds):
             return None
         total = sum(s for s in seconds if s is not None)
-        return None if total <= 0 else sum(bucket.tokens for bucket in self.buckets) * self.world_size / total
+        return None if total <= 0 else sum(bucket.tokens for bucket in self.buckets) / total
 
     @property
     def best_layout(self) -> Layout | None:
@@ -244,7 +262,7 @@ class LengthPlan(JsonRecord):
         packed = None if self.packing is None else self.packing.tokens_per_s
         if mine is None or packed is None:
             return None
-        return "packing" if packed * self.world_size > mine else "buckets"
+        return "packing" if packed > mine else "buckets"
 
     @property
     def knobs(self) -> dict[str, dict[str, Any]]:

@@ -29,7 +29,7 @@ def plan_text(plan: LengthPlan) -> str:
         f"{'bucket':>15} {'rows':>8} {'batch':>6} {'max':>6} {'padding':>8} {'steps':>6} {'tokens/s':>10}  "
         "tokens/s (#), padding (.)",
     ]
-    rates = [None if b.samples_per_s is None else b.samples_per_s * b.tokens / max(b.rows, 1) for b in plan.buckets]
+    rates = [bucket.tokens_per_s for bucket in plan.buckets]
     top = max((r for r in rates if r), default=0.0)
     for bucket, rate in zip(plan.buckets, rates):
         filled = 0 if not top or rate is None else round(BAR * rate / top)
@@ -55,6 +55,8 @@ def plan_text(plan: LengthPlan) -> str:
             lines.append(
                 f"  {c.rows:>6,} x {c.seq_len:<7,} ({c.kind}): {'fits' if c.fits else 'OUT OF MEMORY'}, peak {peak}"
             )
+        for c in budget.rejected:
+            lines.append(f"  a higher budget first: {c.rows:,} x {c.seq_len:,} ({c.kind}) did not fit")
     packing = plan.packing
     if packing is not None:
         row = "-" if packing.longest_packed_row is None else f"{packing.longest_packed_row:,}"
@@ -73,10 +75,11 @@ def plan_text(plan: LengthPlan) -> str:
             else f"; {soak.retries_per_100:.2f} allocator retries and "
             f"{format_bytes(soak.reserved_drift_per_100)} reserved drift per 100 steps"
         )
+        where = ", in a fresh process" if soak.process == "fresh" else ""
         lines.append(
             f"soak ({soak.sampler}): {soak.steps:,} steps, {soak.oom} out of memory, peak "
             f"{format_bytes(soak.peak_bytes)} at step {soak.peak_step:,} "
-            f"({soak.peak_shape[0]:,} x {soak.peak_shape[1]:,}){drift}"
+            f"({soak.peak_shape[0]:,} x {soak.peak_shape[1]:,}){drift}{where}"
         )
     knobs = plan.knobs
     if knobs:
