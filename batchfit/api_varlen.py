@@ -25,7 +25,7 @@ from batchfit.probe.real_data import at_length, loader_lengths
 from batchfit.probe.soak import checked_steps, soak_with
 from batchfit.probe.wire import WorkerRequest, answer_of, to_wire
 from batchfit.report import LengthPlan
-from batchfit.report.bucketing import histogram_of, is_paired, pairs_of
+from batchfit.report.bucketing import DEFAULT_MAX_BUCKETS, histogram_of, is_paired, pairs_of
 from batchfit.report.varlen import Soak
 from batchfit.samplers import BucketBatchSampler, TokenBudgetBatchSampler
 from batchfit.units import positive_int
@@ -50,7 +50,7 @@ def buckets(
     *,
     lengths: Any = None,
     boundaries: Sequence[int] | None = None,
-    max_buckets: int = 8,
+    max_buckets: int = DEFAULT_MAX_BUCKETS,
     token_budget: bool = True,
     pack_length: int | None = None,
     world_size: int = 1,

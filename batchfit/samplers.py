@@ -125,8 +125,13 @@ class _PlannedBatchSampler(Sampler[list[int]]):
             yield list(batch)
 
     def steps(self) -> list[tuple[int, int]]:
-        """This rank's current epoch as ``(rows, padded_length)`` per step, in order."""
-        return [(len(batch), self._padded_length(batch)) for batch in self._plan()]
+        """This rank's current epoch as the shape memory sees per step, in order: ``(rows,
+        padded_length)``; a packed batch (``padded=False``) is one row of its summed tokens, as a
+        flattening collator hands it to the model."""
+        return [self._shape(batch) for batch in self._plan()]
+
+    def _shape(self, batch: list[int]) -> tuple[int, int]:
+        return len(batch), self._padded_length(batch)
 
     def state_dict(self, steps: int | None = None) -> dict[str, Any]:
         """The resumable state: a plain JSON-able dict, the same on every rank.
@@ -345,6 +350,9 @@ class TokenBudgetBatchSampler(_PlannedBatchSampler):
         if self._padded:
             return super()._padded_length(batch)
         return sum(self._lengths[i] for i in batch)
+
+    def _shape(self, batch: list[int]) -> tuple[int, int]:
+        return (len(batch), self._padded_length(batch)) if self._padded else (1, self._padded_length(batch))
 
     def _batches(self, generator: torch.Generator) -> list[list[int]]:
         """Every batch of the epoch, greedily filled in window-sorted order."""

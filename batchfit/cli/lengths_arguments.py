@@ -18,7 +18,7 @@ from typing import Any
 
 from batchfit.cli.output import UsageError
 from batchfit.cli.values import positive_int
-from batchfit.report.bucketing import histogram_of
+from batchfit.report.bucketing import DEFAULT_MAX_BUCKETS, histogram_of
 
 __all__ = ["DATASET", "WITH_BUCKETS", "add_buckets_flags", "read_lengths", "uses_lengths"]
 
@@ -59,7 +59,8 @@ def add_buckets_flags(probe: argparse.ArgumentParser) -> None:
         "--max-buckets",
         type=positive_int,
         metavar="N",
-        help="with --buckets: the most buckets to use (default 8; the fastest epoch among the candidates)",
+        help=f"with --buckets: the most buckets to use (default {DEFAULT_MAX_BUCKETS}; the fastest epoch among the "
+        "candidates)",
     )
     group.add_argument(
         "--pack-length",

@@ -44,7 +44,7 @@ def plan_generation(
     make_prober: ProberFactory,
     *,
     boundaries: Sequence[int] | None = None,
-    max_buckets: int = 8,
+    max_buckets: int,
     world_size: int = 1,
     callback: TrialCallback | None = None,
     on_trial_start: StartCallback | None = None,

@@ -62,7 +62,7 @@ def plan_lengths(
     make_prober: ProberFactory,
     *,
     boundaries: Sequence[int] | None = None,
-    max_buckets: int = 8,
+    max_buckets: int,
     token_budget: bool = True,
     pack_length: int | None = None,
     world_size: int = 1,

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from batchfit.report.varlen import Bucket, CompositionKind
 
 __all__ = [
+    "DEFAULT_MAX_BUCKETS",
     "Measured",
     "candidate_lengths",
     "choose_buckets",
@@ -38,9 +39,11 @@ __all__ = [
     "propose_budget",
 ]
 
+#: The most buckets a plan uses by default: every candidate end (the quantiles and the longest).
+DEFAULT_MAX_BUCKETS = 12
 #: Row quantiles a bucket may end at (the longest always): the tail is where padding and the
 #: ``s^2`` term cost most, so it gets the most candidates.
-QUANTILES = (0.25, 0.5, 0.7, 0.82, 0.9, 0.95, 0.98, 0.995)
+QUANTILES = (0.1, 0.25, 0.4, 0.55, 0.7, 0.82, 0.9, 0.95, 0.98, 0.995)
 
 
 class Measured(NamedTuple):
