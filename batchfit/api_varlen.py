@@ -25,7 +25,7 @@ from batchfit.probe.real_data import at_length, loader_lengths
 from batchfit.probe.soak import checked_steps, soak_with
 from batchfit.probe.wire import WorkerRequest, answer_of, to_wire
 from batchfit.report import LengthPlan
-from batchfit.report.bucketing import DEFAULT_MAX_BUCKETS, histogram_of, is_paired, pairs_of
+from batchfit.report.bucketing import DEFAULT_MAX_BUCKETS, candidate_lengths, histogram_of, is_paired, pairs_of
 from batchfit.report.varlen import Soak
 from batchfit.samplers import BucketBatchSampler, TokenBudgetBatchSampler
 from batchfit.units import positive_int
@@ -102,7 +102,7 @@ def buckets(
 
     if is_paired(per_row):
         pairs = pairs_of(per_row)
-        _check_generation(given, token_budget, pack_length, verify, max(r for _, r in pairs))
+        _check_generation(given, pack_length, verify, max(r for _, r in pairs))
         return plan_generation(
             model,
             make_batch,
@@ -125,8 +125,8 @@ def buckets(
         )
     else:
         told = (hooks.get(name) for name in ("callback", "on_trial_start", "on_start"))
-        ends = sorted(set(boundaries)) if boundaries else None
-        with FrontierProgress(type(model).__name__, ends or [max(histogram)], on_point, *told) as shown:
+        ends = sorted(set(boundaries)) if boundaries else list(candidate_lengths(histogram, options.multiple_of))
+        with FrontierProgress(type(model).__name__, ends, on_point, *told) as shown:
             plan = plan_lengths(
                 model,
                 make_batch,
@@ -247,11 +247,10 @@ def _soak_target(
     raise RuntimeError(f"the soak's process of {target!r} ended (exit code {code}) with:\n{tail}")
 
 
-def _check_generation(
-    given: dict[str, Any], token_budget: bool, pack_length: int | None, verify: Any, longest_response: int
-) -> None:
+def _check_generation(given: dict[str, Any], pack_length: int | None, verify: Any, longest_response: int) -> None:
     """Generation-shaped lengths set each bucket's ``max_new_tokens`` and run ``mode="generate"``:
-    name what does not go with them, before any trial."""
+    name what does not go with them, before any trial (``token_budget`` is not offered: a
+    generation's budget is the frontier's KV budget, `plan_generation`'s note says so)."""
     if given.setdefault("mode", "generate") != "generate":
         raise ValueError(
             f"(prompt, response) lengths are generation-shaped data, sized with mode='generate', not {given['mode']!r}"
@@ -260,7 +259,6 @@ def _check_generation(
         raise ValueError("(prompt, response) lengths set max_new_tokens per bucket (its longest response): drop it")
     if pack_length is not None or verify is not None:
         raise ValueError("(prompt, response) lengths are sized as buckets: pack_length= and verify= are for training")
-    del token_budget  # a generation's budget is the frontier's KV budget (see plan_generation's note)
     given["max_new_tokens"] = longest_response
 
 

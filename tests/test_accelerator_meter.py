@@ -61,7 +61,7 @@ class DeviceModule:
         pass
 
     def empty_cache(self) -> None:
-        pass
+        self.emptied = getattr(self, "emptied", 0) + 1
 
 
 class Backend(AcceleratorBackend):
@@ -170,3 +170,17 @@ def test_without_any_cap_nothing_is_said() -> None:
         with meter.capped(None):
             pass
     assert meter.notes() == []
+
+
+# (issue 50) a soak keeps the cache between its steps; a search empties it ---------------------------
+def test_release_empties_the_cache_unless_a_soak_keeps_it() -> None:
+    meter, module = _meter("", 1.0, 8 * GiB, 8 * GiB)
+    meter.release(0)
+    emptied = getattr(module, "emptied", 0)
+    assert emptied >= 1  # a search's trial leaves nothing cached for the next
+    meter.keeps_cache = True
+    meter.release(0)
+    assert getattr(module, "emptied", 0) == emptied  # a training loop's steps keep the cache: so does a soak
+    meter.keeps_cache = False
+    meter.release(0)
+    assert getattr(module, "emptied", 0) == emptied + 1

@@ -386,7 +386,8 @@ class AllocatorMeter(Meter):
         if self._replaying:  # the workspaces the replayed steps made: warm_up makes them again afterwards
             self.backend.clear_workspaces(self.device)
         super().release(target_bytes)
-        self.backend.empty_cache(self.device)
+        if not self.keeps_cache:
+            self.backend.empty_cache(self.device)
         self.backend.memory.reset_peak_memory_stats(self.device)
 
 

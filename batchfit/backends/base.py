@@ -60,6 +60,10 @@ class Meter:
         self._phase_reserved: dict[str, int] = {}
         #: Set by the probe: raises a Ctrl-C deferred while the probe runs (``batchfit.interrupts``).
         self.interrupts: InterruptGuard | None = None
+        #: Set by a soak (``batchfit.probe.soak``): `release` leaves a caching allocator's cache as
+        #: it is between trials, as a training loop does between steps, so the cache fragments as
+        #: it would in the run (a search empties it, so that no trial inherits another's layout).
+        self.keeps_cache = False
 
     def checkpoint(self) -> None:
         """A safe point: raise a Ctrl-C that arrived since the last one."""

@@ -171,10 +171,11 @@ def _token_budget(
             failed = None
             for rows, seq_len, kind in worst:
                 if (rows, seq_len) not in ran:
+                    if hooks["on_trial_start"] is not None:
+                        hooks["on_trial_start"](rows, "verify")
                     trial = trials.run(rows, seq_len, cap_bytes=cap)
-                    for told in (hooks["callback"],):
-                        if told is not None:
-                            told(trial)
+                    if hooks["callback"] is not None:
+                        hooks["callback"](trial)
                     peak = trial.peak_in(trials.setup.counts)
                     guess = None if surface is None else max(0, round(surface.predict(rows, seq_len)))
                     ran[(rows, seq_len)] = Composition(rows, seq_len, kind, trial.fits, peak, guess)

@@ -29,6 +29,20 @@ class ShapedTrials:
         self._runner = runner
         self._length = length
 
+    @contextlib.contextmanager
+    def cache_kept(self) -> Iterator[None]:
+        """Trials inside leave a caching allocator's cache as it is between them (`Meter.keeps_cache`):
+        a soak's steps, as a training loop runs them. A runner without a meter is left as it is."""
+        meter = getattr(self._runner, "meter", None)
+        if meter is None:
+            yield
+            return
+        meter.keeps_cache = True
+        try:
+            yield
+        finally:
+            meter.keeps_cache = False
+
     def run(
         self,
         rows: int,

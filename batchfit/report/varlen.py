@@ -163,7 +163,9 @@ class Soak(JsonRecord):
 
     Attributes:
         sampler: what formed the batches (``"buckets"``, ``"token budget"``...).
-        steps: steps replayed; ``oom``: those that ran out of memory (the run continued after each).
+        steps: steps replayed; ``oom``: those that did not fit (ran out of memory; on the native
+            CUDA allocator also a step that needed an allocator retry, batchfit's rule there); the
+            run continued after each.
         peak_bytes, peak_step, peak_shape: the highest peak, the step (1-based) where it was,
             and that step's ``(rows, seq_len)``.
         budget_bytes: the budget the steps ran under.
