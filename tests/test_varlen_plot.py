@@ -22,7 +22,7 @@ import batchfit
 from batchfit.report.frontier_plot import PlotUnavailableError
 from batchfit.report.frontier_text import compact_rate
 from batchfit.report.varlen import LengthPlan
-from batchfit.report.varlen_plot import bucket_label, length_figure, real_rate, save_length_plot
+from batchfit.report.varlen_plot import bucket_label, length_figure, save_length_plot
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,7 +99,7 @@ def test_each_bucket_is_a_bar_of_real_tokens_under_its_padding(plan: LengthPlan)
     bars = [patch for container in axes.containers for patch in container]
     real, padding = bars[: len(plan.buckets)], bars[len(plan.buckets) :]
     for bucket, solid, hatched in zip(plan.buckets, real, padding):
-        rate = real_rate(bucket)
+        rate = bucket.tokens_per_s
         assert rate is not None and bucket.samples_per_s is not None
         assert solid.get_height() == pytest.approx(rate)
         assert hatched.get_y() == pytest.approx(rate)  # stacked on the real tokens
@@ -112,7 +112,7 @@ def test_each_bucket_is_a_bar_of_real_tokens_under_its_padding(plan: LengthPlan)
     for bucket in plan.buckets:
         assert any(
             f"batch {bucket.batch_size:,}" in t and f"{bucket.padding:.0%} padding" in t
-            and f"{compact_rate(real_rate(bucket) or 0)} tok/s" in t
+            and f"{compact_rate(bucket.tokens_per_s or 0)} tok/s" in t
             for t in texts
         ), (bucket, texts)  # fmt: skip
     close(figure)
@@ -167,6 +167,34 @@ def test_every_composition_run_is_marked_and_labelled(plan: LengthPlan) -> None:
         text = labels[(float(c.seq_len), float(c.rows))]
         assert re.match(rf"{c.rows:,} x {c.seq_len:,} \(", text.get_text()), text.get_text()
         assert (text.get_color() == "tab:red") == (not c.fits)
+    close(figure)
+
+
+@pytest.mark.slow  # the real plan: a few seconds, once for the module
+def test_a_rejected_composition_is_marked_out_of_memory_beside_those_kept(plan: LengthPlan) -> None:
+    budget = plan.token_budget
+    assert budget is not None
+    first = budget.compositions[0]
+    rejected = replace(first, rows=first.rows + 1, fits=False)  # a higher budget's, which did not fit
+    figure = drawn(replace(plan, token_budget=replace(budget, rejected=(rejected,))))
+    axes = figure.axes[1]
+    marks = {c.get_label(): {tuple(map(float, xy)) for xy in c.get_offsets()} for c in axes.collections}
+    assert marks["composition run: out of memory"] == {(float(rejected.seq_len), float(rejected.rows))}
+    assert marks["composition run: fits"] == {(float(c.seq_len), float(c.rows)) for c in budget.compositions}
+    label = {tuple(map(float, text.xy)): text for text in axes.texts}[(float(rejected.seq_len), float(rejected.rows))]
+    assert label.get_color() == "tab:red"
+    close(figure)
+
+
+@pytest.mark.slow  # the real plan: a few seconds, once for the module
+def test_the_epoch_line_is_per_rank_whatever_the_world_size(plan: LengthPlan) -> None:
+    ranks = replace(plan, world_size=2, buckets=tuple(replace(b, world_size=2) for b in plan.buckets))
+    assert ranks.tokens_per_s == pytest.approx(plan.tokens_per_s)  # a rank's rate: the ranks do not change it
+    figure = drawn(ranks)
+    axes = figure.axes[0]
+    lines = {line.get_label(): line.get_ydata()[0] for line in axes.lines}
+    assert lines["buckets, whole epoch"] == pytest.approx(ranks.tokens_per_s)
+    assert axes.get_ylabel() == "tokens/s per rank"
     close(figure)
 
 

@@ -51,7 +51,12 @@ def save_frontier_plot(frontier: Frontier, path: str | os.PathLike[str], *, dpi:
         OSError: the file cannot be written.
     """
     plt = require_matplotlib()
-    figure = frontier_figure(frontier)
+    return save_figure(plt, frontier_figure(frontier), path, dpi)
+
+
+def save_figure(plt: Any, figure: Any, path: str | os.PathLike[str], dpi: int) -> str:
+    """Write ``figure`` to ``path`` (the format from its suffix) and close it on every way out
+    (pyplot keeps each open figure alive until closed); the path written."""
     try:
         figure.savefig(os.fspath(path), dpi=dpi)
     finally:

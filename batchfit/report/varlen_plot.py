@@ -21,7 +21,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-from batchfit.report.frontier_plot import require_matplotlib
+from batchfit.report.frontier_plot import require_matplotlib, save_figure
 from batchfit.report.frontier_text import compact_rate
 from batchfit.report.text import device_text
 from batchfit.units import format_bytes
@@ -55,12 +55,7 @@ def save_length_plot(plan: LengthPlan, path: str | os.PathLike[str], *, dpi: int
         OSError: the file cannot be written.
     """
     plt = require_matplotlib("a length plan")
-    figure = length_figure(plan)
-    try:
-        figure.savefig(os.fspath(path), dpi=dpi)
-    finally:
-        plt.close(figure)
-    return os.fspath(path)
+    return save_figure(plt, length_figure(plan), path, dpi)
 
 
 def length_figure(plan: LengthPlan) -> Any:
@@ -79,13 +74,6 @@ def length_figure(plan: LengthPlan) -> Any:
     return figure
 
 
-def real_rate(bucket: Bucket) -> float | None:
-    """The bucket's real (unpadded) tokens/s per rank: its measured rows/s times its mean row."""
-    if not bucket.samples_per_s or not bucket.rows:
-        return None
-    return bucket.samples_per_s * bucket.tokens / bucket.rows
-
-
 def bucket_label(bucket: Bucket) -> str:
     """The bucket's lengths (one where it holds one) and its rows, as its tick says them."""
     lengths = f"{bucket.longest:,}" if bucket.shortest == bucket.longest else f"{bucket.shortest:,}-{bucket.longest:,}"
@@ -98,7 +86,7 @@ def _buckets(axes: Any, plan: LengthPlan) -> None:
 
     buckets = plan.buckets
     places = list(range(len(buckets)))
-    real = [real_rate(bucket) for bucket in buckets]
+    real = [bucket.tokens_per_s for bucket in buckets]
     padded = [None if bucket.samples_per_s is None else bucket.samples_per_s * bucket.longest for bucket in buckets]
     solid = [0.0 if rate is None else rate for rate in real]
     extra = [0.0 if (p is None or r is None) else p - r for p, r in zip(padded, real)]
@@ -123,9 +111,7 @@ def _buckets(axes: Any, plan: LengthPlan) -> None:
     per_rank = plan.world_size
     epoch = plan.tokens_per_s
     if epoch is not None:
-        handles.append(
-            axes.axhline(epoch / per_rank, color="black", linestyle="--", linewidth=1, label="buckets, whole epoch")
-        )
+        handles.append(axes.axhline(epoch, color="black", linestyle="--", linewidth=1, label="buckets, whole epoch"))
     packing = plan.packing
     if packing is not None and packing.tokens_per_s is not None:
         handles.append(
@@ -153,7 +139,7 @@ def _references(plan: LengthPlan) -> list[float]:
     """The reference lines' heights, so that the panel's top holds them."""
     found = []
     if plan.tokens_per_s is not None:
-        found.append(plan.tokens_per_s / plan.world_size)
+        found.append(plan.tokens_per_s)
     if plan.packing is not None and plan.packing.tokens_per_s is not None:
         found.append(plan.packing.tokens_per_s)
     return found
@@ -188,8 +174,9 @@ def _budget(axes: Any, plan: LengthPlan, budget: TokenBudget) -> None:
         measured, [p.safe_batch for p in points], "o--", color="tab:green", markersize=5, label="safe batch (verified)"
     )
     handles = [*budget_line, *max_line, *safe_line]
-    fits = [c for c in budget.compositions if c.fits]
-    failed = [c for c in budget.compositions if not c.fits]
+    ran = (*budget.compositions, *budget.rejected)  # the rejected: a higher budget's, which did not fit
+    fits = [c for c in ran if c.fits]
+    failed = [c for c in ran if not c.fits]
     if fits:
         handles.append(
             axes.scatter(
@@ -216,7 +203,7 @@ def _budget(axes: Any, plan: LengthPlan, budget: TokenBudget) -> None:
             )
         )
     right = 0
-    for c in sorted(budget.compositions, key=lambda c: (c.seq_len, c.rows)):
+    for c in sorted(ran, key=lambda c: (c.seq_len, c.rows)):
         peak = "" if c.peak_bytes is None else f", {format_bytes(c.peak_bytes)}"
         left = c.seq_len > math.sqrt(low * high)  # labels point inwards, clear of the axes' edges
         drop = 12 + (LINE * right if left else 0)  # neighbours at the long end stack downwards, under the curve
@@ -241,7 +228,7 @@ def _budget(axes: Any, plan: LengthPlan, budget: TokenBudget) -> None:
             label=f"binds at length {budget.binding_length:,}",
         )
     )
-    rows = [budget.max_tokens // x for x in xs] + [p.max_batch for p in points] + [c.rows for c in budget.compositions]
+    rows = [budget.max_tokens // x for x in xs] + [p.max_batch for p in points] + [c.rows for c in ran]
     rows = [r for r in rows if r >= 1] or [1]
     axes.set_xlim(2 ** (math.log2(low) - 0.4), 2 ** (math.log2(high) + 0.4))
     axes.set_ylim(2 ** (math.log2(min(rows)) - 1.3), 2 ** (math.log2(max(rows)) + 0.8))  # room for stacked labels
