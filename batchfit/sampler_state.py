@@ -17,17 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from batchfit.units import positive_int
+
 STATE_FORMAT = 1
 """The version of `sampler_state`'s dict; a newer one is refused rather than misread."""
-
-
-def checked_int(name: str, value: object, minimum: int | None = None) -> int:
-    """``value`` as an int (a bool or a float refused), at least ``minimum`` when given."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def checked_bool(name: str, value: object) -> bool:
@@ -81,8 +74,8 @@ def world(num_replicas: object, rank: object) -> tuple[int, int]:
         num_replicas = dist.get_world_size() if joined else 1
     if rank is None:
         rank = dist.get_rank() if joined else 0
-    replicas = checked_int("num_replicas", num_replicas, 1)
-    checked = checked_int("rank", rank, 0)
+    replicas = positive_int("num_replicas", num_replicas, 1)
+    checked = positive_int("rank", rank, 0)
     if checked >= replicas:
         raise ValueError(f"rank must be < num_replicas ({replicas}), got {checked}")
     return replicas, checked
@@ -142,4 +135,4 @@ def checked_state(state: object, here: Mapping[str, Any]) -> tuple[int, int]:
     for key in sorted(set(here["config"]) | set(saved_config)):
         if saved_config.get(key) != here["config"].get(key):
             raise _differs(key, saved_config.get(key), here["config"].get(key))
-    return checked_int("state['epoch']", state["epoch"], 0), checked_int("state['steps']", state["steps"], 0)
+    return positive_int("state['epoch']", state["epoch"], 0), positive_int("state['steps']", state["steps"], 0)

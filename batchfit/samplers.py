@@ -27,13 +27,13 @@ from torch.utils.data import Sampler
 
 from batchfit.sampler_state import (
     checked_bool,
-    checked_int,
     checked_ints,
     checked_state,
     longest,
     sampler_state,
     world,
 )
+from batchfit.units import as_int, positive_int
 
 
 class _PlannedBatchSampler(Sampler[list[int]]):
@@ -51,7 +51,7 @@ class _PlannedBatchSampler(Sampler[list[int]]):
     ) -> None:
         self._lengths = checked_ints("lengths", lengths, 1)
         self._shuffle = checked_bool("shuffle", shuffle)
-        self._seed = checked_int("seed", seed)
+        self._seed = as_int("seed", seed)
         self._drop_last = checked_bool("drop_last", drop_last)
         self._num_replicas, self._rank = world(num_replicas, rank)
         self._epoch = 0
@@ -99,7 +99,7 @@ class _PlannedBatchSampler(Sampler[list[int]]):
         The same epoch again keeps a resume point from ``load_state_dict``, so the usual loop
         (``for epoch in range(start, n): sampler.set_epoch(epoch); ...``) resumes mid-epoch.
         """
-        epoch = checked_int("epoch", epoch, 0)
+        epoch = positive_int("epoch", epoch, 0)
         if epoch != self._epoch:
             self._epoch, self._steps, self._resume_from = epoch, 0, 0
 
@@ -140,7 +140,7 @@ class _PlannedBatchSampler(Sampler[list[int]]):
         out (a ``DataLoader`` with workers fetches ``prefetch_factor * num_workers`` ahead, so pass
         your loop's step count there).
         """
-        count = self._steps if steps is None else checked_int("steps", steps, 0)
+        count = self._steps if steps is None else positive_int("steps", steps, 0)
         if count > len(self):
             raise ValueError(f"steps must be <= this epoch's {len(self)} steps, got {count}")
         return sampler_state(
@@ -309,9 +309,9 @@ class TokenBudgetBatchSampler(_PlannedBatchSampler):
         sort_window: int | None = None,
     ) -> None:
         super().__init__(lengths, shuffle=shuffle, seed=seed, drop_last=drop_last, num_replicas=num_replicas, rank=rank)
-        self._max_tokens = checked_int("max_tokens", max_tokens, 1)
+        self._max_tokens = positive_int("max_tokens", max_tokens, 1)
         self._padded = checked_bool("padded", padded)
-        self._sort_window_arg = None if sort_window is None else checked_int("sort_window", sort_window, 1)
+        self._sort_window_arg = None if sort_window is None else positive_int("sort_window", sort_window, 1)
         index, length = longest(self._lengths)
         if length > self._max_tokens:
             raise ValueError(

@@ -88,12 +88,9 @@ def buckets_command(args: argparse.Namespace) -> int:
     if isinstance(loaded, int):
         return loaded
     batches, header_notes = batch_source(loaded, lengths)
-    kwargs: dict[str, Any] = {
-        **{key: value for key, value in loaded.extras.items() if key != "make_batch"},
-        **option_keywords(args, FrontierOptions),
-        "device": device,
-        "memory_limit": limit,
-    }
+    # what crosses into a fresh soak's process as JSON; the target's own keywords are loaded there again
+    crossing: dict[str, Any] = {**option_keywords(args, FrontierOptions), "device": device, "memory_limit": limit}
+    kwargs = {**{key: value for key, value in loaded.extras.items() if key != "make_batch"}, **crossing}
     human = sys.stderr if args.json == "-" else sys.stdout
     view = BucketsView(human, quiet=args.quiet, pack_length=args.pack_length)
     calls = Calls(view)  # type: ignore[arg-type]  # the view takes a probe's callbacks too
@@ -117,7 +114,6 @@ def buckets_command(args: argparse.Namespace) -> int:
             **kwargs,
         )
         if fresh:  # the options cross as JSON; the target's code is loaded again there
-            crossing = {**option_keywords(args, FrontierOptions), "device": device, "memory_limit": limit}
             for name, sampler in api_varlen.epoch_samplers(plan, histogram_of(lengths)):
                 soaked = api_varlen.soak(loaded.spec, None, sampler, name=name, max_steps=args.soak_steps, **crossing)
                 plan = plan.with_soak(soaked)

@@ -11,12 +11,9 @@ its JSON, or raises the error it raised, as its own type (`batchfit.errors.error
 
 from __future__ import annotations
 
-import json
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchfit.backends.select import is_host
@@ -26,8 +23,7 @@ from batchfit.estimation.fake_ranks import ShardedProbe, check_sharded, check_wo
 from batchfit.probe.checks import check_work
 from batchfit.probe.finder import described, search_with
 from batchfit.probe.real_data import worst_batch
-from batchfit.probe.sessions import in_session
-from batchfit.probe.wire import WorkerRequest, to_wire, worker_command
+from batchfit.probe.wire import WorkerRequest, answer_of, to_wire
 from batchfit.report import Result, Trial
 from batchfit.units import format_bytes
 
@@ -102,21 +98,9 @@ def estimate_sharded(
     wire = to_wire({"memory_limit": memory_limit, "device": device, "reserve": reserve, **options})
     with tempfile.TemporaryDirectory(prefix="batchfit-sharded-") as folder:
         request = WorkerRequest(kind="estimate", target=target, options=wire, world_size=world_size, out=folder)
-        path, said = Path(folder) / "request.json", Path(folder) / "stderr.txt"
-        request.write(path)
-        with (
-            open(said, "w") as stderr,
-            in_session(worker_command(path), stdout=subprocess.DEVNULL, stderr=stderr) as process,
-        ):
-            try:
-                code = process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                code = None  # the way out of in_session kills the process's whole session
-        tail = said.read_text(errors="replace")[-2000:]
-        if code is None:
-            raise EstimateTimeoutError(target, float(timeout_s or 0), tail)
-        answer = request.answer_path
-        document = json.loads(answer.read_text()) if answer.exists() else None
+        code, document, tail = answer_of(request, timeout_s)
+    if code is None:
+        raise EstimateTimeoutError(target, float(timeout_s or 0), tail)
     if isinstance(document, dict) and "schema" in document:
         return Result.from_dict(document)
     if isinstance(document, dict) and isinstance(document.get("error"), dict):

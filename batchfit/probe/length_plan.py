@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -102,7 +101,7 @@ def plan_lengths(
         for p in frontier.points
     ]
     notes: list[str] = []
-    buckets = choose_buckets({s: r for s, r in histogram.items()}, measured, max_buckets, world_size)
+    buckets = choose_buckets(histogram, measured, max_buckets, world_size)
     budget = None
     if token_budget:
         budget = _token_budget(make_batch, histogram, frontier, options, make_prober, world_size, notes, hooks)
@@ -209,9 +208,7 @@ def _packing(
 ) -> Packing:
     """Packed rows of ``pack_length``: their exact and safe batch, the longest packed row at batch 1."""
     packed = packed_batches(make_batch, histogram)
-    frontier = frontier_with(
-        model, packed, [pack_length], replace(options), make_prober, longest_at_batch_1=True, max_seq_len=None, **hooks
-    )
+    frontier = frontier_with(model, packed, [pack_length], options, make_prober, longest_at_batch_1=True, **hooks)
     point = frontier.points[0]
     fill = pack_fill(histogram, pack_length)
     return Packing(

@@ -208,6 +208,7 @@ class _Longest:
     index: int
     declared: int
     items: int
+    lengths: list[int]  # every item's, as declared
 
 
 def _longest_by_lengths(loader: Any) -> _Longest | None:
@@ -230,7 +231,7 @@ def _longest_by_lengths(loader: Any) -> _Longest | None:
     if not lengths or len(lengths) != items:
         return None
     index = max(range(items), key=lengths.__getitem__)  # the first of the longest
-    return _Longest(loader.collate_fn([dataset[index]]), index, lengths[index], items)
+    return _Longest(loader.collate_fn([dataset[index]]), index, lengths[index], items, lengths)
 
 
 def loader_lengths(loader: Any) -> tuple[list[int], Any, dict[str, int]] | None:
@@ -250,8 +251,7 @@ def loader_lengths(loader: Any) -> tuple[list[int], Any, dict[str, int]] | None:
             f"{longest.declared:,} long, and collated alone it is {built:,} (dim {dim} of {leaf}); give lengths= "
             "as the collated lengths (a pad_to_multiple_of rounds them up)"
         )
-    lengths = _declared_lengths(loader.dataset) or _declared_lengths(getattr(loader, "sampler", None)) or []
-    return lengths, longest.batch, dims
+    return longest.lengths, longest.batch, dims
 
 
 def _declared_lengths(dataset: Any) -> list[int] | None:

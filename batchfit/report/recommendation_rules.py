@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from batchfit.report.boundary import Bounded
 from batchfit.report.global_split import choose_split
 from batchfit.report.throughput import KNEE_FRACTION, best_timed
 
@@ -42,17 +43,9 @@ Decider = Literal["target", "noise scale", "throughput knee", "memory"]
 DECIDERS: tuple[str, ...] = ("target", "noise scale", "throughput knee", "memory")
 
 
-class Measured(Protocol):
-    """What the rules read of a probe's answer: a `batchfit.Result`, or one read back from JSON."""
-
-    @property
-    def max_batch(self) -> int: ...
-
-    @property
-    def safe_batch(self) -> int: ...
-
-    @property
-    def safe_verified(self) -> bool: ...
+class Measured(Bounded, Protocol):
+    """What the rules read of a probe's answer: a `batchfit.Result`, or one read back from JSON
+    (its boundary, `Bounded`, and what follows)."""
 
     @property
     def best_throughput_batch(self) -> int: ...
