@@ -3,7 +3,8 @@
 Public API: [`find`][batchfit.find], [`fit`][batchfit.fit], [`frontier`][batchfit.frontier],
 [`find_sharded`][batchfit.find_sharded], [`estimate`][batchfit.estimate],
 [`estimate_sharded`][batchfit.estimate_sharded], [`plan`][batchfit.plan],
-[`what_if`][batchfit.what_if], [`buckets`][batchfit.buckets], [`soak`][batchfit.soak], [`Prober`][batchfit.Prober],
+[`what_if`][batchfit.what_if], [`buckets`][batchfit.buckets], [`soak`][batchfit.soak],
+[`schedule`][batchfit.schedule], [`Prober`][batchfit.Prober],
 [`Options`][batchfit.Options], the result types and the errors. Integrations: ``batchfit.lightning``,
 ``batchfit.transformers``, ``batchfit.accelerate``; the CI gate: ``batchfit.testing``.
 
@@ -22,6 +23,7 @@ from batchfit.version import __version__
 if TYPE_CHECKING:
     from batchfit.api import find, fit, frontier, noise_scale, plan
     from batchfit.api_jobs import find_sharded
+    from batchfit.api_schedule import schedule
     from batchfit.api_varlen import buckets, soak
     from batchfit.errors import BatchfitError, DeviceFailedError, LimitError, NoOptimizerStepError, NothingFitsError
     from batchfit.estimation import Plan, WhatIf, estimate, estimate_sharded, what_if
@@ -61,6 +63,7 @@ _EXPORTS = {
     "noise_scale": "batchfit.api",
     "buckets": "batchfit.api_varlen",
     "soak": "batchfit.api_varlen",
+    "schedule": "batchfit.api_schedule",
     "LengthPlan": "batchfit.report",
     "Fit": "batchfit.report",
     "Frontier": "batchfit.report",

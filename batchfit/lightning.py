@@ -32,7 +32,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from batchfit.api import find, fit
+from batchfit.lightning_schedule import BatchScheduler
 from batchfit.lightning_trainer import (
+    INSTALL_HINT,
     draw_batch,
     first_optimizer,
     forget_train_loader,
@@ -62,9 +64,8 @@ if TYPE_CHECKING:
     from batchfit.probe.keywords import FindKeywords
     from batchfit.report import Fit, Recommendation, Result
 
-__all__ = ["EVAL_BATCH_ARG_NAMES", "INSTALL_HINT", "BatchFit"]
+__all__ = ["EVAL_BATCH_ARG_NAMES", "INSTALL_HINT", "BatchFit", "BatchScheduler"]
 
-INSTALL_HINT = "pip install 'batchfit[lightning]'"
 
 #: ``find()`` keywords the callback fills in from the trainer: the batch comes from the train
 #: dataloader, the step is the module's ``training_step``, the device is the strategy's.

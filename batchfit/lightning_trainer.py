@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from batchfit.report import Recommendation
 
 __all__ = [
+    "INSTALL_HINT",
     "draw_batch",
     "first_optimizer",
     "forget_train_loader",
@@ -34,6 +35,9 @@ __all__ = [
     "optimizers_in",
     "reload_dataloaders",
 ]
+
+#: What to install for the Lightning callbacks (``BatchFit``, ``BatchScheduler``).
+INSTALL_HINT = "pip install 'batchfit[lightning]'"
 
 
 def draw_batch(trainer: pl.Trainer) -> Any:

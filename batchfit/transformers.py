@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from batchfit._lazy import lazy_surface
 from batchfit.api import find, fit
 from batchfit.probe.options import find_options
 from batchfit.report import Fit, Recommendation, Result
@@ -41,10 +42,12 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from batchfit.probe.keywords import FindKeywords
+    from batchfit.transformers_schedule import BatchSchedulerCallback
 
 __all__ = [
     "INSTALL_HINT",
     "Autosized",
+    "BatchSchedulerCallback",
     "autosize",
     "data_parallel_size",
     "first_batch",
@@ -52,6 +55,11 @@ __all__ = [
     "trainer_eval_step",
     "trainer_step_fn",
 ]
+
+
+#: `BatchSchedulerCallback` on first use: it subclasses transformers' ``TrainerCallback``, and importing
+#: this module must import neither transformers nor torch.
+__getattr__, __dir__ = lazy_surface(__name__, globals(), {"BatchSchedulerCallback": "batchfit.transformers_schedule"})
 
 
 @dataclass(frozen=True)
