@@ -28,7 +28,7 @@ from torch import nn
 
 from batchfit.probe.batch_schedule import BatchSchedule
 from batchfit.report import Result
-from batchfit.report.schedule import LINEAR_OPTIMIZERS, SQRT_OPTIMIZERS, ScheduleRule, lr_rule_for
+from batchfit.report.schedule_rule import LINEAR_OPTIMIZERS, SQRT_OPTIMIZERS, ScheduleRule, lr_rule_for
 from batchfit.units import positive_int
 
 __all__ = ["DEFAULT_GROWTH", "schedule", "schedule_rule"]
@@ -51,6 +51,8 @@ def schedule(
     min_steps: int = 50,
     settle: int = 3,
     decay: float = 0.9,
+    fraction: float = 0.5,
+    meter: str = "micro-batches",
     thresholds: Sequence[int] = (),
     lr_scheduler: Any = None,
     scaler: Any = None,
@@ -70,6 +72,9 @@ def schedule(
         min_steps: at least this many steps between two changes.
         settle: metered steps at a batch before the noise scale may change it.
         decay: the noise scale's moving-average weight on the past, per metered step.
+        fraction: the share of the measured noise scale the doubled batch may reach.
+        meter: ``"micro-batches"`` (their norms and their sum's) or ``"layernorm"`` (each example's
+            LayerNorm gradients: no accumulation or DDP needed).
         thresholds: samples at which ``"ramp"`` and ``"seesaw"`` double the batch.
         lr_scheduler: the LR scheduler stepping ``optimizer`` (its base rates are scaled too).
         scaler: an fp16 run's ``GradScaler``.
@@ -90,6 +95,8 @@ def schedule(
             min_steps=min_steps,
             settle=settle,
             decay=decay,
+            fraction=fraction,
+            meter=meter,
             thresholds=thresholds,
             lr_scheduler=lr_scheduler,
         ),
@@ -112,6 +119,8 @@ def schedule_rule(
     min_steps: int = 50,
     settle: int = 3,
     decay: float = 0.9,
+    fraction: float = 0.5,
+    meter: str = "micro-batches",
     thresholds: Sequence[int] = (),
     lr_scheduler: Any = None,
 ) -> ScheduleRule:
@@ -145,7 +154,9 @@ def schedule_rule(
         every=positive_int("every", every),
         min_steps=positive_int("min_steps", min_steps),
         settle=positive_int("settle", settle),
-        decay=float(decay) if isinstance(decay, (int, float)) and not isinstance(decay, bool) else decay,
+        decay=_number(decay),
+        fraction=_number(fraction),
+        meter=meter,  # type: ignore[arg-type]
         thresholds=tuple(positive_int("thresholds", t) for t in thresholds),
     )
 
@@ -155,6 +166,11 @@ def _family(optimizer: torch.optim.Optimizer) -> str:
     of ``AdamW`` is Adam-like), else its own class name."""
     known = SQRT_OPTIMIZERS | LINEAR_OPTIMIZERS
     return next((c.__name__ for c in type(optimizer).__mro__ if c.__name__ in known), type(optimizer).__name__)
+
+
+def _number(value: Any) -> Any:
+    """An int given for a float setting as a float (the rule refuses anything else by name)."""
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def _world_size() -> int:

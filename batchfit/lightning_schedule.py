@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 from batchfit.api_schedule import DEFAULT_GROWTH, schedule, schedule_rule
 from batchfit.lightning_trainer import INSTALL_HINT
 from batchfit.probe.batch_schedule import BatchSchedule
-from batchfit.report.schedule import ScheduleChange, ScheduleRule, ScheduleState
+from batchfit.report.schedule import ScheduleChange, ScheduleState
+from batchfit.report.schedule_rule import ScheduleRule
 from batchfit.units import positive_int
 
 try:
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["BatchScheduler"]
-
 
 
 class BatchScheduler(_Callback):  # type: ignore[misc,valid-type]
@@ -64,6 +64,8 @@ class BatchScheduler(_Callback):  # type: ignore[misc,valid-type]
         min_steps: at least this many steps between two changes.
         settle: metered steps at a batch before the noise scale may change it.
         decay: the noise scale's moving-average weight on the past, per metered step.
+        fraction: the share of the measured noise scale the doubled batch may reach.
+        meter: ``"micro-batches"`` or ``"layernorm"`` (each example's LayerNorm gradients).
         thresholds: samples at which ``"ramp"`` and ``"seesaw"`` double the batch.
 
     Raises:
@@ -82,6 +84,8 @@ class BatchScheduler(_Callback):  # type: ignore[misc,valid-type]
         min_steps: int = 50,
         settle: int = 3,
         decay: float = 0.9,
+        fraction: float = 0.5,
+        meter: str = "micro-batches",
         thresholds: Sequence[int] = (),
     ) -> None:
         if _MISSING is not None:
@@ -101,6 +105,8 @@ class BatchScheduler(_Callback):  # type: ignore[misc,valid-type]
             "min_steps": min_steps,
             "settle": settle,
             "decay": decay,
+            "fraction": fraction,
+            "meter": meter,
             "thresholds": tuple(positive_int("thresholds", t) for t in thresholds),
         }
         # The rule's own checks, on what is known now (the ranks and the trainer's accumulation are not).

@@ -36,7 +36,8 @@ from typing import Any
 
 from batchfit.api_schedule import DEFAULT_GROWTH, schedule
 from batchfit.probe.batch_schedule import BatchSchedule
-from batchfit.report.schedule import ScheduleChange, ScheduleRule, ScheduleState
+from batchfit.report.schedule import ScheduleChange, ScheduleState
+from batchfit.report.schedule_rule import ScheduleRule
 from batchfit.transformers_trainer import INSTALL_HINT
 from batchfit.units import positive_int
 
@@ -103,6 +104,8 @@ class BatchSchedulerCallback(_Callback, _Exportable):  # type: ignore[misc]
         min_steps: at least this many steps between two changes.
         settle: metered steps at a batch before the noise scale may change it.
         decay: the noise scale's moving-average weight on the past, per metered step.
+        fraction: the share of the measured noise scale the doubled batch may reach.
+        meter: ``"micro-batches"`` or ``"layernorm"`` (each example's LayerNorm gradients).
         thresholds: samples (all ranks) at which ``"ramp"`` and ``"seesaw"`` double the batch.
     """
 
@@ -117,6 +120,8 @@ class BatchSchedulerCallback(_Callback, _Exportable):  # type: ignore[misc]
         min_steps: int = 50,
         settle: int = 3,
         decay: float = 0.9,
+        fraction: float = 0.5,
+        meter: str = "micro-batches",
         thresholds: Sequence[int] = (),
     ) -> None:
         if _MISSING is not None:
@@ -133,6 +138,8 @@ class BatchSchedulerCallback(_Callback, _Exportable):  # type: ignore[misc]
             "min_steps": min_steps,
             "settle": settle,
             "decay": decay,
+            "fraction": fraction,
+            "meter": meter,
             "thresholds": [positive_int("thresholds", t) for t in thresholds],
         }
         start = self.settings["accumulation"] or 2
@@ -214,6 +221,8 @@ class BatchSchedulerCallback(_Callback, _Exportable):  # type: ignore[misc]
             min_steps=self.settings["min_steps"],
             settle=self.settings["settle"],
             decay=self.settings["decay"],
+            fraction=self.settings["fraction"],
+            meter=self.settings["meter"],
             thresholds=self.settings["thresholds"],
             lr_scheduler=lr_scheduler,
             scaler=getattr(optimizer, "scaler", None),
@@ -306,6 +315,8 @@ class BatchSchedulerCallback(_Callback, _Exportable):  # type: ignore[misc]
             min_steps=self.settings["min_steps"],
             settle=self.settings["settle"],
             decay=self.settings["decay"],
+            fraction=self.settings["fraction"],
+            meter=self.settings["meter"],
             thresholds=tuple(self.settings["thresholds"]),
         )
 

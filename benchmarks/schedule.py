@@ -3,42 +3,49 @@ constant batch and two open-loop schedules, on a small GPT trained here on real 
 
 Run from the repository root::
 
-    python benchmarks/schedule.py            # 3 seeds x 4 policies, about 8 minutes on 2 idle cores
+    python benchmarks/schedule.py            # 3 seeds x 4 policies, about 6-8 minutes on 2 idle cores
     python benchmarks/schedule.py --quick    # a smoke run: 1 seed, a tenth of the budget
 
 The text is ``batchfit.examples.text_ids()`` (the source of four standard-library modules, as byte
-ids), cut into ``--seq-len`` windows; the last 10% of the windows are held out for validation, the
-rest shuffled per seed and cycled. The model is ``batchfit.examples.gpt`` (vocabulary 256), seeded
-the same for every policy of a seed. The micro-batch is the **verified safe batch**:
-``batchfit.find`` under ``--memory-limit`` first, and every policy trains micro-batches of exactly
-that many rows (counted at each forward), so none is above it; an out-of-memory step would end the
-run with its error (counted as ``oom``).
+ids). Training rows are ``--seq-len`` windows at offsets drawn by a generator seeded per seed from the
+first 90% of the text (every policy of a seed sees the same rows in the same order, grouped into its
+own steps); validation is the last 10% cut into windows. The model is
+``batchfit.examples.gpt`` (vocabulary 256, ``--width``, ``--layers``), seeded per seed. The micro-batch
+is at most the **verified safe batch**: ``batchfit.find`` under ``--memory-limit`` first, the micro-batch
+``min(--micro, safe batch)``, and every policy
+trains micro-batches of exactly that many rows (the largest counted at each training forward), so none
+is above it; a step out of memory would end its run (counted as ``oom``).
 
-Policies, all from ``micro x --accumulation`` samples per step over the same ``--budget`` of samples,
-AdamW, the learning rate a function of samples seen (a linear warm-up over ``--warmup`` samples, then
-constant), times the schedule's ``lr_factor``:
+Every policy starts at ``micro x --accumulation`` samples per step and trains ``--budget`` samples, then
+on to ``1.05 x`` the budget at the floor rate (so that reaching the target within 1.05x the samples
+can be seen). AdamW (betas 0.9, 0.95), the learning rate a function of samples seen: a linear warm-up
+over 5% of the budget, then a cosine to ``--floor`` of the peak at the budget, times the schedule's
+``lr_factor`` (the sqrt rule: x sqrt(2) a doubling):
 
 * ``constant``: the batch never changes;
-* ``ramp`` (Merrill et al. 2025's batch warm-up): doubles at 10%, 25%, 50% of the budget, sqrt rule;
-* ``seesaw`` (arXiv 2510.14717): doubles where a cosine over the budget would reach 1/2, 1/4, 1/8
-  of its peak, the rate x 1/sqrt(2) at each;
-* ``noise`` (batchfit's closed loop): metered every ``--every`` steps; doubles when the smoothed
-  ``B_simple`` reaches the doubled batch, at most every ``--min-steps`` steps, sqrt rule.
+* ``ramp`` (Merrill et al. 2025's batch warm-up): doubles at 10%, 25%, 50% of the budget;
+* ``seesaw`` (arXiv 2510.14717): doubles where the cosine reaches 1/2, 1/4, 1/8 of the peak, the
+  rate x sqrt(2) on top of the cosine's halving: Seesaw's net 1/sqrt(2);
+* ``noise`` (batchfit's closed loop): metered every ``--every`` steps; doubles when half the smoothed
+  ``B_simple`` reaches the doubled batch (``fraction=0.5``), after ``--settle`` metered steps at a
+  batch and at most every ``--min-steps`` steps.
 
-The validation loss is measured whenever a policy's samples pass a multiple of ``--eval-every`` of the
-budget. The target is the constant batch's final validation loss (of its seed); a policy's
-steps-to-target is its optimizer steps at the first evaluation at or below it (and its samples then).
-The meter's overhead: the median step time of the noise policy metered every step over that of the
-same steps unmetered, interleaved (``--overhead-rounds``), divided by ``--every`` for the rate the
-run meters at. Benchmarks are not tests: nothing asserts. Output: a table, JSON under
-``benchmarks/results/schedule-cpu-*.json`` and the realised schedules against the measured noise
-scale in ``schedule-cpu-*.png`` (``--out``).
+The validation loss is measured at every ``--eval-every`` of the budget and smoothed as the mean of
+``--smooth`` evaluations centred on each (one evaluation moves by its last steps' noise, which would
+decide a first crossing). The target is the constant batch's smoothed loss at the budget (its seed's); a
+policy's steps-to-target are its optimizer steps at the first evaluation whose smoothed loss is at or
+below it (and its samples then). The meter's overhead: the median step
+time of the noise policy metered every step over the same steps unmetered, interleaved
+(``--overhead-rounds``), divided by ``--every`` for the rate the run meters at. Benchmarks are not
+tests: nothing asserts. Output: a table, JSON under ``benchmarks/results/schedule-cpu-*.json`` and the
+realised schedules of the first seed against its measured noise scale in ``schedule-cpu-*.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 import sys
 import time
@@ -55,31 +62,32 @@ import compare  # noqa: E402  (this directory, not a package)
 
 import batchfit  # noqa: E402
 from batchfit.examples import gpt, text_ids  # noqa: E402
-from batchfit.report.schedule import ramp_thresholds, seesaw_thresholds  # noqa: E402
 from batchfit.report.schedule_plot import plot_schedule  # noqa: E402
+from batchfit.report.schedule_rule import ramp_thresholds  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("constant", "ramp", "seesaw", "noise")
 RAMP_AT = (0.10, 0.25, 0.50)
+#: Each run trains on past the budget to this multiple of it, at the floor rate.
+EXTEND = 1.05
 SEESAW_HALVINGS = 3
 
 
-def windows(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The text as ``seq_len`` windows: training rows, validation rows (the last 10%)."""
+def text(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training text (the first 90%) and the rest cut into validation windows."""
     ids = text_ids()
-    rows = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)
-    held = max(1, len(rows) // 10)
-    return rows[:-held], rows[-held:]
+    cut = len(ids) * 9 // 10
+    return ids[:cut], ids[cut : cut + (len(ids) - cut) // seq_len * seq_len].view(-1, seq_len)
 
 
-def batches(rows: torch.Tensor, micro: int, seed: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Micro-batches of ``rows``, reshuffled each epoch by a generator seeded with ``seed``."""
-    generator = torch.Generator().manual_seed(seed)
+def batches(ids: torch.Tensor, micro: int, seq_len: int, seed: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Micro-batches of ``seq_len`` windows at offsets drawn by a generator seeded with ``seed``."""
+    generator = torch.Generator().manual_seed(1000 + seed)
+    span = torch.arange(seq_len)
     while True:
-        order = torch.randperm(len(rows), generator=generator)
-        for start in range(0, len(order) - micro + 1, micro):
-            chosen = rows[order[start : start + micro]]
-            yield {"input_ids": chosen, "labels": chosen}
+        starts = torch.randint(0, len(ids) - seq_len, (micro,), generator=generator)
+        rows = ids[starts[:, None] + span]
+        yield {"input_ids": rows, "labels": rows}
 
 
 def model_for(args: argparse.Namespace, seed: int) -> nn.Module:
@@ -97,24 +105,40 @@ def validation_loss(model: nn.Module, rows: torch.Tensor) -> float:
 
 
 def learning_rate(args: argparse.Namespace, samples: int) -> float:
-    return args.lr * min(1.0, (samples + 1) / args.warmup)
+    """The base rate at ``samples``: a linear warm-up over 5% of the budget, a cosine to the floor."""
+    warmup = 0.05 * args.budget
+    if samples < warmup:
+        return args.lr * (samples + 1) / warmup
+    t = min(1.0, (samples - warmup) / (args.budget - warmup))
+    return args.lr * (args.floor + (1 - args.floor) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def cosine_halvings(args: argparse.Namespace, halvings: int) -> tuple[int, ...]:
+    """The samples where `learning_rate` first reaches 1/2, 1/4, ... of the peak (Seesaw's points)."""
+    points, level = [], 0.5
+    for samples in range(int(0.05 * args.budget), args.budget + 1, max(1, args.budget // 20_000)):
+        if len(points) < halvings and learning_rate(args, samples) <= level * args.lr:
+            points.append(samples)
+            level /= 2
+    return tuple(points)
 
 
 Data = tuple[torch.Tensor, torch.Tensor]
 
 
 def train(args: argparse.Namespace, policy: str, seed: int, micro: int, data: Data) -> dict[str, Any]:
-    train_rows, val_rows = data
+    train_ids, val_rows = data
     model = model_for(args, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     thresholds = {
         "ramp": ramp_thresholds(args.budget, RAMP_AT),
-        "seesaw": seesaw_thresholds(args.budget, SEESAW_HALVINGS),
+        "seesaw": cosine_halvings(args, SEESAW_HALVINGS),
     }.get(policy, ())
     schedule = batchfit.schedule(
         model, optimizer, micro_batch=micro, accumulation=args.accumulation,
-        max_accumulation=args.accumulation * args.growth, policy=policy, every=args.every,
-        min_steps=args.min_steps, settle=args.settle, decay=args.decay, thresholds=thresholds,
+        max_accumulation=args.accumulation * args.growth, policy=policy, every=args.every, lr_rule=args.lr_rule,
+        min_steps=args.min_steps, settle=args.settle, decay=args.decay, fraction=args.fraction,
+        thresholds=thresholds,
     )  # fmt: skip
     largest = 0
 
@@ -124,12 +148,12 @@ def train(args: argparse.Namespace, policy: str, seed: int, micro: int, data: Da
             largest = max(largest, len(kwargs["input_ids"]))
 
     model.register_forward_pre_hook(count_rows, with_kwargs=True)
-    stream = batches(train_rows, micro, seed)
+    stream = batches(train_ids, micro, args.seq_len, seed)
     evaluations = [(0, 0, validation_loss(model, val_rows))]
     next_eval = args.eval_every * args.budget
-    oom, started = 0, time.perf_counter()
+    oom, started, at_budget = 0, time.perf_counter(), None
     try:
-        while schedule.state.samples < args.budget:
+        while schedule.state.samples < EXTEND * args.budget:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(args, schedule.state.samples) * schedule.state.lr_factor
             with schedule.step():
@@ -137,9 +161,14 @@ def train(args: argparse.Namespace, policy: str, seed: int, micro: int, data: Da
                     (model(**batch)["loss"] / schedule.accumulation).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            if schedule.state.samples >= next_eval or schedule.state.samples >= args.budget:
+            if schedule.state.samples >= next_eval:
                 evaluations.append((schedule.state.step, schedule.state.samples, validation_loss(model, val_rows)))
                 next_eval += args.eval_every * args.budget
+            if at_budget is None and schedule.state.samples >= args.budget:
+                at_budget = evaluations[-1] if evaluations[-1][1] == schedule.state.samples else None
+                if at_budget is None:
+                    at_budget = (schedule.state.step, schedule.state.samples, validation_loss(model, val_rows))
+                    evaluations.append(at_budget)
     except torch.OutOfMemoryError:
         oom += 1
     return {
@@ -148,6 +177,8 @@ def train(args: argparse.Namespace, policy: str, seed: int, micro: int, data: Da
         "evaluations": evaluations,
         "steps": schedule.state.step,
         "samples": schedule.state.samples,
+        "budget_loss": at_budget[2] if at_budget else None,
+        "budget_steps": at_budget[0] if at_budget else None,
         "final_loss": evaluations[-1][2],
         "largest_micro_batch": largest,
         "oom": oom,
@@ -156,9 +187,25 @@ def train(args: argparse.Namespace, policy: str, seed: int, micro: int, data: Da
     }
 
 
-def to_target(run: dict[str, Any], target: float) -> tuple[int | None, int | None]:
-    """Steps and samples at the first evaluation at or below ``target``."""
-    for step, samples, loss in run["evaluations"]:
+def smoothed(evaluations: list[tuple[int, int, float]], width: int) -> list[tuple[int, int, float]]:
+    """Each evaluation's loss as the mean of the ``width`` evaluations centred on it (fewer at the ends):
+    one evaluation's loss moves by the last few steps' noise, which would decide a first crossing."""
+    half = width // 2
+    losses = [loss for _, _, loss in evaluations]
+    return [
+        (step, samples, statistics.fmean(losses[max(0, i - half) : i + half + 1]))
+        for i, (step, samples, _) in enumerate(evaluations)
+    ]
+
+
+def loss_at_budget(run: dict[str, Any], budget: int, width: int) -> float:
+    """The smoothed loss of the first evaluation at or past the budget."""
+    return next(loss for _, samples, loss in smoothed(run["evaluations"], width) if samples >= budget)
+
+
+def to_target(run: dict[str, Any], target: float, width: int) -> tuple[int | None, int | None]:
+    """Steps and samples at the first evaluation whose smoothed loss is at or below ``target``."""
+    for step, samples, loss in smoothed(run["evaluations"], width):
         if loss <= target:
             return step, samples
     return None, None
@@ -176,7 +223,7 @@ def overhead(args: argparse.Namespace, micro: int, data: tuple[torch.Tensor, tor
                 copy_, optimizer, micro_batch=micro, accumulation=args.accumulation, policy=policy, every=1,
                 min_steps=10**9,
             )  # fmt: skip
-            stream = batches(data[0], micro, 0)
+            stream = batches(data[0], micro, args.seq_len, 0)
             for index in range(args.overhead_steps + 2):
                 begun = time.perf_counter()
                 with schedule.step():
@@ -198,64 +245,75 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 seed, a tenth of the budget")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--budget", type=int, default=24_000, help="training samples per run")
+    parser.add_argument("--budget", type=int, default=12_000, help="training samples per run")
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--memory-limit", default="48MiB", help="the budget the micro-batch is verified under")
+    parser.add_argument("--memory-limit", default="7MiB", help="the budget the micro-batch is verified under")
+    parser.add_argument("--micro", type=int, default=4, help="the micro-batch, if the safe batch is not below it")
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--growth", type=int, default=16, help="max_accumulation = accumulation x growth")
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=2_000, help="samples of linear warm-up")
-    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--floor", type=float, default=0.1, help="the cosine's end, a fraction of the peak")
+    parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--min-steps", type=int, default=20)
-    parser.add_argument("--settle", type=int, default=3)
+    parser.add_argument("--settle", type=int, default=5)
     parser.add_argument("--decay", type=float, default=0.9)
+    parser.add_argument("--fraction", type=float, default=0.5)
+    parser.add_argument("--lr-rule", default="sqrt", choices=["sqrt", "linear", "none"])
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES, help="with constant")
     parser.add_argument("--eval-every", type=float, default=0.025, help="fraction of the budget")
+    parser.add_argument("--smooth", type=int, default=3, help="evaluations a smoothed loss is the mean of")
     parser.add_argument("--overhead-rounds", type=int, default=3)
     parser.add_argument("--overhead-steps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON file and the picture")
     parser.add_argument("--no-json", action="store_true")
     args = parser.parse_args(argv)
+    if "constant" not in args.policies:
+        parser.error("--policies must include constant: its loss at the budget is the target")
     if args.quick:
-        args.seeds, args.budget, args.warmup, args.overhead_rounds = 1, args.budget // 10, args.warmup // 10, 1
+        args.seeds, args.budget, args.overhead_rounds = 1, args.budget // 10, 1
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    data = windows(args.seq_len)
+    data = text(args.seq_len)
     probe_model = model_for(args, 0)
-    sample = {"input_ids": data[0][:2], "labels": data[0][:2]}
+    sample = {"input_ids": data[1][:2], "labels": data[1][:2]}
     found = batchfit.find(probe_model, sample, memory_limit=args.memory_limit, device="cpu")
-    micro = found.safe_batch
-    print(f"batchfit.schedule benchmark: micro-batch {micro} (safe under {args.memory_limit}, max {found.max_batch})")
+    micro = min(args.micro, found.safe_batch)
+    print(
+        f"batchfit.schedule benchmark: micro-batch {micro} (--micro {args.micro}; the safe batch under "
+        f"{args.memory_limit} is {found.safe_batch}, max {found.max_batch})"
+    )
     runs = []
     for seed in range(args.seeds):
-        for policy in POLICIES:
+        for policy in args.policies:
             run = train(args, policy, seed, micro, data)
             runs.append(run)
             print(f"  seed {seed} {policy:8s} {run['steps']:5d} steps {run['samples']:7d} samples "
-                  f"loss {run['final_loss']:.4f} ({run['wall_s']:.0f} s)")  # fmt: skip
+                  f"loss at the budget {run['budget_loss']:.4f} ({run['wall_s']:.0f} s)")  # fmt: skip
     cost = overhead(args, micro, data)
     rows = []
     for seed in range(args.seeds):
         mine = {r["policy"]: r for r in runs if r["seed"] == seed}
-        target = mine["constant"]["final_loss"]
-        constant_steps, constant_samples = to_target(mine["constant"], target)
-        for policy in POLICIES:
-            steps, samples = to_target(mine[policy], target)
+        target = loss_at_budget(mine["constant"], args.budget, args.smooth)
+        constant_steps, constant_samples = to_target(mine["constant"], target, args.smooth)
+        for policy in args.policies:
+            steps, samples = to_target(mine[policy], target, args.smooth)
             rows.append({
                 "seed": seed, "policy": policy, "target": target, "steps_to_target": steps,
-                "samples_to_target": samples, "final_loss": mine[policy]["final_loss"],
+                "samples_to_target": samples, "budget_loss": mine[policy]["budget_loss"],
                 "steps_fewer": None if steps is None else 1 - steps / constant_steps,
                 "samples_ratio": None if samples is None else samples / constant_samples,
                 "largest_micro_batch": mine[policy]["largest_micro_batch"], "oom": mine[policy]["oom"],
             })  # fmt: skip
-    print(f"\n{'seed':>4} {'policy':8} {'steps->target':>13} {'fewer':>7} {'samples x':>9} {'final':>7} {'micro':>5}")
+    header = f"{'seed':>4} {'policy':8} {'steps->target':>13} {'fewer':>7} {'samples x':>9} {'loss@budget':>11}"
+    print(f"\n{header} {'micro':>5}")
     for row in rows:
         fewer = "-" if row["steps_fewer"] is None else f"{row['steps_fewer']:.0%}"
         ratio = "-" if row["samples_ratio"] is None else f"{row['samples_ratio']:.2f}"
         steps = "never" if row["steps_to_target"] is None else str(row["steps_to_target"])
-        print(f"{row['seed']:>4} {row['policy']:8} {steps:>13} {fewer:>7} {ratio:>9} {row['final_loss']:7.4f} "
+        print(f"{row['seed']:>4} {row['policy']:8} {steps:>13} {fewer:>7} {ratio:>9} {row['budget_loss']:11.4f} "
               f"{row['largest_micro_batch']:>5}")  # fmt: skip
     goals = goals_of(rows, cost, micro)
     print(f"\nmeter overhead: {cost['metered_every_step']:.1%} metered every step, {cost['at_every']:.2%} at every "
@@ -266,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     meta["total_wall_s"] = time.perf_counter() - started
     document = {
         "schema": "batchfit.schedule-benchmark/1", **meta, "micro_batch": micro, "max_batch": found.max_batch,
-        "rows": rows, "overhead": cost, "goals": goals,
+        "safe_batch": found.safe_batch, "rows": rows, "overhead": cost, "goals": goals,
         "runs": [{k: (v.to_dict() if k == "state" else v) for k, v in run.items()} for run in runs],
     }  # fmt: skip
     if not args.no_json:

@@ -42,6 +42,19 @@ PUBLIC: dict[str, tuple[str, ...]] = {
     "batchfit.api.frontier": (),
     "batchfit.api_varlen.buckets": (),
     "batchfit.api_varlen.soak": (),
+    "batchfit.api_schedule.schedule": (),
+    "batchfit.probe.batch_schedule.BatchSchedule": (
+        "accumulation", "begin_step", "changes", "close", "end_step", "global_batch", "load_state_dict",
+        "micro_batches", "rule", "state_dict", "step",
+    ),
+    "batchfit.report.schedule.ScheduleState": (
+        "after_step", "b_simple", "check_resumable", "global_batch", "megatron", "meters", "olmo_core", "plot",
+        "start", "steps", "summary",
+    ),
+    "batchfit.report.schedule_rule.ScheduleRule": ("global_batch", "rows_per_accumulation"),
+    "batchfit.report.schedule.ScheduleChange": (),
+    "batchfit.lightning.BatchScheduler": ("changes", "megatron", "olmo_core", "schedule"),
+    "batchfit.transformers.BatchSchedulerCallback": ("changes", "megatron", "of", "olmo_core", "schedule_state"),
     "batchfit.samplers.BucketBatchSampler": ("load_state_dict", "set_epoch", "state_dict", "steps"),
     "batchfit.samplers.TokenBudgetBatchSampler": ("load_state_dict", "set_epoch", "state_dict", "steps"),
     "batchfit.report.varlen.LengthPlan": (

@@ -13,6 +13,7 @@ from torch import nn
 
 import batchfit
 from batchfit.examples import gpt, text_loader
+from batchfit.probe.layernorm_meter import LayerNormMeter
 from batchfit.probe.noise_meter import NoiseMeter
 from batchfit.report.schedule import ScheduleState
 
@@ -151,7 +152,9 @@ class _MyAdam(torch.optim.AdamW):
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"accumulation": 1}, ValueError, "accumulation >= 2, or train data-parallel"),
+        ({"accumulation": 1}, ValueError, "accumulation >= 2, train data-parallel .* or meter=.layernorm."),
+        ({"meter": "layernorm", "micro_batch": 1}, ValueError, "a micro-batch of 1 has one size only"),
+        ({"meter": "weights"}, ValueError, "meter must be one of"),
         ({"policy": "cosine"}, ValueError, "policy must be one of"),
         ({"lr_rule": "cube"}, ValueError, "lr_rule must be one of"),
         ({"micro_batch": 0}, ValueError, "micro_batch must be >= 1"),
@@ -202,3 +205,62 @@ def test_an_interrupted_step_leaves_no_hook_behind() -> None:
     with pytest.raises(KeyboardInterrupt), schedule.step():
         raise KeyboardInterrupt
     assert schedule.meter is not None and not schedule.meter.active and schedule.state.step == 0
+
+
+def test_the_layernorm_meter_reads_each_examples_gradient_of_the_layernorms() -> None:
+    model = _gpt()
+    batches = iter(text_loader(seq_len=SEQ, batch_size=4, seed=1))
+    micro = [next(batches) for _ in range(2)]
+    norms = [p for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()]
+    per_example, per_batch = [], []
+    for batch in micro:
+        rows = []
+        for n in range(4):
+            grads = torch.autograd.grad(model(**{k: v[n : n + 1] for k, v in batch.items()})["loss"], norms)
+            rows.append(torch.cat([g.reshape(-1) for g in grads]).double())
+        per_example += [float(r @ r) for r in rows]
+        mean = sum(rows) / 4
+        per_batch.append(float(mean @ mean))
+
+    meter = LayerNormMeter(model, micro_batch=4)
+    meter.start()
+    for batch in micro:
+        (model(**batch)["loss"] / 2).backward()
+    window = meter.stop(accumulation=2)
+    assert window is not None and (window.small_batch, window.big_batch) == (1, 4)
+    assert window.small == pytest.approx(sum(per_example) / 8, rel=1e-5)
+    assert window.big == pytest.approx(sum(per_batch) / 2, rel=1e-5)
+    with pytest.raises(ValueError, match="has none: use meter='micro-batches'"):
+        LayerNormMeter(nn.Linear(2, 2), micro_batch=4)
+
+
+def test_the_layernorm_meter_needs_no_accumulation_and_changes_nothing() -> None:
+    trained = []
+    for policy in ("noise", "constant"):
+        model = _gpt()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        schedule = batchfit.schedule(
+            model, optimizer, micro_batch=4, accumulation=1, max_accumulation=1, policy=policy, meter="layernorm",
+            every=1,
+        )  # fmt: skip
+        _train(model, schedule, optimizer, steps=5)
+        trained.append([p.detach().clone() for p in model.parameters()])
+        if policy == "noise":
+            assert schedule.state.windows == 5 and all(p.b_simple is not None for p in schedule.state.noise)
+    for metered, plain in zip(*trained):
+        torch.testing.assert_close(metered, plain, rtol=0, atol=0)
+
+
+def test_a_step_the_data_cut_short_counts_its_rows_only() -> None:
+    model = _gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = batchfit.schedule(model, optimizer, micro_batch=4, accumulation=3, every=1)
+    batches = iter([next(iter(text_loader(seq_len=SEQ, batch_size=4)))] * 4)  # 4 micro-batches: a step and 1
+    for _ in range(2):
+        with schedule.step():
+            for batch in schedule.micro_batches(batches):
+                (model(**batch)["loss"] / schedule.accumulation).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert schedule.state.step == 2 and schedule.state.samples == 4 * 4
+    assert schedule.state.windows == 1  # the short step's norms are not a window of 3 micro-batches

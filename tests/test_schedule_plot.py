@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from batchfit.report.schedule import ScheduleRule, ScheduleState, Window
+from batchfit.report.schedule import ScheduleState, Window
 from batchfit.report.schedule_plot import plot_schedule, schedule_figure
+from batchfit.report.schedule_rule import ScheduleRule
 
 pytest.importorskip("matplotlib")
 
@@ -70,7 +71,9 @@ def test_the_picture_draws_each_runs_batch_its_changes_and_the_noise_scale() -> 
         assert "ramp: B_simple (smoothed)" not in drawn  # an open loop measures nothing
         (axes,) = figure.axes
         assert axes.get_yscale() == "log" and axes.get_xlabel() == "samples trained (all ranks)"
-        assert axes.get_title().startswith("batchfit batch schedule (noise, ramp): global batch against samples")
+        title = axes.get_title()
+        assert title.startswith("batch schedule: global batch against samples, with the measured noise scale")
+        assert "noise: doubles once 0.5 x B_simple reaches the doubled batch" in title
         assert any(line.get_label() == "most allowed: 128" for line in axes.get_lines())
     finally:
         close(figure)

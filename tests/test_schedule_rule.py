@@ -12,16 +12,8 @@ from dataclasses import replace
 import pytest
 
 from batchfit.report.noise import window_estimates
-from batchfit.report.schedule import (
-    SEESAW_LR_FACTOR,
-    ScheduleChange,
-    ScheduleRule,
-    ScheduleState,
-    Window,
-    lr_rule_for,
-    ramp_thresholds,
-    seesaw_thresholds,
-)
+from batchfit.report.schedule import ScheduleChange, ScheduleState, Window
+from batchfit.report.schedule_rule import ScheduleRule, lr_rule_for, ramp_thresholds, seesaw_thresholds
 from batchfit.report.schedule_text import schedule_text
 
 EXPONENT = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}
@@ -200,7 +192,7 @@ def simulate_noise(r: ScheduleRule, draws: list[tuple[float, float, bool]]) -> t
             doubled <= r.max_accumulation
             and done - last >= r.min_steps
             and settled >= r.settle
-            and (drowned or (b_simple is not None and b_simple >= r.micro_batch * doubled * r.world_size))
+            and (drowned or (b_simple is not None and r.fraction * b_simple >= r.micro_batch * doubled * r.world_size))
         ):
             acc, settled, last = doubled, 0, done
             lr *= 2 ** EXPONENT[r.lr_rule]
@@ -260,8 +252,8 @@ def test_the_closed_loop_changes_as_a_brute_force_simulation_of_its_rule(seed: i
                 change.reason
             )
         else:
-            assert change.noise_scale >= change.global_batch
-            assert f">= the doubled batch {change.global_batch}" in change.reason
+            assert r.fraction * change.noise_scale >= change.global_batch
+            assert f"x {r.fraction:g} >= the doubled batch {change.global_batch}" in change.reason
         assert change.step - last >= r.min_steps
         assert change.lr_factor == pytest.approx(lr * 2 ** EXPONENT[r.lr_rule])
         previous, last, lr = change.accumulation, change.step, change.lr_factor
@@ -305,8 +297,12 @@ def test_the_batch_never_passes_the_noise_scale() -> None:
     state = ScheduleState.start(r)
     for _ in range(40):
         state = state.after_step(window(state, b_noise=100.0))
-    assert state.global_batch == 64  # 4 x 16: the power of two at or below 100 (128 is above)
-    assert [c.global_batch for c in state.changes] == [16, 32, 64]
+    assert state.global_batch == 32  # 4 x 8: the power of two at or below half of 100 (64 is above)
+    assert [c.global_batch for c in state.changes] == [16, 32]
+    everything = ScheduleState.start(replace(r, fraction=1.0))
+    for _ in range(40):
+        everything = everything.after_step(window(everything, b_noise=100.0))
+    assert everything.global_batch == 64  # fraction=1: the power of two at or below 100 itself
 
 
 def test_a_constant_schedule_never_changes() -> None:
@@ -325,7 +321,7 @@ def simulate_thresholds(r: ScheduleRule, steps: int) -> list[tuple[int, int, int
     """Ramp and Seesaw written out: after each step, the batch doubles once for each threshold its
     samples passed, while the most allows; ``(step, samples, accumulation, lr_factor)`` per change."""
     acc, samples, lr, consumed, changes = r.accumulation, 0, 1.0, 0, []
-    per_doubling = SEESAW_LR_FACTOR if r.policy == "seesaw" else 2 ** EXPONENT[r.lr_rule]
+    per_doubling = 2 ** EXPONENT[r.lr_rule]  # Seesaw too: the rule on top of the run's own decay
     for step in range(1, steps + 1):
         samples += r.global_batch(acc)
         before = acc
@@ -380,7 +376,7 @@ def test_two_thresholds_passed_in_one_step_double_twice_at_once() -> None:
     state = state.after_step().after_step()  # 16 samples: past 10 and 12
     (change,) = state.changes
     assert (change.step, change.samples, change.accumulation, change.global_batch) == (2, 16, 8, 32)
-    assert change.lr_factor == pytest.approx(0.5)  # (1/sqrt 2)^2
+    assert change.lr_factor == pytest.approx(2.0)  # sqrt(4) on top of the run's own decay, halved twice by then
     assert change.reason == "seesaw: 16 samples passed the thresholds 10, 12"
     state = state.after_step()  # 48: past 40
     assert [c.accumulation for c in state.changes] == [8, 16]
@@ -501,9 +497,9 @@ def test_the_text_of_a_baseline_and_of_a_run_not_yet_measured() -> None:
     seesaw = seesaw.after_step()
     assert str(seesaw).splitlines() == [
         "batch schedule (seesaw): micro-batch 4 x 2 accumulation x 2 ranks = global batch 16 at the start, at most "
-        "128 (accumulation 16); learning rate x 1/sqrt(2) a doubling (seesaw) (sqrt)",
-        "now: step 1, 16 samples, global batch 32 (accumulation 4), learning rate x0.707 of the start",
-        "  step 1 (16 samples): batch 16 -> 32, lr x0.707: seesaw: 16 samples passed the threshold 16",
+        "128 (accumulation 16); learning rate x sqrt(batch ratio) (sqrt)",
+        "now: step 1, 16 samples, global batch 32 (accumulation 4), learning rate x1.41 of the start",
+        "  step 1 (16 samples): batch 16 -> 32, lr x1.41: seesaw: 16 samples passed the threshold 16",
         'Megatron-LM: --step-batch-size-schedule "0:16 16:32"',
     ]
     fresh = str(ScheduleState.start(rule(lr_rule="linear"))).splitlines()

@@ -26,8 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from batchfit.probe.layernorm_meter import LayerNormMeter
 from batchfit.probe.noise_meter import NoiseMeter
-from batchfit.report.schedule import ScheduleChange, ScheduleRule, ScheduleState
+from batchfit.report.schedule import ScheduleChange, ScheduleState
+from batchfit.report.schedule_rule import ScheduleRule
 
 __all__ = ["BatchSchedule"]
 
@@ -58,7 +60,11 @@ class BatchSchedule:
         self.lr_scheduler = lr_scheduler
         self.scaler = scaler
         self.state = ScheduleState.start(rule)
-        self.meter = NoiseMeter(model, rule.micro_batch) if rule.policy == "noise" else None
+        self._drawn = 0  # micro-batches `micro_batches` handed out for the step under way
+        self.meter: NoiseMeter | LayerNormMeter | None = None
+        if rule.policy == "noise":
+            meter = LayerNormMeter if rule.meter == "layernorm" else NoiseMeter
+            self.meter = meter(model, rule.micro_batch)
 
     @property
     def rule(self) -> ScheduleRule:
@@ -82,6 +88,7 @@ class BatchSchedule:
 
     def begin_step(self) -> None:
         """Call before the first micro-batch of an optimizer step: meters it when the rule asks."""
+        self._drawn = 0
         if self.meter is not None and self.state.meters():
             scale = float(self.scaler.get_scale()) if self.scaler is not None and self.scaler.is_enabled() else 1.0
             self.meter.start(scale)
@@ -90,6 +97,9 @@ class BatchSchedule:
         """Call after the optimizer step: the step is counted, and a change (returned) applies from the
         next step on. ``micro_batches``: what the step took when fewer than `accumulation` (its
         norms are dropped); ``hold``: no change after this step (see `ScheduleState.after_step`)."""
+        if micro_batches is None and 0 < self._drawn < self.accumulation:
+            micro_batches = self._drawn  # `micro_batches` ran out of data: a short step
+        self._drawn = 0
         metered = self.meter is not None and self.meter.active
         window = None
         if metered and self.meter is not None:
@@ -128,12 +138,15 @@ class BatchSchedule:
         self.end_step()
 
     def micro_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """The next step's micro-batches drawn from ``batches`` (fewer when it runs out)."""
+        """The next step's micro-batches drawn from ``batches`` (fewer when it runs out: the step is counted
+        short, its rows only)."""
         for _ in range(self.accumulation):
             try:
-                yield next(batches)
+                batch = next(batches)
             except StopIteration:
                 return
+            self._drawn += 1
+            yield batch
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule's state for a checkpoint (JSON values)."""

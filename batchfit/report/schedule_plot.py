@@ -139,11 +139,9 @@ def _run(axes: Any, label: str, state: ScheduleState, x: str, color: str) -> lis
 def _title(runs: dict[str, ScheduleState], x: str) -> str:
     first = next(iter(runs.values())).rule
     ranks = f" x {first.world_size} ranks" if first.world_size > 1 else ""
-    what = ", ".join(runs)
+    noise = next((state.rule for state in runs.values() if state.rule.policy == "noise"), None)
+    rule = "" if noise is None else f"; noise: doubles once {noise.fraction:g} x B_simple reaches the doubled batch"
     return (
-        f"batchfit batch schedule ({what}): global batch against {x}, with the measured noise scale\n"
-        f"micro-batch {first.micro_batch:,}{ranks} x accumulation; it doubles once B_simple reaches the doubled batch"
-        if any(state.rule.policy == "noise" for state in runs.values())
-        else f"batchfit batch schedule ({what}): global batch against {x}\n"
-        f"micro-batch {first.micro_batch:,}{ranks} x accumulation"
+        f"batch schedule: global batch against {x}" + (", with the measured noise scale" if noise else "") + "\n"
+        f"micro-batch {first.micro_batch:,}{ranks} x accumulation{rule}"
     )

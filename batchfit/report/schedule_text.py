@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from batchfit.report.schedule import ScheduleRule, ScheduleState
+    from batchfit.report.schedule import ScheduleState
+    from batchfit.report.schedule_rule import ScheduleRule
 
 __all__ = ["rule_text", "schedule_text"]
 
@@ -17,9 +18,13 @@ LR_TEXT = {"sqrt": "x sqrt(batch ratio)", "linear": "x batch ratio", "none": "le
 def rule_text(rule: ScheduleRule) -> str:
     """The rule in one line: the policy, how the batch is made, how the learning rate follows it."""
     ranks = f" x {rule.world_size} ranks" if rule.world_size > 1 else ""
-    lr = "x 1/sqrt(2) a doubling (seesaw)" if rule.policy == "seesaw" else LR_TEXT[rule.lr_rule]
+    lr = LR_TEXT[rule.lr_rule]
     most = rule.global_batch(rule.max_accumulation)
-    guards = f", metered every {rule.every} steps" if rule.policy == "noise" else ""
+    guards = (
+        f", metered every {rule.every} steps, doubled when {rule.fraction:g} x B_simple reaches the doubled batch"
+        if rule.policy == "noise"
+        else ""
+    )
     return (
         f"batch schedule ({rule.policy}): micro-batch {rule.micro_batch:,} x {rule.accumulation} accumulation{ranks} "
         f"= global batch {rule.global_batch(rule.accumulation):,} at the start, at most {most:,} "
