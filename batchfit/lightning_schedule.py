@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 __all__ = ["BatchScheduler"]
 
+#: The micro-batch the settings are checked with before the train loader's is read (any passes).
+_UNREAD_MICRO_BATCH = 2
+
 
 class BatchScheduler(_Callback):  # type: ignore[misc,valid-type]
     """Grow the global batch during ``fit`` by Lightning's gradient accumulation (see the module docs).
@@ -109,11 +112,12 @@ class BatchScheduler(_Callback):  # type: ignore[misc,valid-type]
             "meter": meter,
             "thresholds": tuple(positive_int("thresholds", t) for t in thresholds),
         }
-        # The rule's own checks, on what is known now (the ranks and the trainer's accumulation are not).
+        # The rule's own checks, on what is known now (the ranks, the trainer's accumulation and the loader's
+        # micro-batch are not: stand-ins that pass, checked for real when training starts).
         start = self.accumulation or 1
         most = self.max_accumulation or start * DEFAULT_GROWTH
         ScheduleRule(
-            micro_batch=self.micro_batch or 1,
+            micro_batch=self.micro_batch or _UNREAD_MICRO_BATCH,
             accumulation=start,
             max_accumulation=most,
             world_size=2,
@@ -163,7 +167,8 @@ class BatchScheduler(_Callback):  # type: ignore[misc,valid-type]
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the settings against the trainer's optimizer, accumulation and ranks (a checkpoint's
         ranks too, where the strategy has restored it already), before the sanity check or any step."""
-        schedule_rule(trainer.strategy.model, _optimizer(trainer), **self._arguments(trainer, self.micro_batch or 1))
+        micro = self.micro_batch or _UNREAD_MICRO_BATCH  # the loader's is read when training starts
+        schedule_rule(trainer.strategy.model, _optimizer(trainer), **self._arguments(trainer, micro))
         if self._loaded is not None:
             ScheduleState.from_dict(self._loaded).check_resumable(trainer.world_size)
 

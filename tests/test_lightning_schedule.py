@@ -150,6 +150,16 @@ def test_the_noise_scale_drives_a_change_measured_from_lightnings_micro_batches(
     assert run.callback_metrics["batchfit/noise_scale"] == pytest.approx(state.b_simple)
 
 
+@pytest.mark.slow
+def test_the_layernorm_meter_measures_without_accumulation() -> None:
+    callback = BatchScheduler(meter="layernorm", every=1, min_steps=2, settle=1)
+    run, module = fitted(callback, module=Language(batch_size=4, noisy=True), accumulate_grad_batches=1, max_steps=6)
+    state = callback.schedule.state
+    assert run.global_step == state.step == 6 and module.rows == state.samples
+    assert state.windows >= 2 and state.recent[-1][2:] == (1, 4)  # an example against its micro-batch
+    assert run.accumulate_grad_batches == state.accumulation
+
+
 # resuming ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:

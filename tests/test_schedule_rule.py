@@ -488,7 +488,12 @@ def test_the_text_says_the_rule_each_change_the_noise_scale_and_the_megatron_str
             f"lr x1.41: {change.reason}"
         )
         batch = change.global_batch
-    assert lines[-2] == f"B_simple (smoothed over {state.windows} metered steps): ~{state.b_simple:,.0f} samples"
+    recent = state.noise_scale()
+    assert recent is not None
+    assert lines[-2] == (
+        f"B_simple (smoothed over {state.windows} metered steps): ~{state.b_simple:,.0f} samples; "
+        f"the last {recent.windows} windows alone: {recent.interval_text()}"
+    )
     assert lines[-1] == f'Megatron-LM: --step-batch-size-schedule "{state.megatron()}"'
 
 
@@ -521,3 +526,31 @@ def test_a_signal_drowned_in_its_noise_grows_the_batch_and_records_no_number() -
     # A window with no noise either way (small == big: tr(Sigma) = 0) grows nothing.
     flat = ScheduleState.start(r).after_step(Window(1.0, 1.0, 4, 8))
     assert flat.changes == () and flat.b_simple == 0.0
+
+
+def test_the_recent_windows_give_the_noise_scale_with_its_interval() -> None:
+    from batchfit.report.noise import NoiseScale
+    from batchfit.report.schedule import RECENT
+
+    r = rule(every=1, min_steps=1, settle=3, decay=0.9, max_accumulation=4)
+    state = ScheduleState.start(r)
+    assert state.noise_scale() is None
+    draws = random.Random(3)
+    fed = []
+    for _ in range(RECENT + 10):
+        w = Window(1.8 * (1 + draws.uniform(-0.2, 0.2)), 1.0 * (1 + draws.uniform(-0.2, 0.2)), 4, state.global_batch)
+        state = state.after_step(w)
+        fed.append(w)
+    # The batch only grows: the windows at the current sizes are those since the last change.
+    kept = [w for w in fed if w.big_batch == state.global_batch][-RECENT:]
+    assert [tuple(x) for x in state.recent] == [(w.small, w.big, w.small_batch, w.big_batch) for w in kept]
+    expected = NoiseScale.from_windows(
+        [(w.small, w.big) for w in kept], 4, kept[-1].big_batch, passes=0, samples=len(kept) * kept[-1].big_batch,
+        elapsed_s=0.0,
+    )  # fmt: skip
+    got = state.noise_scale()
+    assert got is not None and (got.b_simple, got.low, got.high) == (expected.b_simple, expected.low, expected.high)
+    assert len(state.recent) <= RECENT and all(x[2:] == state.recent[-1][2:] for x in state.recent)
+    assert ScheduleState.from_json(state.to_json()) == state
+    (change,) = state.changes
+    assert "(the last" in change.reason and "windows alone: 90%" in change.reason

@@ -165,7 +165,9 @@ def test_a_ramp_grows_the_trainers_batch_step_by_step(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_noise_scale_drives_the_trainers_batch(tmp_path: Path) -> None:
     # Rows of 4 tokens: the tiny GPT's noise scale at the start is some 20-30 rows, far above a batch of 4.
-    callback = BatchSchedulerCallback(policy="noise", every=1, min_steps=2, settle=1, max_accumulation=8)
+    callback = BatchSchedulerCallback(
+        policy="noise", every=1, min_steps=2, settle=1, max_accumulation=8, fraction=1.0
+    )  # fraction=1: doubles once B_simple itself reaches the doubled batch
     run, counted = trainer(tmp_path, callback, windows=64, length=4)
     run.train()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 from batchfit.report.codec import Batch, Count, JsonRecord, Range
-from batchfit.report.noise import window_estimates
+from batchfit.report.noise import NoiseScale, window_estimates
 from batchfit.report.schedule_rule import LR_EXPONENT, ScheduleRule
 
 
@@ -78,6 +78,10 @@ class NoisePoint(JsonRecord):
     b_simple: Annotated[float, Range(0)] | None
 
 
+#: Windows `ScheduleState.noise_scale` bootstraps from: the last this many at the current batch sizes.
+RECENT = 32
+
+
 @dataclass(frozen=True)
 class ScheduleState(JsonRecord):
     """Where a run stands: what a checkpoint saves and a resumed run must agree with.
@@ -93,6 +97,8 @@ class ScheduleState(JsonRecord):
         last_change: the step of the last change (0 at the start).
         changes: every change, in order.
         noise: every metered step's smoothed noise scale, in order.
+        recent: the last `RECENT` windows at the current batch sizes, as ``(small, big, b, B)``: what
+            `noise_scale` bootstraps its interval from.
     """
 
     SCHEMA: ClassVar[str] = "batchfit.schedule/1"
@@ -110,6 +116,7 @@ class ScheduleState(JsonRecord):
     last_change: Count = 0
     changes: tuple[ScheduleChange, ...] = ()
     noise: tuple[NoisePoint, ...] = ()
+    recent: tuple[tuple[Annotated[float, Range(0)], Annotated[float, Range(0)], Batch, Batch], ...] = ()
 
     @classmethod
     def start(cls, rule: ScheduleRule) -> ScheduleState:
@@ -163,7 +170,28 @@ class ScheduleState(JsonRecord):
             self, gradient_sq=smoothed[0], trace_sigma=smoothed[1], windows=self.windows + 1, settled=self.settled + 1
         )
         point = NoisePoint(self.step, self.samples, self.global_batch, state.b_simple)
-        return replace(state, noise=(*self.noise, point))
+        sizes = (window.small_batch, window.big_batch)
+        kept = tuple(w for w in self.recent if w[2:] == sizes)[-(RECENT - 1) :]
+        return replace(state, noise=(*self.noise, point), recent=(*kept, (window.small, window.big, *sizes)))
+
+    def noise_scale(self, confidence: float = 0.9, seed: int = 0) -> NoiseScale | None:
+        """The noise scale of the recent windows at the current batch sizes, with its bootstrap interval
+        (`NoiseScale`, unsmoothed: what the last ``RECENT`` metered steps say); ``None`` before two windows.
+        No pass was run for it: the windows are the training's own steps."""
+        if len(self.recent) < 2:
+            return None
+        small_batch, big_batch = self.recent[-1][2:]
+        return NoiseScale.from_windows(
+            [(small, big) for small, big, _, _ in self.recent],
+            small_batch,
+            big_batch,
+            passes=0,
+            samples=len(self.recent) * big_batch,
+            elapsed_s=0.0,
+            confidence=confidence,
+            seed=seed,
+            notes=(f"measured during training from its last {len(self.recent)} metered steps, no pass of its own",),
+        )
 
     def _decided(self) -> ScheduleChange | None:
         if self.rule.policy == "noise":
@@ -189,6 +217,9 @@ class ScheduleState(JsonRecord):
         if b_simple is None or rule.fraction * b_simple < target:
             return None
         why = f"B_simple ~{b_simple:.0f} x {rule.fraction:g} >= the doubled batch {target}"
+        recent = self.noise_scale()
+        if recent is not None:
+            why += f" (the last {recent.windows} windows alone: {recent.interval_text()})"
         return self._change(doubled, rule.lr_rule, b_simple, why)
 
     def _passed(self) -> ScheduleChange | None:

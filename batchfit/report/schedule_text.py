@@ -51,6 +51,8 @@ def schedule_text(state: ScheduleState) -> str:
     if state.rule.policy == "noise":
         b_simple = state.b_simple
         measured = "not measured yet" if b_simple is None else f"~{b_simple:,.0f} samples"
-        lines.append(f"B_simple (smoothed over {state.windows:,} metered steps): {measured}")
+        recent = state.noise_scale()
+        alone = "" if recent is None else f"; the last {recent.windows} windows alone: {recent.interval_text()}"
+        lines.append(f"B_simple (smoothed over {state.windows:,} metered steps): {measured}{alone}")
     lines.append(f'Megatron-LM: --step-batch-size-schedule "{state.megatron()}"')
     return "\n".join(lines)
