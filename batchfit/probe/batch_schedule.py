@@ -182,7 +182,7 @@ class BatchSchedule:
 
     def _check_ranks_agree(self) -> None:
         k = float(self.state.accumulation)
-        mine = torch.tensor([k, -k], dtype=torch.float64, device=self.meter._device() if self.meter else "cpu")
+        mine = torch.tensor([k, -k], dtype=torch.float64, device=self.meter.device if self.meter else "cpu")
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         if mine[0] != k or -mine[1] != k:
             raise RuntimeError(

@@ -50,6 +50,8 @@ class LayerNormMeter:
                 "none: use meter='micro-batches' (gradient accumulation or DDP gives the second batch size)"
             )
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        #: Where the ranks' numbers are all-reduced: the weights' device, which the process group reduces on.
+        self.device = self.norms[0].weight.device
         self._handles: list[Any] = []
         self._examples: list[torch.Tensor] = []  # per backward of a layer: each example's squared norm
         self._batches: list[torch.Tensor] = []  # per backward of a layer: its micro-batch gradient's
@@ -81,7 +83,7 @@ class LayerNormMeter:
         small = (k * rows) ** 2 * examples_sum / (k * rows) / scale  # the mean |g_n|^2 over the step's rows
         big = k**2 * batches_sum / k / scale  # the mean over micro-batches of |mean_n g_n|^2
         if self.world_size > 1:
-            totals = torch.tensor([small, big], dtype=torch.float64, device=self._device())
+            totals = torch.tensor([small, big], dtype=torch.float64, device=self.device)
             dist.all_reduce(totals)
             small, big = (float(v) / self.world_size for v in totals)
         return Window(small, big, 1, rows)
@@ -119,8 +121,3 @@ class LayerNormMeter:
                 self._batches.append(total @ total)
 
         return hook
-
-    def _device(self) -> torch.device:
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")

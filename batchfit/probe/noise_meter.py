@@ -55,6 +55,8 @@ class NoiseMeter:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters: there is no gradient to measure")
+        #: Where the ranks' numbers are all-reduced: the weights' device, which the process group reduces on.
+        self.device = self.params[0].device
         self._handles: list[Any] = []
         self._small: list[torch.Tensor] = []
         self._big: list[torch.Tensor] = []
@@ -80,7 +82,7 @@ class NoiseMeter:
         k = accumulation
         small = k * small_sum / self._scale**2
         if self.reduces and reduced is not None:
-            totals = torch.tensor([small], dtype=torch.float64, device=self._device())
+            totals = torch.tensor([small], dtype=torch.float64, device=self.device)
             dist.all_reduce(totals)
             small = float(totals[0]) / self.world_size
             return Window(small, reduced / self._scale**2, self.micro_batch, k * self.micro_batch * self.world_size)
@@ -88,7 +90,7 @@ class NoiseMeter:
             return None
         window_big = big / self._scale**2
         if self.world_size > 1:  # micro-batches alone: the ranks average their windows, to agree
-            totals = torch.tensor([small, window_big], dtype=torch.float64, device=self._device())
+            totals = torch.tensor([small, window_big], dtype=torch.float64, device=self.device)
             dist.all_reduce(totals)
             small, window_big = (float(v) / self.world_size for v in totals)
         return Window(small, window_big, self.micro_batch, k * self.micro_batch)
@@ -123,11 +125,6 @@ class NoiseMeter:
         parts = [torch.stack(v).double().sum() if v else None for v in (self._small, self._big, reduced)]
         small, big, reduced = (None if p is None else float(p) for p in parts)
         return small or 0.0, big or 0.0, reduced
-
-    def _device(self) -> torch.device:
-        return (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        )
 
     def _hooked_reduction(self, ddp: DistributedDataParallel) -> bool:
         """Register the all-reduce that also measures; ``False`` when the model has a hook of its own."""
