@@ -143,8 +143,9 @@ class BatchSchedulerCallback(_Callback, _Exportable):  # type: ignore[misc]
             "thresholds": [positive_int("thresholds", t) for t in thresholds],
         }
         start = self.settings["accumulation"] or 2
-        # Everything but what the Trainer's arguments decide is checked now, by the rule itself.
-        self._rule(micro_batch=1, accumulation=start, world_size=2, lr_rule=lr_rule or "none")
+        # Everything but what the Trainer's arguments decide is checked now, by the rule itself (stand-ins
+        # that pass for the micro-batch and the ranks: the Trainer's are checked in on_init_end).
+        self._rule(micro_batch=2, accumulation=start, world_size=2, lr_rule=lr_rule or "none")
         self.schedule: BatchSchedule | None = None
         #: A checkpoint's schedule, where transformers restores the callback's attributes itself.
         self.saved: dict[str, Any] | None = None

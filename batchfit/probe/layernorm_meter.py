@@ -14,7 +14,9 @@ under accumulation, as `NoiseMeter` assumes). So it needs neither accumulation n
 one micro-batch per step, has both sizes. A step's windows (one per micro-batch, and under DDP every
 rank's) are averaged, so every rank holds the same. Only ``nn.LayerNorm`` modules with an affine
 weight are read, each used once per forward (a shared one's per-example gradients would add up before
-their norm); nothing the step computes changes (the hooks return nothing).
+their norm), and not under activation checkpointing (a forward recomputed in the backward would be
+counted again: use ``meter="micro-batches"`` there); nothing the step computes changes (the hooks
+return nothing).
 """
 
 from __future__ import annotations

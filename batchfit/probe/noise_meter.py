@@ -17,8 +17,9 @@ A ``GradScaler``'s scale (read when the step begins) is taken out of both.
 
 Under DDP the big batch is the all-reduced gradient of ``K x b x world_size`` rows: a communication
 hook (``register_comm_hook``, doing what DDP's default all-reduce does: divide by the world size
-and sum) adds each bucket's squared norm as it arrives, and the ranks average their ``small`` in one
-all-reduce of two numbers, so every rank holds the same window and decides the same change. A DDP
+and sum) adds each bucket's squared norm as it arrives, and the ranks average their ``small`` and
+``big`` in one all-reduce of two numbers, so every rank holds the same window, to the bit, and decides
+the same change. A DDP
 model that already has a communication hook is measured on its micro-batches alone (``K >= 2``).
 
 Nothing the step computes changes: the hooks return ``None`` (the gradient passes through as it
@@ -82,18 +83,19 @@ class NoiseMeter:
         k = accumulation
         small = k * small_sum / self._scale**2
         if self.reduces and reduced is not None:
-            totals = torch.tensor([small], dtype=torch.float64, device=self.device)
-            dist.all_reduce(totals)
-            small = float(totals[0]) / self.world_size
-            return Window(small, reduced / self._scale**2, self.micro_batch, k * self.micro_batch * self.world_size)
-        if k < 2:
+            big_batch, window_big = k * self.micro_batch * self.world_size, reduced / self._scale**2
+        elif k < 2:
             return None
-        window_big = big / self._scale**2
-        if self.world_size > 1:  # micro-batches alone: the ranks average their windows, to agree
+        else:
+            big_batch, window_big = k * self.micro_batch, big / self._scale**2
+        if self.world_size > 1:
+            # The ranks average their numbers, so every rank holds the same window by construction: even the
+            # all-reduced gradient's norm may differ in its last bits between ranks (a float32 dot product's
+            # summation order follows the buffer's alignment), and a decision must not.
             totals = torch.tensor([small, window_big], dtype=torch.float64, device=self.device)
             dist.all_reduce(totals)
             small, window_big = (float(v) / self.world_size for v in totals)
-        return Window(small, window_big, self.micro_batch, k * self.micro_batch)
+        return Window(small, window_big, self.micro_batch, big_batch)
 
     def stop_without_window(self) -> None:
         """Remove the hooks and forget what they saw (a step abandoned, or the run ending)."""
@@ -127,8 +129,13 @@ class NoiseMeter:
         return small or 0.0, big or 0.0, reduced
 
     def _hooked_reduction(self, ddp: DistributedDataParallel) -> bool:
-        """Register the all-reduce that also measures; ``False`` when the model has a hook of its own."""
-        if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_batchfit_meter", None) is not None:
+        """Register the all-reduce that also measures, for whichever meter the model names now (a second
+        schedule on the same model takes it over: DDP takes one hook, once); ``False`` when the model has
+        a hook of its own."""
+        if getattr(ddp, "_batchfit_meter", None) is not None:
+            ddp._batchfit_meter = self  # type: ignore[assignment]
+            return True
+        if getattr(ddp, "_comm_hooks", None):
             return False
         world = self.world_size
 
@@ -140,9 +147,10 @@ class NoiseMeter:
 
             def measured(done: torch.futures.Future[Any]) -> torch.Tensor:
                 reduced: torch.Tensor = done.value()[0]
-                if self.active:
+                meter: NoiseMeter = ddp._batchfit_meter  # type: ignore[assignment]
+                if meter.active:
                     flat = reduced.reshape(-1).float()
-                    self._reduced[index] = torch.dot(flat, flat)  # a later reduction of a bucket replaces it
+                    meter._reduced[index] = torch.dot(flat, flat)  # a later reduction of a bucket replaces it
                 return reduced
 
             return future.then(measured)

@@ -116,7 +116,7 @@ class ScheduleState(JsonRecord):
     last_change: Count = 0
     changes: tuple[ScheduleChange, ...] = ()
     noise: tuple[NoisePoint, ...] = ()
-    recent: tuple[tuple[Annotated[float, Range(0)], Annotated[float, Range(0)], Batch, Batch], ...] = ()
+    recent: tuple[tuple[float, float, Batch, Batch], ...] = ()  # float: a sum grown by dot products may round below 0
 
     @classmethod
     def start(cls, rule: ScheduleRule) -> ScheduleState:
