@@ -264,3 +264,22 @@ def test_a_step_the_data_cut_short_counts_its_rows_only() -> None:
             optimizer.zero_grad()
     assert schedule.state.step == 2 and schedule.state.samples == 4 * 4
     assert schedule.state.windows == 1  # the short step's norms are not a window of 3 micro-batches
+
+
+def test_ctrl_c_right_after_the_hooks_are_registered_removes_them() -> None:
+    model = _gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = batchfit.schedule(model, optimizer, micro_batch=4, every=1)
+    meter = schedule.meter
+    assert isinstance(meter, NoiseMeter)
+    registered = meter.start
+
+    def start_then_interrupted(loss_scale: float = 1.0) -> None:
+        registered(loss_scale)  # the hooks are on the parameters now: the signal lands on the next line
+        assert meter.active
+        raise KeyboardInterrupt
+
+    meter.start = start_then_interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt), schedule.step():
+        pass
+    assert not meter.active and schedule.state.step == 0

@@ -128,8 +128,8 @@ class BatchSchedule:
     @contextlib.contextmanager
     def step(self) -> Iterator[BatchSchedule]:
         """``with schedule.step(): ...`` around one optimizer step's micro-batches and its optimizer step."""
-        self.begin_step()
         try:
+            self.begin_step()  # inside: Ctrl-C right after the hooks are registered still removes them
             yield self
         except BaseException:
             if self.meter is not None:
