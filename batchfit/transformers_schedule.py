@@ -59,6 +59,8 @@ except ImportError as _error:  # the class below still exists; constructing it s
 __all__ = ["BatchSchedulerCallback"]
 
 LOGGER = logging.getLogger("batchfit.schedule")
+#: The settings the callback hands to `batchfit.schedule` and its rule as they were given.
+_RULE_SETTINGS = ("policy", "lr_rule", "every", "min_steps", "settle", "decay", "fraction", "meter", "thresholds")
 
 
 class _Accumulation(int):
@@ -216,15 +218,7 @@ class BatchSchedulerCallback(_Callback, _Exportable):  # type: ignore[misc]
             inner,
             **found,
             max_accumulation=self.settings["max_accumulation"],
-            policy=self.settings["policy"],
-            lr_rule=self.settings["lr_rule"],
-            every=self.settings["every"],
-            min_steps=self.settings["min_steps"],
-            settle=self.settings["settle"],
-            decay=self.settings["decay"],
-            fraction=self.settings["fraction"],
-            meter=self.settings["meter"],
-            thresholds=self.settings["thresholds"],
+            **self._rule_settings(),
             lr_scheduler=lr_scheduler,
             scaler=getattr(optimizer, "scaler", None),
         )
@@ -310,16 +304,12 @@ class BatchSchedulerCallback(_Callback, _Exportable):  # type: ignore[misc]
             accumulation=accumulation,
             max_accumulation=accumulation * DEFAULT_GROWTH if most is None else most,
             world_size=world_size,
-            policy=self.settings["policy"],
-            lr_rule=lr_rule,  # type: ignore[arg-type]
-            every=self.settings["every"],
-            min_steps=self.settings["min_steps"],
-            settle=self.settings["settle"],
-            decay=self.settings["decay"],
-            fraction=self.settings["fraction"],
-            meter=self.settings["meter"],
-            thresholds=tuple(self.settings["thresholds"]),
+            **{**self._rule_settings(), "lr_rule": lr_rule, "thresholds": tuple(self.settings["thresholds"])},
         )
+
+    def _rule_settings(self) -> dict[str, Any]:
+        """The settings passed on unchanged to the rule (the sizes come from the Trainer's arguments)."""
+        return {name: self.settings[name] for name in _RULE_SETTINGS}
 
     def _from_args(self, args: Any) -> dict[str, int]:
         """The micro-batch, starting accumulation and world size the Trainer's arguments give, checked."""
